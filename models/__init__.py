@@ -1,0 +1,16 @@
+"""tinyvlm's model package: import the VLM and its parts from here."""
+
+from models.config import ConfigError, LanguageConfig, ProjectorConfig, VisionConfig, VLMConfig
+from models.kv_cache import kv_cache_bytes
+from models.language_model import LanguageModel
+from models.loading import CheckpointError
+from models.modality_projector import ModalityProjector
+from models.sampling import SamplingParams
+from models.vision_language_model import GenerationError, VisionLanguageModel
+from models.vision_transformer import VisionTransformer
+
+__all__ = [
+    "CheckpointError", "ConfigError", "GenerationError", "LanguageConfig", "LanguageModel", "ModalityProjector",
+    "ProjectorConfig", "SamplingParams", "VLMConfig", "VisionConfig", "VisionLanguageModel", "VisionTransformer",
+    "kv_cache_bytes",
+]

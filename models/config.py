@@ -1,0 +1,219 @@
+"""Typed configs for the vision tower, projector, language model and VLM.
+
+Every config validates itself on construction and raises `ConfigError` with a message that names the field.
+`Config.from_dict` checks keys and types (nested configs included); `to_dict` / `from_dict` round-trip through
+`config.json`; `apply_overrides` sets fields from `section.field=value` strings (the CLI's `--section.field VALUE`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+T = TypeVar("T", bound="Config")
+
+
+class ConfigError(ValueError):
+    """An unknown key, a value of the wrong type, or values that do not fit together."""
+
+
+def check(condition: bool, message: str) -> None:
+    """Raise `ConfigError(message)` unless `condition` holds."""
+    if not condition:
+        raise ConfigError(message)
+
+
+_TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
+
+
+def coerce(value: Any, annotation: Any, name: str) -> Any:
+    """Return `value` as the type `annotation` names, parsing strings (CLI overrides); raise ConfigError otherwise."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            check(type(None) in args, f"{name}: may not be null")
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return coerce(value, arg, name)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{name}: {value!r} fits none of {annotation}")
+    if origin is Literal:
+        check(value in args, f"{name}: {value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if origin in (tuple, list):
+        if isinstance(value, str):
+            value = [v.strip() for v in value.strip("[]()").split(",") if v.strip()]
+        check(isinstance(value, (list, tuple)), f"{name}: expected a list, got {value!r}")
+        item_type = args[0] if args else Any
+        items = [coerce(v, item_type, f"{name}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if dataclasses.is_dataclass(annotation):
+        check(isinstance(value, dict), f"{name}: expected a mapping of fields, got {value!r}")
+        return annotation.from_dict(value, prefix=f"{name}.")
+    if annotation is Any:
+        return value
+    if annotation is bool:
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        check(isinstance(value, bool), f"{name}: expected true or false, got {value!r}")
+        return value
+    if annotation in (int, float):
+        if isinstance(value, str):
+            try:
+                value = annotation(value)
+            except ValueError:
+                raise ConfigError(f"{name}: expected {annotation.__name__}, got {value!r}") from None
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        check(ok and (annotation is float or float(value).is_integer()), f"{name}: expected {annotation.__name__}, got {value!r}")
+        return annotation(value)
+    if annotation is str:
+        check(isinstance(value, str), f"{name}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{name}: unsupported field type {annotation}")
+
+
+class Config:
+    """Base for config dataclasses: checked construction from dicts, JSON round trip, dotted overrides."""
+
+    @classmethod
+    def from_dict(cls: type[T], values: dict[str, Any], prefix: str = "") -> T:
+        hints = typing.get_type_hints(cls)
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise ConfigError(f"unknown key {prefix}{unknown[0]}; valid keys: {', '.join(prefix + n for n in names)}")
+        return cls(**{k: coerce(v, hints[k], prefix + k) for k, v in values.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(dataclasses.asdict(self)))  # tuples -> lists, as JSON holds them
+
+    @classmethod
+    def from_json(cls: type[T], path: str | Path) -> T:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+    def save_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def replace(self: T, overrides: dict[str, Any]) -> T:
+        """Copy with dotted keys set (`{"language.num_layers": "4"}`); values may be strings; result is validated."""
+        values = self.to_dict()
+        for key, value in overrides.items():
+            node, parts = values, key.split(".")
+            for i, part in enumerate(parts[:-1]):
+                check(isinstance(node.get(part), dict), f"unknown key {'.'.join(parts[: i + 1])}")
+                node = node[part]
+            check(parts[-1] in node, f"unknown key {key}")
+            node[parts[-1]] = value
+        return type(self).from_dict(values)
+
+
+@dataclasses.dataclass
+class VisionConfig(Config):
+    """A SigLIP-style ViT (defaults: SigLIP-B/16 at 224 px)."""
+
+    image_size: int = 224
+    patch_size: int = 16
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_layers: int = 12
+    num_heads: int = 12
+    num_channels: int = 3
+    layer_norm_eps: float = 1e-6
+    image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    pretrained: str | None = None  # SigLIP checkpoint to load: local directory or hub id
+
+    def __post_init__(self) -> None:
+        for name in ("image_size", "patch_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_channels"):
+            check(getattr(self, name) > 0, f"vision.{name} must be positive, got {getattr(self, name)}")
+        check(self.image_size % self.patch_size == 0,
+              f"vision.image_size ({self.image_size}) must be divisible by vision.patch_size ({self.patch_size})")
+        check(self.hidden_size % self.num_heads == 0,
+              f"vision.hidden_size ({self.hidden_size}) must be divisible by vision.num_heads ({self.num_heads})")
+        check(len(self.image_mean) == len(self.image_std) == self.num_channels,
+              f"vision.image_mean and vision.image_std need {self.num_channels} values each")
+        check(all(s > 0 for s in self.image_std), "vision.image_std values must be positive")
+
+    @property
+    def grid_size(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid_size**2
+
+
+@dataclasses.dataclass
+class ProjectorConfig(Config):
+    """Pixel shuffle by `pixel_shuffle_factor` (fewer, wider patch tokens), then a linear map to the LM width."""
+
+    pixel_shuffle_factor: int = 2
+
+    def __post_init__(self) -> None:
+        check(self.pixel_shuffle_factor >= 1, f"projector.pixel_shuffle_factor must be >= 1, got {self.pixel_shuffle_factor}")
+
+
+@dataclasses.dataclass
+class LanguageConfig(Config):
+    """A Llama-style decoder (defaults: SmolLM2-135M)."""
+
+    vocab_size: int = 49152
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_layers: int = 30
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    max_position_embeddings: int = 8192  # the context length
+    rope_theta: float = 100000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = True
+    eos_token_id: int | None = None
+    pretrained: str | None = None  # Llama checkpoint: local directory, hub id, .gguf path or package://pkg/file.gguf
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "max_position_embeddings"):
+            check(getattr(self, name) > 0, f"language.{name} must be positive, got {getattr(self, name)}")
+        check(self.hidden_size % self.num_heads == 0,
+              f"language.hidden_size ({self.hidden_size}) must be divisible by language.num_heads ({self.num_heads})")
+        check(self.num_heads % self.num_kv_heads == 0,
+              f"language.num_heads ({self.num_heads}) must be divisible by language.num_kv_heads ({self.num_kv_heads})")
+        check(self.head_dim % 2 == 0, f"language head_dim ({self.head_dim}) must be even for rotary embeddings")
+        check(self.rope_theta > 0 and self.rms_norm_eps > 0, "language.rope_theta and language.rms_norm_eps must be positive")
+        check(self.eos_token_id is None or 0 <= self.eos_token_id < self.vocab_size,
+              f"language.eos_token_id ({self.eos_token_id}) must lie in [0, vocab_size={self.vocab_size})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclasses.dataclass
+class VLMConfig(Config):
+    """The whole model: which pieces, and the id of the image placeholder token in the LM vocabulary."""
+
+    vision: VisionConfig = dataclasses.field(default_factory=VisionConfig)
+    projector: ProjectorConfig = dataclasses.field(default_factory=ProjectorConfig)
+    language: LanguageConfig = dataclasses.field(default_factory=LanguageConfig)
+    image_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        grid, factor = self.vision.grid_size, self.projector.pixel_shuffle_factor
+        check(grid % factor == 0,
+              f"the patch grid ({grid}x{grid}) must be divisible by projector.pixel_shuffle_factor ({factor})")
+        vocab = self.language.vocab_size
+        check(self.image_token_id is None or 0 <= self.image_token_id < vocab,
+              f"image_token_id ({self.image_token_id}) must lie in [0, language.vocab_size={vocab})")
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.vision.num_patches // self.projector.pixel_shuffle_factor**2

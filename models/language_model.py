@@ -1,0 +1,274 @@
+"""A Llama-style decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) with a per-block dict KV cache.
+
+Weights load from Hugging Face Llama checkpoints (safetensors, sharded or not) and from GGUF files (SmolLM2 ships
+as one). Every block maps `(x, kv_cache)` to `(x, kv_cache)`; positions come from `start_pos` and, for padded
+batches, from the attention mask, so each row's rotary positions start at 0 at its first real token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.config import LanguageConfig
+from models.kv_cache import KVCache, allocate, write
+from models.loading import CheckpointError, load_checked, read_json, read_safetensors, rename_keys, resolve
+
+
+# Root-mean-square LayerNorm (Zhang & Sennrich, 2019), as transformers' LlamaRMSNorm computes it.
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+# Rotary position embeddings (RoFormer, Su et al. 2021) in Hugging Face Llama's half-rotation layout.
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        angles = torch.outer(torch.arange(max_positions).float(), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and sin for `positions` [batch, seq], shaped [batch, 1, seq, head_dim] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return x * cos.to(x.dtype) + torch.cat([-second, first], dim=-1) * sin.to(x.dtype)
+
+
+def causal_mask(start_pos: int | Tensor, num_queries: int, num_keys: int, device: torch.device) -> Tensor:
+    """[num_queries, num_keys] bool: the query at slot start_pos + i sees the keys in slots 0 .. start_pos + i."""
+    query_slots = torch.arange(num_queries, device=device) + start_pos
+    return torch.arange(num_keys, device=device) <= query_slots[:, None]
+
+
+# Grouped-query attention (Ainslie et al. 2023) through PyTorch's scaled_dot_product_attention.
+class Attention(nn.Module):
+    def __init__(self, config: LanguageConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, kv_cache: KVCache | None,
+                start_pos: int | Tensor) -> tuple[Tensor, KVCache]:
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kv_cache is None:
+            kv_cache = {"key": k, "value": v}
+        else:
+            kv_cache, k, v = write(kv_cache, k, v, start_pos)
+        if mask is None and k.shape[2] == seq:  # plain causal self-attention: the fastest kernels
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            if mask is None:
+                mask = causal_mask(start_pos, seq, k.shape[2], x.device)
+            out = self._grouped_attention(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1)), kv_cache
+
+    def _grouped_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        """Attention with a boolean mask where each kv head serves its query heads without repeating K/V:
+        the query heads of a group are folded into the sequence axis ([B, Hkv, G*T, D] against [B, Hkv, S, D])."""
+        batch, _, seq, _ = q.shape
+        groups = self.num_heads // self.num_kv_heads
+        q = q.reshape(batch, self.num_kv_heads, groups * seq, self.head_dim)
+        mask = mask.expand(batch, 1, seq, k.shape[2]).unsqueeze(2).expand(-1, -1, groups, -1, -1).flatten(2, 3)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.reshape(batch, self.num_heads, seq, self.head_dim)
+
+
+# SwiGLU feed-forward (Shazeer, 2020), as in Llama.
+class MLP(nn.Module):
+    def __init__(self, config: LanguageConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# A pre-norm Llama decoder block.
+class Block(nn.Module):
+    def __init__(self, config: LanguageConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None,
+                kv_cache: KVCache | None = None, start_pos: int | Tensor = 0) -> tuple[Tensor, KVCache]:
+        """`mask` [B or 1, 1, T, S] bool (None: causal). Without a cache, returns a new one holding this call's K/V;
+        with one, writes K/V at slots start_pos .. start_pos + T and attends over the cache."""
+        attended, kv_cache = self.attn(self.attn_norm(x), cos, sin, mask, kv_cache, start_pos)
+        x = x + attended
+        return x + self.mlp(self.mlp_norm(x)), kv_cache
+
+
+HF_LLAMA_KEYS = [
+    (r"^model\.embed_tokens\.", "token_embedding."),
+    (r"^model\.layers\.(\d+)\.self_attn\.", r"blocks.\1.attn."),
+    (r"^model\.layers\.(\d+)\.mlp\.", r"blocks.\1.mlp."),
+    (r"^model\.layers\.(\d+)\.input_layernorm\.", r"blocks.\1.attn_norm."),
+    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.", r"blocks.\1.mlp_norm."),
+    (r"^model\.norm\.", "norm."),
+    (r"^lm_head\.", "head."),
+]
+
+
+def config_from_hf(hf: dict) -> LanguageConfig:
+    """Our config for a Hugging Face Llama `config.json`; unsupported variants fail with a clear message."""
+    if hf.get("model_type") not in ("llama", None):
+        raise CheckpointError(f"model_type {hf.get('model_type')!r} is not supported (expected a Llama checkpoint)")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    unsupported = {
+        "hidden_act": hf.get("hidden_act", "silu") != "silu",
+        "attention_bias": bool(hf.get("attention_bias")),
+        "mlp_bias": bool(hf.get("mlp_bias")),
+        "rope scaling": rope.get("rope_type", rope.get("type", "default")) != "default",
+        "head_dim": hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"]) * hf["num_attention_heads"] != hf["hidden_size"],
+    }
+    if bad := [name for name, flag in unsupported.items() if flag]:
+        raise CheckpointError(f"unsupported Llama variant: {', '.join(bad)}")
+    eos = hf.get("eos_token_id")
+    return LanguageConfig(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+    )
+
+
+def _read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
+    """Config and dequantized weights of a Llama GGUF file, through transformers' GGUF reader."""
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return hf_model.config.to_dict(), hf_model.state_dict()
+
+
+# The decoder (Llama 2, Touvron et al. 2023; SmolLM2-compatible).
+class LanguageModel(nn.Module):
+    def __init__(self, config: LanguageConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.token_embedding = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        if config.tie_word_embeddings:
+            self.head.weight = self.token_embedding.weight
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def tied_weight_keys(self) -> list[str]:
+        return ["head.weight"] if self.config.tie_word_embeddings else []
+
+    def forward(self, embeddings: Tensor, attention_mask: Tensor | None = None, kv_cache: list[KVCache] | None = None,
+                start_pos: int | Tensor = 0) -> tuple[Tensor, list[KVCache]]:
+        """Run the blocks over `embeddings` [B, T, C] placed at slots start_pos .. start_pos + T.
+
+        attention_mask: [B, L] with 1 for real tokens and 0 for padding over slots 0 .. L-1 (L >= the slots
+        attended); None means no padding. kv_cache: one dict per block (see `allocate_kv_cache`), or None for a
+        plain pass. start_pos: an int, or a 0-dim tensor for shape-static decoding over the whole cache.
+        Returns the final-normed hidden states and the cache; logits are `head(hidden)`.
+        """
+        batch, seq, _ = embeddings.shape
+        caches = kv_cache if kv_cache is not None else [None] * len(self.blocks)
+        if kv_cache is None:
+            num_keys = seq
+        elif isinstance(start_pos, int):
+            num_keys = start_pos + seq
+        else:
+            num_keys = kv_cache[0]["key"].shape[2]
+        positions, mask = self._positions_and_mask(attention_mask, start_pos, batch, seq, num_keys, embeddings.device)
+        cos, sin = self.rotary(positions)
+        x, new_caches = embeddings, []
+        for block, cache in zip(self.blocks, caches):
+            x, cache = block(x, cos, sin, mask, cache, start_pos)
+            new_caches.append(cache)
+        return self.norm(x), new_caches
+
+    @staticmethod
+    def _positions_and_mask(attention_mask: Tensor | None, start_pos: int | Tensor, batch: int, seq: int,
+                            num_keys: int, device: torch.device) -> tuple[Tensor, Tensor | None]:
+        """Rotary positions [B, T] and the attention mask [B, 1, T, S] (None for plain causal attention).
+
+        With padding, a token's position is the number of real tokens before it; pads see only themselves so that
+        no softmax row is empty, and no real token ever sees a pad."""
+        slots = torch.arange(seq, device=device) + start_pos
+        if attention_mask is None:
+            mask = None if num_keys == seq else causal_mask(start_pos, seq, num_keys, device)[None, None]
+            return slots.expand(batch, seq), mask
+        real = attention_mask[:, :num_keys].bool()
+        positions = (real.long().cumsum(-1) - 1).clamp(min=0).gather(1, slots.expand(batch, seq))
+        causal = causal_mask(start_pos, seq, num_keys, device)
+        own_slot = torch.arange(num_keys, device=device) == slots[:, None]
+        mask = causal & (real[:, None, :] | own_slot)
+        return positions, mask[:, None]
+
+    def allocate_kv_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None,
+                          device: torch.device | None = None) -> list[KVCache]:
+        """One preallocated {"key", "value"} dict per block, [batch, kv_heads, capacity, head_dim] each."""
+        c, weight = self.config, self.token_embedding.weight
+        return [allocate(batch, c.num_kv_heads, capacity, c.head_dim, dtype or weight.dtype, device or weight.device)
+                for _ in range(c.num_layers)]
+
+    def resize_token_embeddings(self, vocab_size: int) -> None:
+        """Grow (or shrink) the vocabulary; new rows start at the mean of the old embeddings."""
+        old_embedding, old_head = self.token_embedding.weight.data, self.head.weight.data
+        keep = min(vocab_size, old_embedding.shape[0])
+
+        def resized(old: Tensor) -> nn.Parameter:
+            new = old.mean(0, keepdim=True).repeat(vocab_size, 1)
+            new[:keep] = old[:keep]
+            return nn.Parameter(new)
+
+        self.token_embedding.weight = resized(old_embedding)
+        self.head.weight = self.token_embedding.weight if self.config.tie_word_embeddings else resized(old_head)
+        self.token_embedding.num_embeddings = self.head.out_features = vocab_size
+        self.config = LanguageConfig.from_dict({**self.config.to_dict(), "vocab_size": vocab_size})
+
+    @classmethod
+    def from_pretrained(cls, source: str | Path) -> LanguageModel:
+        """A Hugging Face Llama checkpoint (directory or hub id, safetensors) or a `.gguf` file, as our model."""
+        path = resolve(source, allow_patterns=["*.json", "*.safetensors"])
+        if path.suffix == ".gguf":
+            hf_config, hf_weights = _read_gguf(path)
+            config = config_from_hf(hf_config)
+        else:  # check the architecture before reading any weights
+            config = config_from_hf(read_json(path / "config.json"))
+            hf_weights = read_safetensors(path)
+        config = LanguageConfig.from_dict({**config.to_dict(), "pretrained": str(source)})
+        model = cls(config)
+        load_checked(model, rename_keys(hf_weights, HF_LLAMA_KEYS, ignore=r"rotary_emb\.inv_freq$"), source)
+        return model

@@ -1,0 +1,137 @@
+"""Finding and reading checkpoints: local paths, hub ids, package files; safetensors only; checked, atomic writes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete, unsafe, or does not fit the model."""
+
+
+def resolve(source: str | Path, allow_patterns: list[str] | None = None) -> Path:
+    """A local file or directory for `source`: a path, `package://pkg/relative/file`, or a Hugging Face hub id."""
+    source = str(source)
+    if source.startswith("package://"):
+        package, _, relative = source.removeprefix("package://").partition("/")
+        spec = importlib.util.find_spec(package)  # finds the package without importing it
+        if spec is None or not spec.submodule_search_locations:
+            raise CheckpointError(f"{source}: package {package!r} is not installed")
+        path = Path(spec.submodule_search_locations[0]) / relative
+        if not path.exists():
+            raise CheckpointError(f"{source}: no file {relative!r} in package {package!r}")
+        return path
+    path = Path(source).expanduser()
+    if path.exists():
+        return path
+    if source.startswith((".", "/", "~")) or source.count("/") != 1:
+        raise CheckpointError(f"{source}: no such file or directory")
+    from huggingface_hub import snapshot_download  # a hub id such as "HuggingFaceTB/SmolLM2-135M"
+
+    try:
+        return Path(snapshot_download(source, allow_patterns=allow_patterns))
+    except Exception as e:  # offline, unknown repo, gated repo, ...
+        raise CheckpointError(f"{source}: not a local path, and the hub could not provide it ({type(e).__name__})") from None
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"{path.parent}: missing {path.name}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Tensors of a `.safetensors` file or of a directory (single file or sharded with an index). Never unpickles."""
+    if path.is_dir():
+        index, single = path / "model.safetensors.index.json", path / "model.safetensors"
+        if index.is_file():
+            shards = sorted(set(read_json(index)["weight_map"].values()))
+            return {k: v for shard in shards for k, v in read_safetensors(path / shard).items()}
+        if single.is_file():
+            return read_safetensors(single)
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        hint = f" (found {', '.join(pickles)}: pickle files are refused; convert them to safetensors)" if pickles else ""
+        raise CheckpointError(f"{path}: no model.safetensors{hint}")
+    if path.suffix in PICKLE_SUFFIXES:
+        raise CheckpointError(f"{path}: pickle files are refused (they can run code); convert to safetensors")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing weights file")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable or truncated safetensors file ({e})") from None
+
+
+def rename_keys(state_dict: dict[str, torch.Tensor], rules: list[tuple[str, str]], ignore: str = r"$^") -> dict[str, torch.Tensor]:
+    """Apply the first matching regex rule to each key; keys matching `ignore` are dropped, others kept as they are."""
+    renamed = {}
+    for key, value in state_dict.items():
+        if re.search(ignore, key):
+            continue
+        for pattern, replacement in rules:
+            if re.match(pattern, key):
+                key = re.sub(pattern, replacement, key)
+                break
+        renamed[key] = value
+    return renamed
+
+
+def _listing(names: list[str], limit: int = 5) -> str:
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def load_checked(module: nn.Module, state_dict: dict[str, torch.Tensor], source: str | Path = "checkpoint") -> None:
+    """Copy weights into `module`, or raise CheckpointError naming every key that is missing, unexpected or misshapen."""
+    expected = {name: p.shape for name, p in module.state_dict().items()}
+    for tied in getattr(module, "tied_weight_keys", lambda: [])():
+        expected.pop(tied, None)
+        state_dict = {k: v for k, v in state_dict.items() if k != tied}
+    problems = []
+    if missing := sorted(set(expected) - set(state_dict)):
+        problems.append(f"missing keys: {_listing(missing)}")
+    if unexpected := sorted(set(state_dict) - set(expected)):
+        problems.append(f"unexpected keys: {_listing(unexpected)}")
+    if misshapen := [f"{k} {tuple(state_dict[k].shape)} vs {tuple(s)}" for k, s in expected.items() if k in state_dict and state_dict[k].shape != s]:
+        problems.append(f"shape mismatch (checkpoint vs model): {_listing(misshapen)}")
+    if problems:
+        raise CheckpointError(f"{source}: weights do not fit the config; " + "; ".join(problems))
+    module.load_state_dict(state_dict, strict=False)
+
+
+def atomic_write(path: Path, write: callable) -> None:
+    """Call `write(tmp_path)`, fsync, and rename over `path`: readers see the old file or the new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def save_weights(module: nn.Module, path: Path) -> None:
+    """Write `module`'s weights (tied copies once) as safetensors, atomically."""
+    tied = set(getattr(module, "tied_weight_keys", lambda: [])())
+    tensors = {k: v.detach().contiguous() for k, v in module.state_dict().items() if k not in tied}
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))

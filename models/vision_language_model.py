@@ -1,0 +1,163 @@
+"""The VLM: images -> ViT -> projector -> embeddings at the image-token positions -> language model.
+
+    from models import VisionLanguageModel
+    model = VisionLanguageModel.from_pretrained("runs/tiny")          # config.json + model.safetensors
+    tokens = model.generate(input_ids, images, attention_mask, max_new_tokens=32, greedy=True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from huggingface_hub import PyTorchModelHubMixin
+from torch import Tensor, nn
+
+from models.config import VLMConfig
+from models.kv_cache import repeat_rows
+from models.language_model import LanguageModel
+from models.loading import CheckpointError, atomic_write, load_checked, read_safetensors, resolve, save_weights
+from models.modality_projector import ModalityProjector
+from models.sampling import SamplingParams, sample
+from models.vision_transformer import VisionTransformer
+
+STOP_CHECK_INTERVAL = 8  # decode steps between host-side "has every row finished?" checks
+
+
+class GenerationError(ValueError):
+    """Generation settings or inputs that cannot work (for example a prompt longer than the context)."""
+
+
+# nanoVLM's VisionLanguageModel (Hugging Face, 2025), with batched left padding and a preallocated cache.
+class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm", tags=["vision-language-model"]):
+    def __init__(self, config: VLMConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.vision = VisionTransformer(config.vision)
+        self.projector = ModalityProjector(config)
+        self.language = LanguageModel(config.language)
+
+    @classmethod
+    def from_backbones(cls, config: VLMConfig) -> VisionLanguageModel:
+        """A new VLM whose vision tower and/or language model are loaded from `config`'s `pretrained` sources
+        (their architecture fields are then taken from those checkpoints)."""
+        vision = VisionTransformer.from_pretrained(config.vision.pretrained) if config.vision.pretrained else None
+        language = LanguageModel.from_pretrained(config.language.pretrained) if config.language.pretrained else None
+        config = VLMConfig(vision=vision.config if vision else config.vision, projector=config.projector,
+                           language=language.config if language else config.language, image_token_id=config.image_token_id)
+        model = cls(config)
+        if vision:
+            model.vision = vision
+        if language:
+            model.language = language
+        return model
+
+    def tied_weight_keys(self) -> list[str]:
+        return [f"language.{key}" for key in self.language.tied_weight_keys()]
+
+    def resize_token_embeddings(self, vocab_size: int, image_token_id: int | None = None) -> None:
+        """Resize the LM vocabulary (after adding image / special tokens to the tokenizer) and record the image id."""
+        self.language.resize_token_embeddings(vocab_size)
+        image_token_id = self.config.image_token_id if image_token_id is None else image_token_id
+        self.config = VLMConfig(self.config.vision, self.config.projector, self.language.config, image_token_id)
+
+    def embed(self, input_ids: Tensor, images: Tensor | None = None) -> Tensor:
+        """Token embeddings [B, T, C] with the projected image patches written at the image-token positions,
+        images in the row-major order of their placeholders."""
+        embeddings = self.language.token_embedding(input_ids)
+        slots = input_ids == (-1 if self.config.image_token_id is None else self.config.image_token_id)
+        num_slots = int(slots.sum())
+        num_images = 0 if images is None else images.shape[0]
+        if num_slots != num_images * self.config.tokens_per_image:
+            raise ValueError(f"the prompts hold {num_slots} image tokens but {num_images} image(s) need "
+                             f"{num_images * self.config.tokens_per_image} ({self.config.tokens_per_image} each)")
+        if num_images == 0:
+            return embeddings
+        features = self.projector(self.vision(images.to(embeddings.dtype)))
+        return embeddings.masked_scatter(slots.unsqueeze(-1), features)
+
+    def forward(self, input_ids: Tensor, images: Tensor | None = None, attention_mask: Tensor | None = None,
+                targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """Logits [B, T, V] and, given `targets` [B, T] (the token to predict at each position, -100 to skip),
+        the mean cross-entropy over the positions that have one."""
+        hidden, _ = self.language(self.embed(input_ids, images), attention_mask)
+        logits = self.language.head(hidden)
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+
+    @torch.inference_mode()
+    def stream(self, input_ids: Tensor, images: Tensor | None = None, attention_mask: Tensor | None = None, *,
+               max_new_tokens: int = 64, greedy: bool = False, temperature: float = 1.0, top_k: int = 0,
+               top_p: float = 1.0, num_samples: int = 1, eos_token_id: int | list[int] | None = None,
+               pad_token_id: int | None = None, use_cache: bool = True,
+               generator: torch.Generator | None = None) -> Iterator[Tensor]:
+        """Yield each step's new tokens, [B * num_samples] (rows of one prompt are adjacent); rows that have
+        finished yield `pad_token_id`. Prefills image + prompt tokens in one pass, then decodes one token per step
+        at `start_pos` offsets in a preallocated cache (or, with use_cache=False, recomputes the whole sequence).
+
+        input_ids [B, T] are left-padded prompts with `attention_mask` [B, T] (1 real, 0 pad); each row's rotary
+        positions start at 0 at its first real token, so a row gives what it would give alone."""
+        params = SamplingParams(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
+        batch, prompt_len = input_ids.shape
+        capacity, context = prompt_len + max_new_tokens, self.config.language.max_position_embeddings
+        if max_new_tokens < 1 or num_samples < 1:
+            raise GenerationError(f"max_new_tokens and num_samples must be >= 1, got {max_new_tokens} and {num_samples}")
+        if capacity > context:
+            raise GenerationError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context of {context} tokens")
+        eos_ids = torch.tensor([] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id,
+                               device=input_ids.device, dtype=torch.long)
+        pad_token_id = pad_token_id if pad_token_id is not None else (int(eos_ids[0]) if len(eos_ids) else 0)
+
+        embeddings = self.embed(input_ids, images)
+        mask = None
+        if attention_mask is not None:
+            mask = torch.ones(batch, capacity, dtype=torch.long, device=input_ids.device)
+            mask[:, :prompt_len] = attention_mask
+        cache = self.language.allocate_kv_cache(batch, capacity) if use_cache else None
+        hidden, cache = self.language(embeddings, mask, cache)
+        logits = self.language.head(hidden[:, -1])
+        if num_samples > 1:  # one prefill serves every sample: copy its cache rows instead of recomputing them
+            logits, embeddings = logits.repeat_interleave(num_samples, 0), embeddings.repeat_interleave(num_samples, 0)
+            mask = None if mask is None else mask.repeat_interleave(num_samples, 0)
+            cache = repeat_rows(cache, num_samples) if use_cache else None
+
+        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        for step in range(max_new_tokens):
+            token = sample(logits, params, generator).masked_fill(done, pad_token_id)
+            yield token
+            done |= torch.isin(token, eos_ids)
+            if step == max_new_tokens - 1 or (step % STOP_CHECK_INTERVAL == STOP_CHECK_INTERVAL - 1 and bool(done.all())):
+                return
+            new_embedding = self.language.token_embedding(token[:, None])
+            if use_cache:
+                hidden, cache = self.language(new_embedding, mask, cache, start_pos=prompt_len + step)
+            else:
+                embeddings = torch.cat([embeddings, new_embedding], dim=1)
+                hidden, _ = self.language(embeddings, None if mask is None else mask[:, : embeddings.shape[1]])
+            logits = self.language.head(hidden[:, -1])
+
+    def generate(self, input_ids: Tensor, images: Tensor | None = None, attention_mask: Tensor | None = None,
+                 **settings) -> Tensor:
+        """New tokens [B * num_samples, steps]; see `stream` for the settings. Rows end with pads after EOS."""
+        return torch.stack(list(self.stream(input_ids, images, attention_mask, **settings)), dim=1)
+
+    def _save_pretrained(self, save_directory: Path) -> None:
+        """config.json + model.safetensors, each written atomically (temporary file, fsync, rename)."""
+        save_weights(self, Path(save_directory) / "model.safetensors")
+        atomic_write(Path(save_directory) / "config.json", self.config.save_json)
+
+    @classmethod
+    def from_pretrained(cls, source: str | Path, map_location: str | torch.device = "cpu") -> VisionLanguageModel:
+        """A model saved with `save_pretrained`: local directory or hub id (config.json + model.safetensors)."""
+        path = resolve(source, allow_patterns=["config.json", "model.safetensors"])
+        if not path.is_dir():
+            raise CheckpointError(f"{source}: expected a checkpoint directory with config.json and model.safetensors")
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise CheckpointError(f"{path}: missing config.json")
+        model = cls(VLMConfig.from_json(config_file))
+        load_checked(model, read_safetensors(path), path)
+        return model.to(map_location)

@@ -1,0 +1,84 @@
+"""save_pretrained / from_pretrained: exact round trip, atomic files, clear errors for checkpoints that do not fit."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from models import CheckpointError, ConfigError, VisionLanguageModel
+from tests.models.helpers import tiny_vlm
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = tiny_vlm()
+    model.save_pretrained(tmp_path)
+    return model, tmp_path
+
+
+def _logits(model):
+    ids = torch.randint(0, 90, (2, 10), generator=torch.Generator().manual_seed(0))
+    ids[:, 1:5] = 95
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model(ids, images)[0]
+
+
+def test_round_trip_reproduces_logits_exactly(saved):
+    model, directory = saved
+    torch.manual_seed(1)
+    loaded = VisionLanguageModel.from_pretrained(directory).eval()
+    torch.manual_seed(2)
+    assert loaded.config == model.config
+    assert torch.equal(_logits(loaded), _logits(model))
+    assert loaded.language.head.weight is loaded.language.token_embedding.weight
+
+
+def test_files_written(saved):
+    _, directory = saved
+    names = {p.name for p in directory.iterdir()}
+    assert {"config.json", "model.safetensors"} <= names and not any(n.endswith(".tmp") for n in names)
+    assert "language.head.weight" not in load_file(directory / "model.safetensors")  # tied: stored once
+    assert json.loads((directory / "config.json").read_text())["image_token_id"] == 95
+
+
+def test_weights_that_do_not_fit_the_config_name_the_keys(saved):
+    _, directory = saved
+    config = json.loads((directory / "config.json").read_text())
+    config["language"]["num_layers"] = 4
+    config["language"]["hidden_size"] = 96
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError) as error:
+        VisionLanguageModel.from_pretrained(directory)
+    message = str(error.value)
+    assert "missing keys: language.blocks.3." in message and "shape mismatch" in message
+    assert "language.token_embedding.weight (96, 64) vs (96, 96)" in message
+
+
+def test_truncated_weights_are_refused(saved):
+    _, directory = saved
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="unreadable or truncated"):
+        VisionLanguageModel.from_pretrained(directory)
+
+
+def test_pickle_weights_are_refused(saved):
+    model, directory = saved
+    (directory / "model.safetensors").unlink()
+    torch.save(model.state_dict(), directory / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="pickle files are refused"):
+        VisionLanguageModel.from_pretrained(directory)
+
+
+def test_missing_config_and_invalid_config(saved, tmp_path):
+    _, directory = saved
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="missing config.json"):
+        VisionLanguageModel.from_pretrained(tmp_path / "empty")
+    config = json.loads((directory / "config.json").read_text())
+    config["language"]["num_kv_heads"] = 3
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"num_heads \(4\) must be divisible by language.num_kv_heads \(3\)"):
+        VisionLanguageModel.from_pretrained(directory)

@@ -1,0 +1,120 @@
+"""The language model against transformers' Llama, and the contracts of its blocks and KV cache."""
+
+import pytest
+import torch
+
+from models import CheckpointError, LanguageModel
+from models.language_model import causal_mask
+from tests.models.helpers import save_tiny_llama
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def llama_pair(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama")
+    reference = save_tiny_llama(directory, tie=request.param)
+    return reference, LanguageModel.from_pretrained(directory).eval()
+
+
+def test_logits_match_transformers(llama_pair):
+    reference, ours = llama_pair
+    ids = torch.randint(0, 128, (2, 40))
+    with torch.no_grad():
+        expected = reference(ids).logits
+        hidden, _ = ours(ours.token_embedding(ids))
+        actual = ours.head(hidden)
+    assert ours.config.num_kv_heads == 2 and ours.config.tie_word_embeddings == reference.config.tie_word_embeddings
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+
+
+def test_left_padded_logits_match_transformers(llama_pair):
+    """With an attention mask, positions restart at each row's first real token, as in transformers."""
+    reference, ours = llama_pair
+    ids = torch.randint(0, 128, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        expected = reference(ids, attention_mask=mask).logits
+        actual = ours.head(ours(ours.token_embedding(ids), attention_mask=mask)[0])
+    real = mask.bool()
+    torch.testing.assert_close(actual[real], expected[real], atol=1e-4, rtol=0)
+
+
+def test_tied_head_shares_the_embedding(llama_pair):
+    _, ours = llama_pair
+    assert (ours.head.weight is ours.token_embedding.weight) == ours.config.tie_word_embeddings
+
+
+def test_block_contract_split_equals_one_pass(llama_pair):
+    """A block called without a cache on the first part, then with the returned dict and start_pos on the rest,
+    equals one pass over the whole sequence."""
+    _, model = llama_pair
+    block = model.blocks[0]
+    x = torch.randn(2, 11, model.config.hidden_size)
+    positions = torch.arange(11).expand(2, 11)
+    cos, sin = model.rotary(positions)
+    with torch.no_grad():
+        whole, _ = block(x, cos, sin)
+        first, cache = block(x[:, :7], cos[:, :, :7], sin[:, :, :7])
+        assert set(cache) >= {"key", "value"} and cache["key"].shape == (2, 2, 7, 8)
+        second, cache = block(x[:, 7:], cos[:, :, 7:], sin[:, :, 7:], kv_cache=cache, start_pos=7)
+    torch.testing.assert_close(torch.cat([first, second], 1), whole, atol=1e-5, rtol=0)
+    assert cache["key"].shape[2] >= 11
+
+
+def test_prefill_equals_token_by_token(llama_pair):
+    """Logits of a one-pass prefill equal those of feeding the same tokens one at a time through the cache."""
+    _, model = llama_pair
+    ids = torch.randint(0, 128, (3, 16))
+    with torch.no_grad():
+        embeddings = model.token_embedding(ids)
+        prefill, _ = model(embeddings, kv_cache=model.allocate_kv_cache(3, 16))
+        cache, steps = model.allocate_kv_cache(3, 16), []
+        for t in range(16):
+            hidden, cache = model(embeddings[:, t : t + 1], kv_cache=cache, start_pos=t)
+            steps.append(hidden)
+    torch.testing.assert_close(model.head(torch.cat(steps, 1)), model.head(prefill), atol=1e-4, rtol=0)
+
+
+def test_cache_is_written_in_place_and_tensor_start_pos_matches_int(llama_pair):
+    _, model = llama_pair
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        embeddings = model.token_embedding(ids)
+        cache = model.allocate_kv_cache(2, 12)
+        storage = [c["key"].data_ptr() for c in cache]
+        _, cache = model(embeddings[:, :8], kv_cache=cache)
+        by_int, _ = model(embeddings[:, 8:], kv_cache=[dict(c) for c in cache], start_pos=8)
+        by_tensor, cache = model(embeddings[:, 8:], kv_cache=cache, start_pos=torch.tensor(8))
+    assert [c["key"].data_ptr() for c in cache] == storage
+    torch.testing.assert_close(by_tensor, by_int, atol=1e-5, rtol=0)
+
+
+def test_causal_mask():
+    expected = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(causal_mask(2, 2, 4, torch.device("cpu")), expected)
+
+
+def test_resize_token_embeddings_keeps_old_rows(llama_pair):
+    _, model = llama_pair
+    model = LanguageModel(model.config)
+    model.load_state_dict(llama_pair[1].state_dict())
+    old = model.token_embedding.weight.detach().clone()
+    model.resize_token_embeddings(130)
+    assert model.token_embedding.weight.shape == (130, 64) and model.head.weight.shape == (130, 64)
+    assert model.config.vocab_size == 130
+    torch.testing.assert_close(model.token_embedding.weight[:128], old)
+    torch.testing.assert_close(model.token_embedding.weight[128], old.mean(0))
+
+
+def test_unsupported_checkpoint_is_refused(tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                attention_bias=True).save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match="attention_bias"):
+        LanguageModel.from_pretrained(tmp_path)
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no such file"):
+        LanguageModel.from_pretrained(tmp_path / "nothing-here")
