@@ -109,10 +109,13 @@ class Config:
         values = self.to_dict()
         for key, value in overrides.items():
             node, parts = values, key.split(".")
-            for i, part in enumerate(parts[:-1]):
-                check(isinstance(node.get(part), dict), f"unknown key {'.'.join(parts[: i + 1])}")
-                node = node[part]
-            check(parts[-1] in node, f"unknown key {key}")
+            for i, part in enumerate(parts):
+                section = ".".join(parts[:i])
+                if part not in node or (i < len(parts) - 1 and not isinstance(node[part], dict)):
+                    valid = ", ".join(f"{section}.{k}" if section else k for k in node)
+                    raise ConfigError(f"unknown key {'.'.join(parts[: i + 1])}; valid keys: {valid}")
+                if i < len(parts) - 1:
+                    node = node[part]
             node[parts[-1]] = value
         return type(self).from_dict(values)
 

@@ -1,0 +1,71 @@
+"""Batching: cauldron records → padded token ids, attention mask, answer-only targets and stacked image tensors."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from data.processors import ImageProcessor
+from data.prompts import IGNORE_INDEX, encode_conversation
+from data.tokenizer import IMAGE_TOKEN, token_id
+
+Side = Literal["left", "right"]
+
+
+def pad(sequences: list[list[int]], value: int, side: Side = "right") -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack ragged sequences into a LongTensor [B, T] padded with `value`, and the mask (1 real, 0 pad)."""
+    length = max(map(len, sequences), default=0)
+    ids = torch.full((len(sequences), length), value, dtype=torch.long)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        cols = slice(0, len(sequence)) if side == "right" else slice(length - len(sequence), length)
+        ids[row, cols] = torch.tensor(sequence, dtype=torch.long)
+        mask[row, cols] = 1
+    return ids, mask
+
+
+def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched generation prompts: left padding, so every row's next token goes at the same position."""
+    return pad(sequences, pad_id, "left")
+
+
+class VQACollator:
+    """Records {"images": [PIL], "texts": [{"user", "assistant"}]} → a batch dict of tensors.
+
+    input_ids, attention_mask, targets: LongTensor [B, T]; images: FloatTensor [N, 3, H, W], in the order their
+    placeholders appear (row by row). A record whose ids exceed `max_length` is dropped, never truncated, and counted
+    in `num_too_long` (per process: DataLoader workers each keep their own count); a batch may thus have no rows.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, processor: ImageProcessor, tokens_per_image: int,
+                 max_length: int, padding_side: Side = "right"):
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+        if tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer has no pad token; call data.prepare_tokenizer(tokenizer) first")
+        token_id(tokenizer, IMAGE_TOKEN)  # fail now, not at the first batch
+        self.tokenizer, self.processor = tokenizer, processor
+        self.tokens_per_image, self.max_length, self.padding_side = tokens_per_image, max_length, padding_side
+        self.num_too_long = 0
+
+    def __call__(self, records: list[dict]) -> dict[str, torch.Tensor]:
+        id_rows, target_rows, images = [], [], []
+        for record in records:
+            ids, targets = encode_conversation(self.tokenizer, record["texts"], len(record["images"]), self.tokens_per_image)
+            if len(ids) > self.max_length:
+                self.num_too_long += 1
+                continue
+            id_rows.append(ids)
+            target_rows.append(targets)
+            images += [self.processor(image) for image in record["images"]]
+        input_ids, attention_mask = pad(id_rows, self.tokenizer.pad_token_id, self.padding_side)
+        targets, _ = pad(target_rows, IGNORE_INDEX, self.padding_side)
+        size = self.processor.image_size
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "targets": targets,
+            "images": torch.stack(images) if images else torch.empty(0, 3, size, size),
+        }

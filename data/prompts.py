@@ -1,0 +1,45 @@
+"""ChatML token ids built piece by piece (never by tokenizing special-token strings), with answer-only targets."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from data.tokenizer import IM_END, IM_START, IMAGE_TOKEN, token_id
+
+CAPTION_PROMPT = "Describe the image."  # the user turn of caption samples; generate.py's default prompt
+IGNORE_INDEX = -100  # targets at positions that carry no loss
+
+
+def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Plain text: no BOS/EOS, and special-token strings a user typed (a literal "<|image|>") stay ordinary text."""
+    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, user_text: str, num_images: int, tokens_per_image: int) -> list[int]:
+    """`<|im_start|>user\\n` + `<|image|>` x (num_images * tokens_per_image) + text + `<|im_end|>\\n<|im_start|>assistant\\n`."""
+    start, end = token_id(tokenizer, IM_START), token_id(tokenizer, IM_END)
+    images = [token_id(tokenizer, IMAGE_TOKEN)] * (num_images * tokens_per_image)
+    return [start, *encode_text(tokenizer, "user\n"), *images, *encode_text(tokenizer, user_text), end,
+            *encode_text(tokenizer, "\n"), start, *encode_text(tokenizer, "assistant\n")]
+
+
+def encode_conversation(
+    tokenizer: PreTrainedTokenizerBase, turns: list[dict[str, str]], num_images: int, tokens_per_image: int
+) -> tuple[list[int], list[int]]:
+    """ChatML ids for `turns` ({"user", "assistant"} dicts; the images go in the first user turn) and their targets.
+
+    Targets are aligned with the logits: `targets[t]` is `input_ids[t + 1]` where that token is part of an answer
+    or the `<|im_end|>` closing one, and IGNORE_INDEX everywhere else (the last position included).
+    """
+    if not turns:
+        raise ValueError("a conversation needs at least one user/assistant turn")
+    end, newline = token_id(tokenizer, IM_END), encode_text(tokenizer, "\n")
+    input_ids: list[int] = []
+    is_answer: list[bool] = []
+    for i, turn in enumerate(turns):
+        prompt = encode_prompt(tokenizer, turn["user"], num_images if i == 0 else 0, tokens_per_image)
+        answer = [*encode_text(tokenizer, turn["assistant"]), end]
+        input_ids += prompt + answer + newline
+        is_answer += [False] * len(prompt) + [True] * len(answer) + [False] * len(newline)
+    targets = [token if learn else IGNORE_INDEX for token, learn in zip(input_ids[1:], is_answer[1:])]
+    return input_ids, targets + [IGNORE_INDEX]

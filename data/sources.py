@@ -1,0 +1,142 @@
+"""Real data in the same record format: the_cauldron, users' JSONL files and image folders; `DataConfig` picks one."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from datasets import Dataset, Features, List, Value, concatenate_datasets, load_dataset
+
+from data.processors import ImageLoadError, load_image
+from data.prompts import CAPTION_PROMPT
+from data.synthetic import ShapesConfig, shapes_datasets
+from models.config import Config, check
+
+_TEXTS = List({"user": Value("string"), "assistant": Value("string")})
+
+
+class DataSourceError(ValueError):
+    """A data file or folder that is missing or does not describe records."""
+
+
+def load_cauldron(subset: str, split: str = "train") -> Dataset:
+    """One subset of HuggingFaceM4/the_cauldron (downloads it); records as they are: images and texts."""
+    return load_dataset("HuggingFaceM4/the_cauldron", subset, split=split).select_columns(["images", "texts"])
+
+
+def load_jsonl(path: str | Path) -> Dataset:
+    """Records from a JSONL file, a line each; images (paths relative to the file) are opened when a record is read.
+
+    A line is {"images": ["a.png", ...], "texts": [{"user": ..., "assistant": ...}, ...]}, or has
+    "conversations": [{"role": "user" | "assistant", "content": ...}, ...] in place of "texts".
+    """
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise DataSourceError(f"{path}: cannot read ({e.strerror or e})") from None
+    records = [_parse_line(line, f"{path}:{number}", path.parent) for number, line in enumerate(lines, 1) if line.strip()]
+    if not records:
+        raise DataSourceError(f"{path}: no records")
+    dataset = Dataset.from_list(records, features=Features({"images": List(Value("string")), "texts": _TEXTS}))
+    return dataset.with_transform(_open_images)
+
+
+def _parse_line(line: str, where: str, root: Path) -> dict[str, Any]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataSourceError(f"{where}: not valid JSON ({e.msg})") from None
+    if not isinstance(row, dict):
+        raise DataSourceError(f"{where}: expected a JSON object")
+    return {"images": _image_paths(row.get("images", []), where, root), "texts": _turns(row, where)}
+
+
+def _image_paths(images: Any, where: str, root: Path) -> list[str]:
+    """Paths made absolute (relative ones are taken from the JSONL file's folder) and checked to exist."""
+    if not (isinstance(images, list) and all(isinstance(image, str) for image in images)):
+        raise DataSourceError(f"{where}: 'images' must be a list of file paths")
+    paths = [root / image for image in images]
+    for path in paths:
+        if not path.is_file():
+            raise ImageLoadError(f"{path}: no such file (listed at {where})")
+    return [str(path) for path in paths]
+
+
+def _turns(row: dict[str, Any], where: str) -> list[dict[str, str]]:
+    """The row's `texts`, or its `conversations` paired into user/assistant turns."""
+    if "conversations" in row:
+        messages = row["conversations"]
+        alternating = (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)
+                       and [m.get("role") for m in messages] == ["user", "assistant"] * (len(messages) // 2))
+        if not alternating:
+            raise DataSourceError(f"{where}: 'conversations' must alternate user and assistant messages, user first")
+        turns = [{"user": u.get("content"), "assistant": a.get("content")} for u, a in zip(messages[::2], messages[1::2])]
+    else:
+        turns = row.get("texts")
+    if not (isinstance(turns, list) and turns and all(_is_turn(turn) for turn in turns)):
+        raise DataSourceError(f"{where}: needs 'texts' (a list of user/assistant string pairs) or 'conversations'")
+    return [{"user": turn["user"], "assistant": turn["assistant"]} for turn in turns]
+
+
+def _is_turn(turn: Any) -> bool:
+    return isinstance(turn, dict) and isinstance(turn.get("user"), str) and isinstance(turn.get("assistant"), str)
+
+
+def _open_images(batch: dict[str, list]) -> dict[str, list]:
+    return {"images": [[load_image(path) for path in paths] for paths in batch["images"]], "texts": batch["texts"]}
+
+
+def load_imagefolder(directory: str | Path, split: str = "train") -> Dataset:
+    """An image folder whose metadata.jsonl gives each `file_name` a `question` and `answer`, or a `text` caption."""
+    if not Path(directory).is_dir():
+        raise DataSourceError(f"{directory}: no such directory")
+    dataset = load_dataset("imagefolder", data_dir=str(directory), split=split)
+    columns = set(dataset.column_names)
+    if not ({"question", "answer"} <= columns or "text" in columns):
+        raise DataSourceError(f"{directory}: metadata.jsonl needs 'question' and 'answer' fields, or 'text' captions")
+    return dataset.with_transform(_imagefolder_records)
+
+
+def _imagefolder_records(batch: dict[str, list]) -> dict[str, list]:
+    pairs = zip(batch["question"], batch["answer"]) if "question" in batch else ((CAPTION_PROMPT, text) for text in batch["text"])
+    texts = [[{"user": user, "assistant": assistant}] for user, assistant in pairs]
+    return {"images": [[image] for image in batch["image"]], "texts": texts}
+
+
+@dataclasses.dataclass
+class DataConfig(Config):
+    """Where training and validation records come from; every source yields the_cauldron record format."""
+
+    source: Literal["synthetic", "cauldron", "jsonl", "imagefolder"] = "synthetic"
+    shapes: ShapesConfig = dataclasses.field(default_factory=ShapesConfig)  # source=synthetic
+    subsets: tuple[str, ...] = ()  # source=cauldron: the_cauldron subsets, concatenated
+    path: str | None = None  # source=jsonl|imagefolder: the JSONL file or the image folder
+    validation_path: str | None = None  # source=jsonl|imagefolder: optional; without it, `holdout` records are held out
+    holdout: int = 500  # training records held out for validation when there is no validation_path
+
+    def __post_init__(self) -> None:
+        check(self.source != "cauldron" or bool(self.subsets),
+              "data.subsets: source=cauldron needs at least one subset, e.g. vqav2")
+        files = self.source in ("jsonl", "imagefolder")
+        check(not files or bool(self.path), f"data.path: source={self.source} needs a path")
+        check(files or self.validation_path is None, f"data.validation_path applies to jsonl and imagefolder, not {self.source}")
+        check(self.holdout > 0, f"data.holdout must be positive, got {self.holdout}")
+
+
+def build_datasets(config: DataConfig) -> tuple[Dataset, Dataset]:
+    """(train, validation) datasets of records for the configured source."""
+    if config.source == "synthetic":
+        return shapes_datasets(config.shapes)
+    if config.source == "cauldron":
+        train = concatenate_datasets([load_cauldron(subset) for subset in config.subsets])
+    else:
+        load = load_jsonl if config.source == "jsonl" else load_imagefolder
+        train = load(config.path)
+        if config.validation_path:
+            return train, load(config.validation_path)
+    check(config.holdout < len(train), f"data.holdout ({config.holdout}) must be smaller than the dataset ({len(train)} records)")
+    split = train.train_test_split(test_size=config.holdout, seed=0)
+    return split["train"], split["test"]

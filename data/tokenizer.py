@@ -1,0 +1,78 @@
+"""Tokenizers for tinyvlm: ChatML + image special tokens, a small BPE for the shapes data, and adapting any HF tokenizer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from datasets import Dataset
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+IMAGE_TOKEN = "<|image|>"  # one per image embedding; the VLM splices image features in at these positions
+PAD_TOKEN = "<|pad|>"
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def build_shapes_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on `texts` (plus the ChatML role headers), with ChatML, image and pad special tokens.
+
+    Byte-level, so any string encodes; trained on the small synthetic corpus, so its words are mostly one token each.
+    Training is deterministic. The vocabulary may end up smaller than `vocab_size` when the corpus runs out of merges.
+    """
+    specials = [PAD_TOKEN, IM_START, IM_END, IMAGE_TOKEN]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    bpe.train_from_iterator([*texts, "user\n", "assistant\n"], trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        extra_special_tokens=[IM_START, IMAGE_TOKEN],
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """Add `<|image|>` (and ChatML tokens and a pad token where missing) as special tokens, in place; return it.
+
+    The caller then resizes the LM's embeddings to `len(tokenizer)`.
+    """
+    missing = [t for t in (IM_START, IM_END, IMAGE_TOKEN) if not has_token(tokenizer, t)]
+    if missing:
+        tokenizer.add_special_tokens({"extra_special_tokens": missing}, replace_extra_special_tokens=False)
+    if tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+    return tokenizer
+
+
+def has_token(tokenizer: PreTrainedTokenizerBase, token: str) -> bool:
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    return token_id is not None and tokenizer.convert_ids_to_tokens(token_id) == token
+
+
+def token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
+    """The id of a special token such as `IMAGE_TOKEN`; ValueError if the tokenizer lacks it."""
+    if not has_token(tokenizer, token):
+        raise ValueError(f"the tokenizer has no {token} token; call data.prepare_tokenizer(tokenizer) first")
+    return tokenizer.convert_tokens_to_ids(token)
+
+
+def conversation_texts(dataset: Iterable[dict]) -> Iterator[str]:
+    """Every user and assistant string of the records (a tokenizer corpus); a Dataset's images are not even decoded."""
+    if isinstance(dataset, Dataset):
+        dataset = dataset.with_format(None).select_columns(["texts"])  # also skips transforms that open images
+    for record in dataset:
+        for turn in record["texts"]:
+            yield turn["user"]
+            yield turn["assistant"]

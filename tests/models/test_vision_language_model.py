@@ -1,0 +1,55 @@
+"""The VLM's splice of image features into the token embeddings, and its loss."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.models.helpers import tiny_vlm
+
+IMAGE_ID = 95
+
+
+def test_image_embeddings_land_exactly_on_the_image_token_positions():
+    model = tiny_vlm()
+    ids = torch.randint(3, 90, (2, 14), generator=torch.Generator().manual_seed(0))
+    ids[0, 2:6] = IMAGE_ID          # row 0: one image
+    ids[1, 1:5] = IMAGE_ID          # row 1: two images
+    ids[1, 8:12] = IMAGE_ID
+    images = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        embedded = model.embed(ids, images)
+        features = model.projector(model.vision(images))  # [3 images, 4 tokens, 64]
+        text = model.language.token_embedding(ids)
+    torch.testing.assert_close(embedded[0, 2:6], features[0])
+    torch.testing.assert_close(embedded[1, 1:5], features[1])
+    torch.testing.assert_close(embedded[1, 8:12], features[2])
+    is_text = ids != IMAGE_ID
+    torch.testing.assert_close(embedded[is_text], text[is_text])
+
+
+def test_loss_counts_only_positions_with_targets():
+    model = tiny_vlm()
+    ids = torch.randint(3, 90, (2, 10), generator=torch.Generator().manual_seed(1))
+    targets = torch.full_like(ids, -100)
+    targets[0, 3:6], targets[1, 7] = ids[0, 4:7], ids[1, 8]
+    logits, loss = model(ids, None, targets=targets)
+    kept = targets != -100
+    torch.testing.assert_close(loss, F.cross_entropy(logits[kept], targets[kept]))
+
+
+def test_gradients_reach_every_part():
+    model = tiny_vlm().train()
+    ids = torch.randint(3, 90, (1, 10))
+    ids[0, 1:5] = IMAGE_ID
+    targets = ids.roll(-1, 1)
+    model(ids, torch.randn(1, 3, 32, 32), targets=targets)[1].backward()
+    for part in (model.vision, model.projector, model.language):
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in part.parameters()), part
+
+
+def test_wrong_number_of_images():
+    model = tiny_vlm()
+    ids = torch.full((1, 6), 5)
+    ids[0, :4] = IMAGE_ID
+    with pytest.raises(ValueError, match="hold 4 image tokens but 0 image"):
+        model(ids, None)

@@ -1,0 +1,1 @@
+"""What train.py composes: run config and CLI, optimizer and schedule, atomic checkpoints, evaluation."""

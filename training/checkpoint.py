@@ -1,0 +1,127 @@
+"""Resumable checkpoints: the `save_pretrained` layout, the tokenizer, the run config and the training state.
+
+Each checkpoint is written into a staging directory, fsynced, then renamed to `step_NNNNNN`: a crash at any moment
+leaves the previous checkpoints intact and no half-written `step_*` directory. Optimizer tensors and RNG states go to
+safetensors, everything else to JSON: nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from models.loading import CheckpointError
+
+STATE_TENSORS = "training_state.safetensors"
+STATE_JSON = "training_state.json"
+RUN_CONFIG = "run_config.json"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    state = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for param_id, values in state["state"].items():
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optimizer.{param_id}.{name}"] = value.detach().contiguous()
+            else:
+                scalars.setdefault(str(param_id), {})[name] = value
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+
+
+def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optimizer."):
+            _, param_id, name = key.split(".", 2)
+            state.setdefault(int(param_id), {})[name] = value
+    for param_id, values in meta["scalars"].items():
+        state.setdefault(int(param_id), {}).update(values)
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer: torch.optim.Optimizer, scheduler,
+                    run_config, keep: int, extra: dict[str, Any] | None = None) -> Path:
+    """Write `run_dir/step_NNNNNN` atomically; keep the newest `keep` checkpoints."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    final, staging = run_dir / f"step_{step:06d}", run_dir / f".staging_step_{step:06d}"
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    run_config.save_json(staging / RUN_CONFIG)
+    tensors, optimizer_meta = _optimizer_tensors(optimizer)
+    tensors["rng.torch"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    save_file(tensors, staging / STATE_TENSORS)
+    state = {"step": step, "scheduler": scheduler.state_dict(), "optimizer": optimizer_meta, **(extra or {})}
+    (staging / STATE_JSON).write_text(json.dumps(state))
+    for file in staging.iterdir():
+        _fsync(file)
+    _fsync(staging)
+    if final.exists():  # the same step written again (after a resume): replace it
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    _fsync(run_dir)
+    for old in checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old)
+    return final
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints under `run_dir`, oldest first."""
+    if not run_dir.is_dir():
+        return []
+    found = [p for p in run_dir.iterdir() if STEP_DIR.match(p.name) and (p / STATE_JSON).is_file()]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def find_checkpoint(path: Path) -> Path:
+    """`path` if it is a model directory, else its newest complete checkpoint."""
+    if (path / "config.json").is_file():
+        return path
+    found = checkpoints(path)
+    if not found:
+        raise CheckpointError(f"{path}: no checkpoint here (expected config.json or step_* directories)")
+    return found[-1]
+
+
+def newest_checkpoint(root: Path) -> Path:
+    """The most recently written complete checkpoint of any run under `root` (e.g. runs/)."""
+    found = [c for run in (root.iterdir() if root.is_dir() else []) if run.is_dir() for c in checkpoints(run)]
+    if not found:
+        raise CheckpointError(f"no checkpoint under {root}/: train one with `python train.py`, or pass --checkpoint DIR")
+    return max(found, key=lambda p: (p / STATE_JSON).stat().st_mtime)
+
+
+def load_training_state(directory: Path, optimizer: torch.optim.Optimizer, scheduler) -> dict[str, Any]:
+    """Restore optimizer, scheduler and RNG from a checkpoint; return its JSON state (step, data position, ...)."""
+    state_file, tensor_file = directory / STATE_JSON, directory / STATE_TENSORS
+    if not state_file.is_file() or not tensor_file.is_file():
+        raise CheckpointError(f"{directory}: not a resumable checkpoint (missing {STATE_JSON} or {STATE_TENSORS})")
+    try:
+        state, tensors = json.loads(state_file.read_text()), load_file(tensor_file)
+    except Exception as e:
+        raise CheckpointError(f"{directory}: unreadable training state ({type(e).__name__}: {e})") from None
+    optimizer.load_state_dict(_optimizer_state(tensors, state["optimizer"]))
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(tensors["rng.torch"])
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"])
+    return state

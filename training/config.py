@@ -1,0 +1,98 @@
+"""The run config (model + data + train sections) from YAML, with `--section.field VALUE` overrides from the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import yaml
+
+from data import DataConfig
+from models.config import Config, ConfigError, VLMConfig, check
+
+
+@dataclasses.dataclass
+class TrainConfig(Config):
+    output_dir: str = "runs/tiny"
+    max_steps: int = 1000
+    batch_size: int = 32
+    grad_accum_steps: int = 1
+    lr_projector: float = 3e-3  # a learning rate of 0 freezes that part
+    lr_vision: float = 3e-3
+    lr_language: float = 3e-3
+    weight_decay: float = 0.01  # matrices only; norms, biases and embeddings' gains are not decayed
+    adam_beta2: float = 0.95
+    warmup_steps: int = 50
+    decay_steps: int = 0  # length of the cosine decay (0: max_steps); set it to stop early and resume later
+    min_lr_ratio: float = 0.1  # cosine decay ends at this fraction of each learning rate
+    grad_clip: float = 1.0  # 0 disables clipping
+    max_length: int = 256  # samples longer than this (in tokens) are skipped, never truncated
+    eval_every: int = 250
+    eval_batches: int = 8  # validation-loss batches
+    eval_questions: int = 600  # held-out questions scored by exact match (synthetic data)
+    save_every: int = 250
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    seed: int = 0
+    device: str = "auto"  # auto: cuda if available, else cpu
+    bf16: bool = True  # autocast to bfloat16 on GPU (CPU trains in float32)
+    compile: bool = False
+    num_threads: int = 0  # CPU threads for torch (0: torch's default)
+    wandb: bool = False
+    wandb_project: str = "tinyvlm"
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "batch_size", "grad_accum_steps", "max_length", "eval_every", "save_every",
+                     "keep_checkpoints", "log_every"):
+            check(getattr(self, name) > 0, f"train.{name} must be positive, got {getattr(self, name)}")
+        for name in ("lr_projector", "lr_vision", "lr_language", "weight_decay", "warmup_steps", "grad_clip",
+                     "eval_batches", "eval_questions", "num_threads", "decay_steps"):
+            check(getattr(self, name) >= 0, f"train.{name} must be >= 0, got {getattr(self, name)}")
+        check(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
+        check(0 < self.adam_beta2 < 1, f"train.adam_beta2 must lie in (0, 1), got {self.adam_beta2}")
+        check(self.decay_steps == 0 or self.decay_steps >= self.warmup_steps,
+              f"train.decay_steps ({self.decay_steps}) must be 0 or at least train.warmup_steps ({self.warmup_steps})")
+        check(max(self.lr_projector, self.lr_vision, self.lr_language) > 0, "every learning rate is 0: nothing would train")
+
+
+@dataclasses.dataclass
+class RunConfig(Config):
+    model: VLMConfig = dataclasses.field(default_factory=VLMConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    # A Hugging Face tokenizer (directory, hub id, .gguf or package://pkg/file.gguf); None trains a byte-level BPE
+    # on the training texts. Image and pad tokens are added and the LM vocabulary is sized to fit.
+    tokenizer: str | None = None
+
+
+def load_yaml(path: str | Path) -> dict:
+    try:
+        values = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        raise ConfigError(f"{path}: not valid YAML{f' (line {where.line + 1})' if where else ''}") from None
+    check(isinstance(values, dict), f"{path}: expected a mapping of sections (model, data, train, tokenizer)")
+    return values
+
+
+def parse_overrides(arguments: list[str]) -> dict[str, str]:
+    """`--section.field VALUE` and `--section.field=VALUE` pairs as {"section.field": "VALUE"}."""
+    overrides, i = {}, 0
+    while i < len(arguments):
+        argument = arguments[i]
+        check(argument.startswith("--") and len(argument) > 2, f"unexpected argument {argument!r} (expected --section.field VALUE)")
+        key, has_value, value = argument[2:].partition("=")
+        if not has_value:
+            check(i + 1 < len(arguments), f"--{key} needs a value")
+            value, i = arguments[i + 1], i + 1
+        overrides[key] = value
+        i += 1
+    return overrides
+
+
+def load_run_config(path: str | Path | None, overrides: dict[str, str]) -> RunConfig:
+    """Defaults, then the YAML file, then the overrides; every step validated."""
+    config = RunConfig.from_dict(load_yaml(path)) if path else RunConfig()
+    return config.replace(overrides)

@@ -1,0 +1,95 @@
+"""Held-out evaluation: validation loss, exact-match answers per question type, and the plots a run leaves behind."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from data import ImageProcessor, encode_prompt, left_pad
+from models import VisionLanguageModel
+
+
+def normalize(answer: str) -> str:
+    return " ".join(answer.lower().strip().rstrip(".").split())
+
+
+@torch.no_grad()
+def validation_loss(model: VisionLanguageModel, batches: Iterable[dict], device: torch.device, autocast) -> float:
+    model.eval()
+    losses = []
+    for batch in batches:
+        with autocast:
+            losses.append(model(**{k: v.to(device) for k, v in batch.items()})[1].item())
+    return sum(losses) / max(1, len(losses))
+
+
+def answer(model: VisionLanguageModel, tokenizer, processor: ImageProcessor, records: list[dict], device: torch.device,
+           max_new_tokens: int = 64, batch_size: int = 64) -> list[str]:
+    """Greedy answers to the first question of each record, in batches of left-padded prompts."""
+    model.eval()
+    answers = []
+    for start in range(0, len(records), batch_size):
+        chunk = records[start : start + batch_size]
+        prompts = [encode_prompt(tokenizer, r["texts"][0]["user"], len(r["images"]), model.config.tokens_per_image) for r in chunk]
+        ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+        images = torch.stack([processor(image) for r in chunk for image in r["images"]])
+        room = model.config.language.max_position_embeddings - ids.shape[1]
+        tokens = model.generate(ids.to(device), images.to(device), mask.to(device), max_new_tokens=min(max_new_tokens, room),
+                                greedy=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        answers += tokenizer.batch_decode(tokens.tolist(), skip_special_tokens=True)
+    return answers
+
+
+def exact_match(records: list[dict], predictions: list[str]) -> dict[str, float]:
+    """Accuracy per question type, and `accuracy` over every question that is not a caption."""
+    hits: dict[str, list[bool]] = defaultdict(list)
+    for record, prediction in zip(records, predictions):
+        hits[record.get("question_type", "question")].append(normalize(prediction) == normalize(record["texts"][0]["assistant"]))
+    scores = {f"accuracy/{kind}": sum(h) / len(h) for kind, h in sorted(hits.items())}
+    questions = [h for kind, values in hits.items() if kind != "caption" for h in values]
+    if questions:
+        scores["accuracy"] = sum(questions) / len(questions)
+    scores["num_questions"] = len(questions)
+    return scores
+
+
+def save_loss_curve(train: list[tuple[int, float]], validation: list[tuple[int, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    axes.plot(*zip(*train), label="train", linewidth=1)
+    if validation:
+        axes.plot(*zip(*validation), "o-", label="validation")
+    axes.set(xlabel="step", ylabel="loss", yscale="log", title="tinyvlm training loss")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def save_prediction_grid(records: list[dict], predictions: list[str], path: Path, columns: int = 4) -> None:
+    """Held-out images with question, expected answer and prediction (green when right, red when wrong)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = (len(records) + columns - 1) // columns
+    figure, axes = plt.subplots(rows, columns, figsize=(3.2 * columns, 3.6 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, record, prediction in zip(axes.flat, records, predictions):
+        turn = record["texts"][0]
+        ax.imshow(record["images"][0])
+        right = normalize(prediction) == normalize(turn["assistant"])
+        ax.set_title(f"Q: {turn['user']}\nexpected: {turn['assistant']}\npredicted: {prediction}", fontsize=7,
+                     color="green" if right else "red", wrap=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
