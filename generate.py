@@ -3,6 +3,7 @@
     python generate.py --image photo.png --prompt "What color is the circle?"   # newest checkpoint under runs/
     python generate.py --checkpoint runs/tiny --image photo.png                 # no prompt: a caption
     python generate.py --image photo.png --temperature 0.8 --top-k 50 --top-p 0.9 --num-samples 3
+    python generate.py --image photo.png --compile                              # the fast decode path
 
 Decoding is greedy unless a sampling option (--temperature, --top-k, --top-p) is given.
 """
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> None:
                     temperature=1.0 if args.temperature is None else args.temperature, top_k=args.top_k or 0,
                     top_p=1.0 if args.top_p is None else args.top_p, num_samples=args.num_samples,
                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                    generator=torch.Generator(device).manual_seed(args.seed))
+                    compile=args.compile, generator=torch.Generator(device).manual_seed(args.seed))
     if args.num_samples == 1:  # stream: print what each new token adds to the decoded text
         generated, shown = [], ""
         for token in model.stream(ids, pixels, **settings):
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-samples", type=int, default=1, help="answers per prompt, sharing one prefill")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    parser.add_argument("--compile", action="store_true", help="compiled, shape-static decode step (CUDA graphs on GPU)")
     args = parser.parse_args(argv)
     try:
         run(args)

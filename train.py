@@ -15,7 +15,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -51,6 +54,57 @@ class ResumableBatchSampler(Sampler[list[int]]):
             offset = (position % self.batches_per_epoch) * self.batch_size
             yield order[offset : offset + self.batch_size].tolist()
             position += 1
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (for example a non-finite loss with train.on_nonfinite=stop)."""
+
+
+class GracefulStop:
+    """SIGINT / SIGTERM ask the loop to finish its step, write a checkpoint and return; a second signal stops at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __enter__(self) -> GracefulStop:
+        self.requested: str | None = None
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS} if on_main_thread else {}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.requested:
+            self.restore()
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        self.previous = {}
+
+
+def train_step(forward, model, batches, optimizer, scheduler, tc, autocast, device) -> tuple[float, int, bool]:
+    """One optimizer step over grad_accum_steps micro-batches; returns (loss, tokens, finite). A step whose loss or
+    gradient is not finite changes no weight."""
+    model.train()
+    step_loss, tokens = 0.0, 0
+    for _ in range(tc.grad_accum_steps):
+        batch = {k: v.to(device) for k, v in next(batches).items()}
+        with autocast:
+            _, loss = forward(**batch)
+        (loss / tc.grad_accum_steps).backward()
+        step_loss += loss.item() / tc.grad_accum_steps
+        tokens += int(batch["attention_mask"].sum())
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or float("inf"))
+    finite = math.isfinite(step_loss) and bool(torch.isfinite(grad_norm))
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return step_loss, tokens, finite
 
 
 def build_tokenizer(config: RunConfig, train_dataset):
@@ -121,39 +175,41 @@ def train(config: RunConfig, resume: Path | None = None) -> dict:
           f"{len(validation_data)} validation samples; device {device}", flush=True)
 
     progress = tqdm(range(step, tc.max_steps), initial=step, total=tc.max_steps, desc="train", dynamic_ncols=True)
-    started, tokens_seen = time.perf_counter(), 0
-    for step in progress:
-        model.train()
-        step_loss = 0.0
-        for _ in range(tc.grad_accum_steps):
-            batch = {k: v.to(device) for k, v in next(batches).items()}
-            data_position += 1
-            with autocast:
-                _, loss = forward(**batch)
-            (loss / tc.grad_accum_steps).backward()
-            step_loss += loss.item() / tc.grad_accum_steps
-            tokens_seen += int(batch["attention_mask"].sum())
-        if tc.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        history.append([step + 1, step_loss])
-        done = step + 1 == tc.max_steps
-        if (step + 1) % tc.log_every == 0 or done:
-            rate = tokens_seen / (time.perf_counter() - started)
-            progress.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{rate:,.0f}")
-            if run:
-                run.log({"train/loss": step_loss, "train/tokens_per_s": rate, "lr": scheduler.get_last_lr()[-1]}, step=step + 1)
-        if (step + 1) % tc.eval_every == 0 or done:
-            val_loss = validation_loss(model, validation_batches, device, autocast)
-            state.setdefault("validation", []).append([step + 1, val_loss])
-            progress.write(f"step {step + 1}: train loss {step_loss:.4f}, validation loss {val_loss:.4f}")
-            if run:
-                run.log({"val/loss": val_loss}, step=step + 1)
-        if (step + 1) % tc.save_every == 0 or done:
-            save_checkpoint(output_dir, step + 1, model, tokenizer, optimizer, scheduler, config, tc.keep_checkpoints,
-                            extra={"data_position": data_position, "history": history, "validation": state.get("validation", [])})
+    started, tokens_seen, skipped = time.perf_counter(), 0, state.get("skipped_steps", 0)
+    with GracefulStop() as stop:
+        for step in progress:
+            step_loss, tokens, finite = train_step(forward, model, batches, optimizer, scheduler, tc, autocast, device)
+            data_position += tc.grad_accum_steps
+            tokens_seen += tokens
+            if not finite:
+                skipped += 1
+                if tc.on_nonfinite == "stop":
+                    raise TrainingError(f"non-finite loss or gradient at step {step + 1}: stopped (train.on_nonfinite=stop); "
+                                        f"the checkpoints in {output_dir} are intact")
+                progress.write(f"step {step + 1}: non-finite loss or gradient, step skipped ({skipped} so far)")
+            history.append([step + 1, step_loss])
+            done = step + 1 == tc.max_steps
+            if (step + 1) % tc.log_every == 0 or done:
+                rate = tokens_seen / (time.perf_counter() - started)
+                progress.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{rate:,.0f}")
+                if run:
+                    run.log({"train/loss": step_loss, "train/tokens_per_s": rate, "lr": scheduler.get_last_lr()[-1]}, step=step + 1)
+            if (step + 1) % tc.eval_every == 0 or done:
+                val_loss = validation_loss(model, validation_batches, device, autocast)
+                state.setdefault("validation", []).append([step + 1, val_loss])
+                progress.write(f"step {step + 1}: train loss {step_loss:.4f}, validation loss {val_loss:.4f}")
+                if run:
+                    run.log({"val/loss": val_loss}, step=step + 1)
+            if (step + 1) % tc.save_every == 0 or done or stop.requested:
+                if not all(torch.isfinite(p).all() for p in model.parameters()):
+                    raise TrainingError(f"the weights hold NaN/inf at step {step + 1}: not saved; the checkpoints in {output_dir} are intact")
+                path = save_checkpoint(output_dir, step + 1, model, tokenizer, optimizer, scheduler, config, tc.keep_checkpoints,
+                                       extra={"data_position": data_position, "history": history, "skipped_steps": skipped,
+                                              "validation": state.get("validation", [])})
+                if stop.requested and not done:
+                    progress.close()
+                    print(f"{stop.requested}: saved {path}; continue with: python train.py --resume {output_dir}", flush=True)
+                    return {"step": step + 1, "stopped_by": stop.requested}
     progress.close()
     return finish(model, tokenizer, processor, validation_data, config, state.get("validation", []), history, device, run)
 
@@ -194,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             config_path = args.config or (Path(__file__).parent / "configs" / "tiny.yaml")
             train(load_run_config(config_path, overrides))
-    except (ConfigError, CheckpointError, GenerationError, ImageLoadError) as e:
+    except (ConfigError, CheckpointError, GenerationError, ImageLoadError, TrainingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

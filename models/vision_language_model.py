@@ -92,14 +92,18 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
     def stream(self, input_ids: Tensor, images: Tensor | None = None, attention_mask: Tensor | None = None, *,
                max_new_tokens: int = 64, greedy: bool = False, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, num_samples: int = 1, eos_token_id: int | list[int] | None = None,
-               pad_token_id: int | None = None, use_cache: bool = True,
+               pad_token_id: int | None = None, use_cache: bool = True, compile: bool = False,
                generator: torch.Generator | None = None) -> Iterator[Tensor]:
         """Yield each step's new tokens, [B * num_samples] (rows of one prompt are adjacent); rows that have
         finished yield `pad_token_id`. Prefills image + prompt tokens in one pass, then decodes one token per step
         at `start_pos` offsets in a preallocated cache (or, with use_cache=False, recomputes the whole sequence).
 
         input_ids [B, T] are left-padded prompts with `attention_mask` [B, T] (1 real, 0 pad); each row's rotary
-        positions start at 0 at its first real token, so a row gives what it would give alone."""
+        positions start at 0 at its first real token, so a row gives what it would give alone.
+
+        compile=True runs the same decode step shape-static (the position lives in a device tensor, attention spans
+        the whole preallocated cache under a mask) through torch.compile, once per batch shape: no recompilation and
+        no host sync between steps (CUDA graphs on GPU)."""
         params = SamplingParams(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
         batch, prompt_len = input_ids.shape
         capacity, context = prompt_len + max_new_tokens, self.config.language.max_position_embeddings
@@ -124,6 +128,9 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
             mask = None if mask is None else mask.repeat_interleave(num_samples, 0)
             cache = repeat_rows(cache, num_samples) if use_cache else None
 
+        step_fn, position = self.decode_step, prompt_len
+        if compile and use_cache:
+            step_fn, position = self._compiled_decode_step(cache), torch.tensor(prompt_len, device=input_ids.device)
         done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
         for step in range(max_new_tokens):
             token = sample(logits, params, generator).masked_fill(done, pad_token_id)
@@ -131,13 +138,29 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
             done |= torch.isin(token, eos_ids)
             if step == max_new_tokens - 1 or (step % STOP_CHECK_INTERVAL == STOP_CHECK_INTERVAL - 1 and bool(done.all())):
                 return
-            new_embedding = self.language.token_embedding(token[:, None])
             if use_cache:
-                hidden, cache = self.language(new_embedding, mask, cache, start_pos=prompt_len + step)
+                logits = step_fn(token, mask, cache, position)
+                position += 1
             else:
-                embeddings = torch.cat([embeddings, new_embedding], dim=1)
+                embeddings = torch.cat([embeddings, self.language.token_embedding(token[:, None])], dim=1)
                 hidden, _ = self.language(embeddings, None if mask is None else mask[:, : embeddings.shape[1]])
-            logits = self.language.head(hidden[:, -1])
+                logits = self.language.head(hidden[:, -1])
+
+    def decode_step(self, token: Tensor, mask: Tensor | None, cache: list[dict[str, Tensor]],
+                    position: int | Tensor) -> Tensor:
+        """One decode step: `token` [B] enters the cache at slot `position`; returns the next logits [B, V]."""
+        hidden, _ = self.language(self.language.token_embedding(token[:, None]), mask, cache, start_pos=position)
+        return self.language.head(hidden[:, -1])
+
+    def _compiled_decode_step(self, cache: list[dict[str, Tensor]]):
+        """`decode_step` through torch.compile (CUDA graphs on GPU), built once and reused across calls."""
+        for block_cache in cache:  # lets CUDA graphs write the cache in place instead of copying it each step
+            for tensor in block_cache.values():
+                torch._dynamo.mark_static_address(tensor)
+        if getattr(self, "_compiled_step", None) is None:
+            mode = "reduce-overhead" if next(self.parameters()).is_cuda else None
+            self._compiled_step = torch.compile(self.decode_step, mode=mode, fullgraph=True, dynamic=False)
+        return self._compiled_step
 
     def generate(self, input_ids: Tensor, images: Tensor | None = None, attention_mask: Tensor | None = None,
                  **settings) -> Tensor:

@@ -80,9 +80,20 @@ class VisionTransformer(nn.Module):
         super().__init__()
         self.config = config
         self.patch_embedding = nn.Conv2d(config.num_channels, config.hidden_size, config.patch_size, stride=config.patch_size)
-        self.position_embedding = nn.Parameter(torch.randn(config.num_patches, config.hidden_size) * 0.02)
+        self.position_embedding = nn.Parameter(torch.randn(config.num_patches, config.hidden_size) / config.hidden_size**0.5)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.num_layers))
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        """SigLIP's initialisation: LeCun-normal patch embedding, Xavier-uniform projections, zero biases."""
+        if isinstance(module, nn.Conv2d):
+            nn.init.kaiming_normal_(module.weight, nonlinearity="linear")
+        elif isinstance(module, nn.Linear):
+            nn.init.xavier_uniform_(module.weight)
+        if isinstance(module, (nn.Conv2d, nn.Linear)):
+            nn.init.zeros_(module.bias)
 
     def forward(self, images: Tensor) -> Tensor:
         """Patch features [N, num_patches, hidden] for normalised images [N, channels, image_size, image_size]."""

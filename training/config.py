@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
@@ -26,6 +27,7 @@ class TrainConfig(Config):
     decay_steps: int = 0  # length of the cosine decay (0: max_steps); set it to stop early and resume later
     min_lr_ratio: float = 0.1  # cosine decay ends at this fraction of each learning rate
     grad_clip: float = 1.0  # 0 disables clipping
+    on_nonfinite: Literal["skip", "stop"] = "skip"  # a NaN/inf loss or gradient: skip that step, or stop the run
     max_length: int = 256  # samples longer than this (in tokens) are skipped, never truncated
     eval_every: int = 250
     eval_batches: int = 8  # validation-loss batches

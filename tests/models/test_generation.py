@@ -4,28 +4,8 @@ import pytest
 import torch
 
 from models import GenerationError
+from tests.models.generation_helpers import IMAGE_ID, TOKENS_PER_IMAGE, left_pad_prompts, make_prompt
 from tests.models.helpers import tiny_vlm
-
-TOKENS_PER_IMAGE = 4  # tiny_vlm: 32 px images, 8 px patches, pixel shuffle 2
-IMAGE_ID = 95
-
-
-def _prompt(length: int, seed: int) -> torch.Tensor:
-    """Some text, one image's placeholders, more text."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 90, (length,), generator=g)
-    ids[1 : 1 + TOKENS_PER_IMAGE] = IMAGE_ID
-    return ids
-
-
-def _left_pad(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
-    return ids, mask
-
 
 @pytest.fixture(scope="module")
 def model():
@@ -34,14 +14,14 @@ def model():
 
 @pytest.fixture(scope="module")
 def batch():
-    prompts = [_prompt(n, seed) for seed, n in enumerate((9, 17, 12))]
+    prompts = [make_prompt(n, seed) for seed, n in enumerate((9, 17, 12))]
     images = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     return prompts, images
 
 
 def test_cached_equals_uncached_on_a_left_padded_batch(model, batch):
     prompts, images = batch
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_pad_prompts(prompts)
     settings = dict(max_new_tokens=24, greedy=True)
     cached = model.generate(ids, images, mask, **settings)
     uncached = model.generate(ids, images, mask, use_cache=False, **settings)
@@ -52,7 +32,7 @@ def test_cached_equals_uncached_on_a_left_padded_batch(model, batch):
 
 def test_left_padded_batch_equals_each_prompt_alone(model, batch):
     prompts, images = batch
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_pad_prompts(prompts)
     together = model.generate(ids, images, mask, max_new_tokens=20, greedy=True)
     for row, prompt in enumerate(prompts):
         alone = model.generate(prompt[None], images[row : row + 1], max_new_tokens=20, greedy=True)
@@ -61,7 +41,7 @@ def test_left_padded_batch_equals_each_prompt_alone(model, batch):
 
 def test_stops_each_row_at_eos_and_ends_when_all_are_done(model, batch):
     prompts, images = batch
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_pad_prompts(prompts)
     free = model.generate(ids, images, mask, max_new_tokens=40, greedy=True)
     eos = int(free[0, 2])
     stopped = model.generate(ids, images, mask, max_new_tokens=40, greedy=True, eos_token_id=eos, pad_token_id=0)
@@ -77,7 +57,7 @@ def test_stops_each_row_at_eos_and_ends_when_all_are_done(model, batch):
 
 def test_num_samples_reuse_one_prefill(model, batch, monkeypatch):
     prompts, images = batch
-    ids, mask = _left_pad(prompts[:2])
+    ids, mask = left_pad_prompts(prompts[:2])
     greedy_one = model.generate(ids, images[:2], mask, max_new_tokens=12, greedy=True)
     calls = []
     original = model.vision.forward
@@ -92,7 +72,7 @@ def test_num_samples_reuse_one_prefill(model, batch, monkeypatch):
 
 def test_sampled_generation_is_reproducible_with_a_seed(model, batch):
     prompts, images = batch
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_pad_prompts(prompts)
     settings = dict(max_new_tokens=16, temperature=1.5, top_k=20, top_p=0.9, num_samples=2)
     first = model.generate(ids, images, mask, generator=torch.Generator().manual_seed(7), **settings)
     second = model.generate(ids, images, mask, generator=torch.Generator().manual_seed(7), **settings)
@@ -102,7 +82,7 @@ def test_sampled_generation_is_reproducible_with_a_seed(model, batch):
 
 def test_stream_yields_the_generated_tokens_step_by_step(model, batch):
     prompts, images = batch
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_pad_prompts(prompts)
     steps = list(model.stream(ids, images, mask, max_new_tokens=10, greedy=True))
     assert len(steps) == 10 and all(s.shape == (3,) for s in steps)
     assert torch.equal(torch.stack(steps, 1), model.generate(ids, images, mask, max_new_tokens=10, greedy=True))

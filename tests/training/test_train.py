@@ -6,24 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from training.config import RunConfig, load_run_config
+from tests.training.helpers import small_config
+from training.config import RunConfig
 from train import ResumableBatchSampler, train
-
-SMALL = {
-    "model.vision.image_size": "32", "model.vision.patch_size": "8", "model.vision.hidden_size": "32",
-    "model.vision.intermediate_size": "64", "model.vision.num_layers": "1", "model.vision.num_heads": "2",
-    "model.language.hidden_size": "48", "model.language.intermediate_size": "96", "model.language.num_layers": "2",
-    "model.language.num_heads": "4", "model.language.num_kv_heads": "2",
-    "data.shapes.image_size": "32", "data.shapes.num_train": "256", "data.shapes.num_validation": "16",
-    "train.batch_size": "8", "train.eval_questions": "8", "train.eval_batches": "1", "train.warmup_steps": "2",
-    "train.log_every": "1", "train.device": "cpu", "train.lr_projector": "0.01", "train.lr_vision": "0.01",
-    "train.lr_language": "0.01",
-}
-
-
-def small_config(tmp_path, **overrides) -> RunConfig:
-    return load_run_config("configs/tiny.yaml", {**SMALL, "train.output_dir": str(tmp_path), **overrides})
-
 
 def _history(run_dir):
     last = sorted(run_dir.glob("step_*"))[-1]

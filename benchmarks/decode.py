@@ -1,0 +1,205 @@
+"""Decode speed, side by side in one run, on the same random weights (SmolLM2-135M shape), greedy.
+
+    python benchmarks/decode.py                                  # CPU defaults: batch 1, 100-token prompt, 64 new
+    python benchmarks/decode.py --device cuda --batch-sizes 1 8 32 --new-tokens 256
+
+Methods: tinyvlm fast path (compiled, shape-static decode step), tinyvlm eager, tinyvlm without cache, transformers
+`generate` with its dynamic cache, transformers with a static cache + torch.compile. ms/step is the decode step,
+measured as (time(N new tokens) - time(1 new token)) / (N - 1), so the prefill cancels; tok/s = batch / step time.
+Also: time to first token for an image + 64-token prompt (nanovlm-222m shape), and cached vs uncached time against
+the number of new tokens. Writes benchmarks/results/decode-<device>.{md,json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from models import LanguageConfig, VisionConfig, VisionLanguageModel, VLMConfig  # noqa: E402
+
+METHODS = ("tinyvlm fast", "tinyvlm eager", "tinyvlm no cache", "transformers dynamic", "transformers static+compile")
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+               tie_word_embeddings=True)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def build_models(device: torch.device, dtype: torch.dtype):
+    """transformers' Llama with random weights, and ours loaded from its saved checkpoint: the same weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(LlamaConfig(**SMOLLM2, eos_token_id=None, bos_token_id=None)).eval()
+    with tempfile.TemporaryDirectory() as directory:
+        reference.save_pretrained(directory)
+        config = VLMConfig(vision=VisionConfig(image_size=32, patch_size=16, hidden_size=32, intermediate_size=64,
+                                               num_layers=1, num_heads=2),
+                           language=LanguageConfig(pretrained=directory))
+        ours = VisionLanguageModel.from_backbones(config).eval()
+    return reference.to(device, dtype), ours.to(device, dtype)
+
+
+def make_runner(method: str, reference, ours):
+    """A function (ids, new_tokens) -> generated ids [B, new_tokens] for one method."""
+    if method.startswith("tinyvlm"):
+        settings = {"tinyvlm fast": dict(compile=True), "tinyvlm eager": {}, "tinyvlm no cache": dict(use_cache=False)}[method]
+        return lambda ids, n: ours.generate(ids, None, max_new_tokens=n, greedy=True, **settings)
+    from transformers import CompileConfig
+
+    settings = dict(do_sample=False, pad_token_id=0)
+    if method == "transformers static+compile":
+        cuda = ids_device(reference).type == "cuda"
+        settings.update(cache_implementation="static",
+                        compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead" if cuda else "default",
+                                                     _compile_all_devices=not cuda))
+    return lambda ids, n: reference.generate(ids, max_new_tokens=n, min_new_tokens=n, **settings)[:, ids.shape[1]:]
+
+
+def ids_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def timed(run, ids, new_tokens: int, repeats: int, device: torch.device) -> tuple[float, torch.Tensor]:
+    times, out = [], None
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        out = run(ids, new_tokens)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), out
+
+
+@torch.inference_mode()
+def decode_table(reference, ours, args, device) -> list[dict]:
+    rows = []
+    for batch in args.batch_sizes:
+        ids = torch.randint(100, 49000, (batch, args.prompt_len), generator=torch.Generator().manual_seed(batch)).to(device)
+        baseline_tokens = None
+        for method in args.methods:
+            run = make_runner(method, reference, ours)
+            run(ids, args.warmup_tokens)  # warm up: allocations, compilation for this shape
+            full, tokens = timed(run, ids, args.new_tokens, args.repeats, device)
+            first, _ = timed(run, ids, 1, args.repeats, device)
+            step_ms = 1000 * (full - first) / (args.new_tokens - 1)
+            baseline_tokens = tokens if baseline_tokens is None else baseline_tokens
+            same = float((tokens == baseline_tokens).float().mean())
+            rows.append(dict(batch=batch, method=method, ms_per_step=step_ms, tokens_per_s=1000 * batch / step_ms,
+                             total_s=full, same_tokens_as_first_method=same))
+            print(f"batch {batch:>3}  {method:<28} {step_ms:9.2f} ms/step {1000 * batch / step_ms:10.1f} tok/s  "
+                  f"same tokens: {same:.3f}", flush=True)
+    for row in rows:
+        base = next((r for r in rows if r["batch"] == row["batch"] and r["method"] == "transformers dynamic"), None)
+        row["speedup_vs_transformers_dynamic"] = base["ms_per_step"] / row["ms_per_step"] if base else None
+    return rows
+
+
+@torch.inference_mode()
+def time_to_first_token(device: torch.device, dtype: torch.dtype, repeats: int) -> float:
+    """Image (SigLIP-B/16-224) + 64-token prompt through the nanovlm-222m shape, to the first sampled token."""
+    config = VLMConfig(vision=VisionConfig(), language=LanguageConfig(vocab_size=49216), image_token_id=49152)
+    model = VisionLanguageModel(config).eval().to(device, dtype)
+    ids = torch.randint(100, 49000, (1, 64 + config.tokens_per_image))
+    ids[0, 1 : 1 + config.tokens_per_image] = config.image_token_id
+    ids, image = ids.to(device), torch.randn(1, 3, 224, 224, device=device, dtype=dtype)
+    run = lambda i, n: model.generate(i, image, max_new_tokens=n, greedy=True)  # noqa: E731
+    run(ids, 1)
+    return 1000 * timed(run, ids, 1, repeats, device)[0]
+
+
+@torch.inference_mode()
+def cache_curve(ours, args, device) -> list[dict]:
+    """Cached vs uncached generation time against the number of new tokens (batch 1)."""
+    ids = torch.randint(100, 49000, (1, args.prompt_len), generator=torch.Generator().manual_seed(0)).to(device)
+    points = []
+    for n in args.curve_tokens:
+        cached, _ = timed(make_runner("tinyvlm eager", None, ours), ids, n, 1, device)
+        uncached, _ = timed(make_runner("tinyvlm no cache", None, ours), ids, n, 1, device)
+        points.append(dict(new_tokens=n, cached_s=cached, uncached_s=uncached))
+        print(f"{n:>5} new tokens: cached {cached:7.2f} s, uncached {uncached:7.2f} s ({uncached / cached:.1f}x)", flush=True)
+    return points
+
+
+def write_results(rows, ttft_ms, curve, args, device, out: Path) -> None:
+    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or 'CPU'}, {torch.get_num_threads()} threads"
+    title = (f"Decode, SmolLM2-135M shape, random weights, {args.dtype}, greedy, {args.prompt_len}-token prompt, "
+             f"{args.new_tokens} new tokens; {hardware}; torch {torch.__version__}")
+    lines = [f"**{title}**", "", "| batch | method | ms/step | tok/s | x transformers dynamic | same tokens |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{r['speedup_vs_transformers_dynamic']:.2f}" if r["speedup_vs_transformers_dynamic"] else "–"
+        lines.append(f"| {r['batch']} | {r['method']} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:.1f} | {ratio} | "
+                     f"{r['same_tokens_as_first_method']:.3f} |")
+    if ttft_ms is not None:
+        lines += ["", f"Time to first token, image + 64-token prompt (nanovlm-222m shape, tinyvlm eager): {ttft_ms:.1f} ms"]
+    if curve:
+        lines += ["", "| new tokens | cached s | uncached s | uncached / cached |", "|---|---|---|---|"]
+        lines += [f"| {p['new_tokens']} | {p['cached_s']:.2f} | {p['uncached_s']:.2f} | {p['uncached_s'] / p['cached_s']:.1f} |" for p in curve]
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"decode-{device.type}"
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(dict(title=title, rows=rows, ttft_ms=ttft_ms, curve=curve), indent=2))
+    plot(rows, curve, stem.with_suffix(".png"), title)
+    print("\n".join(lines))
+
+
+def plot(rows, curve, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        points = [(r["batch"], r["tokens_per_s"]) for r in rows if r["method"] == method]
+        left.plot(*zip(*points), "o-", label=method)
+    left.set(xlabel="batch size", ylabel="new tokens / s", xscale="log", yscale="log", title="decode throughput")
+    left.legend(fontsize=8)
+    if curve:
+        right.plot([p["new_tokens"] for p in curve], [p["cached_s"] for p in curve], "o-", label="KV cache")
+        right.plot([p["new_tokens"] for p in curve], [p["uncached_s"] for p in curve], "o-", label="no cache")
+        right.set(xlabel="new tokens", ylabel="seconds", title="cached vs uncached generation")
+        right.legend()
+    figure.suptitle(title, fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if cuda else "cpu")
+    parser.add_argument("--dtype", default="bfloat16" if cuda else "float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32] if cuda else [1])
+    parser.add_argument("--prompt-len", type=int, default=100)
+    parser.add_argument("--new-tokens", type=int, default=256 if cuda else 64)
+    parser.add_argument("--warmup-tokens", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3 if cuda else 1)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--curve-tokens", type=int, nargs="*", default=[16, 64, 256, 1000] if cuda else [8, 16, 32, 64])
+    parser.add_argument("--no-ttft", action="store_true", help="skip the time-to-first-token measurement")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    reference, ours = build_models(device, dtype)
+    rows = decode_table(reference, ours, args, device)
+    ttft = None if args.no_ttft else time_to_first_token(device, dtype, args.repeats)
+    curve = cache_curve(ours, args, device) if args.curve_tokens else []
+    write_results(rows, ttft, curve, args, device, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Training-step throughput: tokens/s, samples/s and model FLOPs utilisation (MFU) for a model shape.
+
+    python benchmarks/train_throughput.py                                   # tiny default on CPU
+    python benchmarks/train_throughput.py --shape nanovlm-222m --batch-size 64 --seq-len 128 --device cuda --compile
+
+A step is forward + backward + AdamW on random data (random weights; the shape is what matters). MFU follows
+nanoGPT's estimate_mfu: 6 FLOPs per parameter per token (or patch) for every matrix multiply, plus attention's
+12 x layers x width x sequence per token, divided by the device's peak (--peak-tflops; known for H100/H200/A100).
+Writes benchmarks/results/train_throughput-<device>.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from models import LanguageConfig, VisionConfig, VisionLanguageModel, VLMConfig  # noqa: E402
+from training.config import load_run_config  # noqa: E402
+
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense tensor-core peaks
+
+
+def shape(name: str) -> VLMConfig:
+    if name == "nanovlm-222m":  # SigLIP-B/16-224 + SmolLM2-135M, 49 image tokens (the pretrained sources need the hub)
+        return VLMConfig(vision=VisionConfig(), language=LanguageConfig(vocab_size=49216), image_token_id=49152)
+    config = load_run_config(name, {}).model
+    return config.replace({"language.vocab_size": "512", "image_token_id": "511"})
+
+
+def matmul_params(module: nn.Module) -> int:
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv2d)))
+
+
+def flops_per_step(config: VLMConfig, model: VisionLanguageModel, batch: int, seq: int) -> float:
+    """Training FLOPs (forward + backward) of one step, nanoGPT-style."""
+    v, lang = config.vision, config.language
+    lm = 6 * matmul_params(model.language) * batch * seq + 12 * lang.num_layers * lang.hidden_size * seq * batch * seq
+    patches = v.num_patches * batch
+    vision = 6 * (matmul_params(model.vision) + matmul_params(model.projector) * config.tokens_per_image / v.num_patches) * patches
+    vision += 12 * v.num_layers * v.hidden_size * v.num_patches * patches
+    return lm + vision
+
+
+def peak_flops(device: torch.device, override: float | None) -> float | None:
+    if override:
+        return override * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return next((tflops * 1e12 for key, tflops in PEAK_BF16_TFLOPS.items() if key in name), None)
+    return None
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="configs/tiny.yaml", help="nanovlm-222m, or a YAML run config")
+    parser.add_argument("--batch-size", type=int, default=64 if cuda else 32)
+    parser.add_argument("--seq-len", type=int, default=128 if cuda else 64)
+    parser.add_argument("--steps", type=int, default=20 if cuda else 5)
+    parser.add_argument("--warmup", type=int, default=5 if cuda else 2)
+    parser.add_argument("--device", default="cuda" if cuda else "cpu")
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=cuda, help="bf16 autocast")
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--peak-tflops", type=float, help="device peak for MFU (known for H100/H200/A100)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    config = shape(args.shape)
+    model = VisionLanguageModel(config).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    step_fn = torch.compile(model) if args.compile else model
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if args.bf16 and device.type == "cuda" else contextlib.nullcontext()
+    tokens_per_image = config.tokens_per_image
+    ids = torch.randint(0, config.language.vocab_size - 64, (args.batch_size, args.seq_len), device=device)
+    ids[:, 1 : 1 + tokens_per_image] = config.image_token_id
+    targets = ids.roll(-1, 1).masked_fill(ids.roll(-1, 1) == config.image_token_id, -100)
+    images = torch.randn(args.batch_size, 3, config.vision.image_size, config.vision.image_size, device=device)
+
+    def step() -> None:
+        with autocast:
+            _, loss = step_fn(ids, images, targets=targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(args.warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / args.steps
+    flops, peak = flops_per_step(config, model, args.batch_size, args.seq_len), peak_flops(device, args.peak_tflops)
+    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    result = dict(shape=args.shape, params_m=sum(p.numel() for p in model.parameters()) / 1e6, batch=args.batch_size,
+                  seq_len=args.seq_len, bf16=args.bf16, compile=args.compile, hardware=hardware, ms_per_step=1000 * seconds,
+                  tokens_per_s=args.batch_size * args.seq_len / seconds, samples_per_s=args.batch_size / seconds,
+                  achieved_tflops=flops / seconds / 1e12, mfu=flops / seconds / peak if peak else None)
+    mfu = f"{100 * result['mfu']:.1f}%" if result["mfu"] else "– (pass --peak-tflops)"
+    table = ["| shape | params | batch x seq | bf16 | compile | hardware | ms/step | tokens/s | samples/s | TFLOP/s | MFU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|",
+             f"| {args.shape} | {result['params_m']:.1f}M | {args.batch_size} x {args.seq_len} | {args.bf16} | {args.compile} | "
+             f"{hardware} | {result['ms_per_step']:.1f} | {result['tokens_per_s']:,.0f} | {result['samples_per_s']:,.1f} | "
+             f"{result['achieved_tflops']:.2f} | {mfu} |"]
+    print("\n".join(table))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"train_throughput-{device.type}"
+    stem.with_suffix(".md").write_text("\n".join(table) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
