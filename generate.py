@@ -19,6 +19,7 @@ import torch
 from data import CAPTION_PROMPT, ImageLoadError, ImageProcessor, encode_prompt, load_image
 from models import CheckpointError, ConfigError, GenerationError, VisionLanguageModel, kv_cache_bytes
 from training.checkpoint import find_checkpoint, newest_checkpoint
+from training.config import pick_device
 
 RUNS = Path("runs")
 
@@ -51,7 +52,7 @@ def check_prompt(prompt: str) -> str:
 
 
 def run(args: argparse.Namespace) -> None:
-    device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device(args.device)
     prompt = check_prompt(CAPTION_PROMPT if args.prompt is None else args.prompt)
     image = load_image(args.image)
     model, tokenizer = load(args.checkpoint, device)

@@ -31,7 +31,7 @@ from data import (IMAGE_TOKEN, ImageLoadError, ImageProcessor, VQACollator, buil
 from models import CheckpointError, ConfigError, GenerationError, VisionLanguageModel
 from models.loading import resolve
 from training.checkpoint import RUN_CONFIG, find_checkpoint, load_training_state, save_checkpoint
-from training.config import RunConfig, load_run_config, parse_overrides
+from training.config import RunConfig, load_run_config, parse_overrides, pick_device
 from training.evaluate import answer, exact_match, save_loss_curve, save_prediction_grid, validation_loss
 from training.optim import build_optimizer, build_scheduler
 
@@ -126,10 +126,6 @@ def build_model(config: RunConfig, tokenizer) -> VisionLanguageModel:
     model = VisionLanguageModel.from_backbones(config.model.replace(settings))
     model.resize_token_embeddings(len(tokenizer), settings["image_token_id"])
     return model
-
-
-def pick_device(name: str) -> torch.device:
-    return torch.device("cuda" if name == "auto" and torch.cuda.is_available() else "cpu" if name == "auto" else name)
 
 
 def train(config: RunConfig, resume: Path | None = None) -> dict:

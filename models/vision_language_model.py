@@ -24,6 +24,7 @@ from models.sampling import SamplingParams, sample
 from models.vision_transformer import VisionTransformer
 
 STOP_CHECK_INTERVAL = 8  # decode steps between host-side "has every row finished?" checks
+COMPILED_CACHE_BUCKET = 256  # the compiled step's cache capacity is rounded up to this, so lengths share one graph
 
 
 class GenerationError(ValueError):
@@ -111,6 +112,8 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
             raise GenerationError(f"max_new_tokens and num_samples must be >= 1, got {max_new_tokens} and {num_samples}")
         if capacity > context:
             raise GenerationError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context of {context} tokens")
+        if compile and use_cache:
+            capacity = min(context, -(-capacity // COMPILED_CACHE_BUCKET) * COMPILED_CACHE_BUCKET)
         eos_ids = torch.tensor([] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id,
                                device=input_ids.device, dtype=torch.long)
         pad_token_id = pad_token_id if pad_token_id is not None else (int(eos_ids[0]) if len(eos_ids) else 0)

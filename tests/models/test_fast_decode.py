@@ -45,3 +45,19 @@ def test_compiled_decode_equals_eager_without_recompiling(model):
     again = model.generate(ids, images, mask, max_new_tokens=16, greedy=True, compile=True)
     assert torch.equal(again, eager) and counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"], dict(counters)
     assert sum(counters["frames"].values()) >= frames
+
+
+@pytest.mark.slow
+def test_compiled_decode_reuses_its_graph_across_lengths(model):
+    from torch._dynamo.utils import counters
+
+    ids, mask, images = left_padded_batch()
+    model.generate(ids, images, mask, max_new_tokens=4, greedy=True, compile=True)
+    counters.clear()
+    shorter = (ids[[0, 2], 5:], images[[0, 2]], mask[[0, 2], 5:])  # prompts of 9 and 12 tokens, less padding
+    for (batch_ids, batch_images, batch_mask), new_tokens in [((ids, images, mask), 9), (shorter, 30)]:
+        eager = model.generate(batch_ids, batch_images, batch_mask, max_new_tokens=new_tokens, greedy=True)
+        compiled = model.generate(batch_ids, batch_images, batch_mask, max_new_tokens=new_tokens, greedy=True, compile=True)
+        assert torch.equal(compiled, eager)
+    # batch 3 reuses the first graph; batch 2 needs its own, once (lengths never force a recompile)
+    assert counters["stats"]["unique_graphs"] <= 1, dict(counters)
