@@ -45,7 +45,7 @@ def test_boolean_and_numeric_overrides_parse():
     (["--train.compile", "perhaps"], "train.compile: expected true or false"),
     (["--train.max_steps"], "--train.max_steps needs a value"),
     (["max_steps"], "unexpected argument 'max_steps'"),
-    (["--model.language.num_kv_heads", "3"], r"num_heads \(4\) must be divisible by language.num_kv_heads \(3\)"),
+    (["--model.language.num_kv_heads", "3"], r"num_heads \(\d+\) must be divisible by language.num_kv_heads \(3\)"),
 ])
 def test_bad_overrides_are_clear_errors(argv, message):
     with pytest.raises(ConfigError, match=message):
