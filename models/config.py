@@ -91,6 +91,12 @@ class Config:
             raise ConfigError(f"unknown key {prefix}{unknown[0]}; valid keys: {', '.join(prefix + n for n in names)}")
         return cls(**{k: coerce(v, hints[k], prefix + k) for k, v in values.items()})
 
+    def check_at_least(self, section: str, minimum: float, names: tuple[str, ...]) -> None:
+        """ConfigError unless every named field is >= minimum (minimum 1 for counts means "positive")."""
+        for name in names:
+            value = getattr(self, name)
+            check(value >= minimum, f"{section}.{name} must be {'positive' if minimum == 1 else f'>= {minimum}'}, got {value}")
+
     def to_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(dataclasses.asdict(self)))  # tuples -> lists, as JSON holds them
 
@@ -137,8 +143,8 @@ class VisionConfig(Config):
     pretrained: str | None = None  # SigLIP checkpoint to load: local directory or hub id
 
     def __post_init__(self) -> None:
-        for name in ("image_size", "patch_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_channels"):
-            check(getattr(self, name) > 0, f"vision.{name} must be positive, got {getattr(self, name)}")
+        self.check_at_least("vision", 1, ("image_size", "patch_size", "hidden_size", "intermediate_size", "num_layers",
+                                          "num_heads", "num_channels"))
         check(self.image_size % self.patch_size == 0,
               f"vision.image_size ({self.image_size}) must be divisible by vision.patch_size ({self.patch_size})")
         check(self.hidden_size % self.num_heads == 0,
@@ -184,8 +190,8 @@ class LanguageConfig(Config):
     pretrained: str | None = None  # Llama checkpoint: local directory, hub id, .gguf path or package://pkg/file.gguf
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "max_position_embeddings"):
-            check(getattr(self, name) > 0, f"language.{name} must be positive, got {getattr(self, name)}")
+        self.check_at_least("language", 1, ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                                            "num_kv_heads", "max_position_embeddings"))
         check(self.hidden_size % self.num_heads == 0,
               f"language.hidden_size ({self.hidden_size}) must be divisible by language.num_heads ({self.num_heads})")
         check(self.num_heads % self.num_kv_heads == 0,

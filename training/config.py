@@ -45,12 +45,10 @@ class TrainConfig(Config):
     wandb_project: str = "tinyvlm"
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "batch_size", "grad_accum_steps", "max_length", "eval_every", "save_every",
-                     "keep_checkpoints", "log_every"):
-            check(getattr(self, name) > 0, f"train.{name} must be positive, got {getattr(self, name)}")
-        for name in ("lr_projector", "lr_vision", "lr_language", "weight_decay", "warmup_steps", "grad_clip",
-                     "eval_batches", "eval_questions", "num_threads", "decay_steps"):
-            check(getattr(self, name) >= 0, f"train.{name} must be >= 0, got {getattr(self, name)}")
+        self.check_at_least("train", 1, ("max_steps", "batch_size", "grad_accum_steps", "max_length", "eval_every", "save_every",
+                                         "keep_checkpoints", "log_every"))
+        self.check_at_least("train", 0, ("lr_projector", "lr_vision", "lr_language", "weight_decay", "warmup_steps", "grad_clip",
+                                         "eval_batches", "eval_questions", "num_threads", "decay_steps"))
         check(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
         check(0 < self.adam_beta2 < 1, f"train.adam_beta2 must lie in (0, 1), got {self.adam_beta2}")
         check(self.decay_steps == 0 or self.decay_steps >= self.warmup_steps,
