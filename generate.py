@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from data import CAPTION_PROMPT, ImageLoadError, ImageProcessor, encode_prompt, load_image
+from data import CAPTION_PROMPT, ImageLoadError, ImageProcessor, PromptError, encode_prompt, load_image
 from models import CheckpointError, ConfigError, GenerationError, VisionLanguageModel, kv_cache_bytes
 from training.checkpoint import find_checkpoint, newest_checkpoint
 from training.config import pick_device
@@ -24,7 +24,7 @@ from training.config import pick_device
 RUNS = Path("runs")
 
 
-def load(checkpoint: Path | None, device: torch.device):
+def load(checkpoint: Path | None, device: torch.device, allow_pickle: bool = False):
     """Model and tokenizer from a checkpoint directory (or the newest one under runs/)."""
     from transformers import AutoTokenizer
 
@@ -33,7 +33,7 @@ def load(checkpoint: Path | None, device: torch.device):
         print(f"using the newest checkpoint: {path}", file=sys.stderr)
     else:
         path = find_checkpoint(checkpoint)
-    model = VisionLanguageModel.from_pretrained(path, map_location=device).eval()
+    model = VisionLanguageModel.from_pretrained(path, map_location=device, allow_pickle=allow_pickle).eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
@@ -44,10 +44,6 @@ def load(checkpoint: Path | None, device: torch.device):
 def check_prompt(prompt: str) -> str:
     if not prompt.strip():
         raise GenerationError("the prompt is empty (leave --prompt out to caption the image)")
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise GenerationError("the prompt is not valid UTF-8") from None
     return prompt
 
 
@@ -55,7 +51,7 @@ def run(args: argparse.Namespace) -> None:
     device = pick_device(args.device)
     prompt = check_prompt(CAPTION_PROMPT if args.prompt is None else args.prompt)
     image = load_image(args.image)
-    model, tokenizer = load(args.checkpoint, device)
+    model, tokenizer = load(args.checkpoint, device, args.allow_pickle)
     pixels = ImageProcessor.from_config(model.config.vision)(image)[None].to(device)
     ids = torch.tensor([encode_prompt(tokenizer, prompt, 1, model.config.tokens_per_image)], device=device)
     rows, tokens = args.num_samples, ids.shape[1] + args.max_new_tokens
@@ -97,10 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument("--compile", action="store_true", help="compiled, shape-static decode step (CUDA graphs on GPU)")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="accept pytorch_model.bin weights (read with torch.load(weights_only=True)); only for files you trust")
     args = parser.parse_args(argv)
     try:
         run(args)
-    except (ConfigError, CheckpointError, GenerationError, ImageLoadError) as e:
+    except (ConfigError, CheckpointError, GenerationError, ImageLoadError, PromptError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

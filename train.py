@@ -26,8 +26,8 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 from tqdm import tqdm
 
-from data import (IMAGE_TOKEN, ImageLoadError, ImageProcessor, VQACollator, build_datasets, build_shapes_tokenizer,
-                  conversation_texts, prepare_tokenizer, token_id)
+from data import (IMAGE_TOKEN, BadRecordError, CheckedRecords, DataSourceError, ImageLoadError, ImageProcessor, VQACollator,
+                  build_datasets, build_shapes_tokenizer, conversation_texts, prepare_tokenizer, token_id)
 from models import CheckpointError, ConfigError, GenerationError, VisionLanguageModel
 from models.loading import resolve
 from training.checkpoint import RUN_CONFIG, find_checkpoint, load_training_state, save_checkpoint
@@ -93,6 +93,8 @@ def train_step(forward, model, batches, optimizer, scheduler, tc, autocast, devi
     step_loss, tokens = 0.0, 0
     for _ in range(tc.grad_accum_steps):
         batch = {k: v.to(device) for k, v in next(batches).items()}
+        if not batch["input_ids"].numel():  # every record of it was bad or too long
+            continue
         with autocast:
             _, loss = forward(**batch)
         (loss / tc.grad_accum_steps).backward()
@@ -123,7 +125,7 @@ def build_model(config: RunConfig, tokenizer) -> VisionLanguageModel:
     settings = {"image_token_id": token_id(tokenizer, IMAGE_TOKEN), "language.eos_token_id": tokenizer.eos_token_id}
     if not config.model.language.pretrained:
         settings["language.vocab_size"] = len(tokenizer)
-    model = VisionLanguageModel.from_backbones(config.model.replace(settings))
+    model = VisionLanguageModel.from_backbones(config.model.replace(settings), config.train.allow_pickle)
     model.resize_token_embeddings(len(tokenizer), settings["image_token_id"])
     return model
 
@@ -155,11 +157,13 @@ def train(config: RunConfig, resume: Path | None = None) -> dict:
     state = load_training_state(resume, optimizer, scheduler) if resume else {"step": 0, "data_position": 0, "history": []}
     step, history = state["step"], state["history"]
 
-    sampler = ResumableBatchSampler(len(train_data), tc.batch_size, tc.seed, start=state["data_position"])
-    batches = iter(DataLoader(train_data, batch_sampler=sampler, collate_fn=collator))
-    data_position = state["data_position"]
-    validation_batches = [collator([validation_data[i] for i in range(s, min(s + tc.batch_size, len(validation_data)))])
-                          for s in range(0, min(len(validation_data), tc.eval_batches * tc.batch_size), tc.batch_size)]
+    train_records = CheckedRecords(train_data, config.data.on_bad_record, "train", report=tqdm.write)
+    validation_records = CheckedRecords(validation_data, config.data.on_bad_record, "validation", report=tqdm.write)
+    sampler = ResumableBatchSampler(len(train_records), tc.batch_size, tc.seed, start=state["data_position"])
+    batches = iter(DataLoader(train_records, batch_sampler=sampler, collate_fn=collator))
+    data_position, bad_before = state["data_position"], state.get("bad_records", 0)
+    validation_batches = [collator([validation_records[i] for i in range(s, min(s + tc.batch_size, len(validation_records)))])
+                          for s in range(0, min(len(validation_records), tc.eval_batches * tc.batch_size), tc.batch_size)]
     forward = torch.compile(model) if tc.compile else model
     run = None
     if tc.wandb:
@@ -201,21 +205,24 @@ def train(config: RunConfig, resume: Path | None = None) -> dict:
                     raise TrainingError(f"the weights hold NaN/inf at step {step + 1}: not saved; the checkpoints in {output_dir} are intact")
                 path = save_checkpoint(output_dir, step + 1, model, tokenizer, optimizer, scheduler, config, tc.keep_checkpoints,
                                        extra={"data_position": data_position, "history": history, "skipped_steps": skipped,
+                                              "bad_records": bad_before + train_records.num_bad,
                                               "validation": state.get("validation", [])})
                 if stop.requested and not done:
                     progress.close()
                     print(f"{stop.requested}: saved {path}; continue with: python train.py --resume {output_dir}", flush=True)
                     return {"step": step + 1, "stopped_by": stop.requested}
     progress.close()
-    return finish(model, tokenizer, processor, validation_data, config, state.get("validation", []), history, device, run)
+    metrics = {"step": tc.max_steps, "train_loss": history[-1][1] if history else None,
+               "validation_loss": state["validation"][-1][1] if state.get("validation") else None,
+               "skipped_steps": skipped, "bad_records": bad_before + train_records.num_bad}
+    return finish(model, tokenizer, processor, validation_records, config, state.get("validation", []), history, metrics, device, run)
 
 
-def finish(model, tokenizer, processor, validation_data, config: RunConfig, validation_losses, history, device, run) -> dict:
+def finish(model, tokenizer, processor, validation_records: CheckedRecords, config: RunConfig, validation_losses, history,
+           metrics: dict, device, run) -> dict:
     """Final exact-match scores, metrics.json, loss curve, prediction grid, and one held-out image for the demo."""
     tc, output_dir = config.train, Path(config.train.output_dir)
-    records = [validation_data[i] for i in range(min(tc.eval_questions, len(validation_data)))]
-    metrics = {"step": tc.max_steps, "train_loss": history[-1][1] if history else None,
-               "validation_loss": validation_losses[-1][1] if validation_losses else None}
+    records = [r for r in map(validation_records.__getitem__, range(min(tc.eval_questions, len(validation_records)))) if r]
     if records:
         predictions = answer(model, tokenizer, processor, records, device)
         metrics.update(exact_match(records, predictions))
@@ -246,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             config_path = args.config or (Path(__file__).parent / "configs" / "tiny.yaml")
             train(load_run_config(config_path, overrides))
-    except (ConfigError, CheckpointError, GenerationError, ImageLoadError, TrainingError) as e:
+    except (BadRecordError, ConfigError, CheckpointError, DataSourceError, GenerationError, ImageLoadError, TrainingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -36,7 +36,8 @@ class VQACollator:
 
     input_ids, attention_mask, targets: LongTensor [B, T]; images: FloatTensor [N, 3, H, W], in the order their
     placeholders appear (row by row). A record whose ids exceed `max_length` is dropped, never truncated, and counted
-    in `num_too_long` (per process: DataLoader workers each keep their own count); a batch may thus have no rows.
+    in `num_too_long` (per process: DataLoader workers each keep their own count); None records (bad ones that
+    `CheckedRecords` skipped) are left out. A batch may thus have no rows.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, processor: ImageProcessor, tokens_per_image: int,
@@ -50,9 +51,9 @@ class VQACollator:
         self.tokens_per_image, self.max_length, self.padding_side = tokens_per_image, max_length, padding_side
         self.num_too_long = 0
 
-    def __call__(self, records: list[dict]) -> dict[str, torch.Tensor]:
+    def __call__(self, records: list[dict | None]) -> dict[str, torch.Tensor]:
         id_rows, target_rows, images = [], [], []
-        for record in records:
+        for record in filter(None, records):
             ids, targets = encode_conversation(self.tokenizer, record["texts"], len(record["images"]), self.tokens_per_image)
             if len(ids) > self.max_length:
                 self.num_too_long += 1

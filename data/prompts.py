@@ -10,8 +10,18 @@ CAPTION_PROMPT = "Describe the image."  # the user turn of caption samples; gene
 IGNORE_INDEX = -100  # targets at positions that carry no loss
 
 
+class PromptError(ValueError):
+    """Text that cannot be encoded: not a string, or not valid Unicode (e.g. invalid UTF-8 bytes from a command line)."""
+
+
 def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """Plain text: no BOS/EOS, and special-token strings a user typed (a literal "<|image|>") stay ordinary text."""
+    if not isinstance(text, str):
+        raise PromptError(f"expected text, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # Python decodes undecodable argv bytes to lone surrogates
+        raise PromptError(f"the text is not valid UTF-8 (undecodable bytes at character {e.start})") from None
     return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 

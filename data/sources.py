@@ -116,6 +116,7 @@ class DataConfig(Config):
     path: str | None = None  # source=jsonl|imagefolder: the JSONL file or the image folder
     validation_path: str | None = None  # source=jsonl|imagefolder: optional; without it, `holdout` records are held out
     holdout: int = 500  # training records held out for validation when there is no validation_path
+    on_bad_record: Literal["skip", "fail"] = "skip"  # a corrupt image or malformed record: skip and count it, or stop
 
     def __post_init__(self) -> None:
         check(self.source != "cauldron" or bool(self.subsets),

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from models.config import LanguageConfig
 from models.kv_cache import KVCache, allocate, write
-from models.loading import CheckpointError, load_checked, read_json, read_safetensors, rename_keys, resolve
+from models.loading import CheckpointError, load_checked, read_json, read_weights, rename_keys, resolve, weight_patterns
 
 
 # Root-mean-square LayerNorm (Zhang & Sennrich, 2019), as transformers' LlamaRMSNorm computes it.
@@ -259,15 +259,16 @@ class LanguageModel(nn.Module):
         self.config = LanguageConfig.from_dict({**self.config.to_dict(), "vocab_size": vocab_size})
 
     @classmethod
-    def from_pretrained(cls, source: str | Path) -> LanguageModel:
-        """A Hugging Face Llama checkpoint (directory or hub id, safetensors) or a `.gguf` file, as our model."""
-        path = resolve(source, allow_patterns=["*.json", "*.safetensors"])
+    def from_pretrained(cls, source: str | Path, allow_pickle: bool = False) -> LanguageModel:
+        """A Hugging Face Llama checkpoint (directory or hub id, safetensors) or a `.gguf` file, as our model.
+        `allow_pickle` also reads `.bin` weights, with `torch.load(weights_only=True)`."""
+        path = resolve(source, allow_patterns=weight_patterns(allow_pickle))
         if path.suffix == ".gguf":
             hf_config, hf_weights = _read_gguf(path)
             config = config_from_hf(hf_config)
         else:  # check the architecture before reading any weights
             config = config_from_hf(read_json(path / "config.json"))
-            hf_weights = read_safetensors(path)
+            hf_weights = read_weights(path, allow_pickle)
         config = LanguageConfig.from_dict({**config.to_dict(), "pretrained": str(source)})
         model = cls(config)
         load_checked(model, rename_keys(hf_weights, HF_LLAMA_KEYS, ignore=r"rotary_emb\.inv_freq$"), source)

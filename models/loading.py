@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pickle
 import re
 import tempfile
 from pathlib import Path
@@ -16,6 +17,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+PICKLE_REFUSED = ("pickle files can run code and are refused; convert to safetensors, or opt in with allow_pickle=True "
+                  "(--allow-pickle) to read them with torch.load(weights_only=True)")
 
 
 class CheckpointError(ValueError):
@@ -47,6 +50,11 @@ def resolve(source: str | Path, allow_patterns: list[str] | None = None) -> Path
         raise CheckpointError(f"{source}: not a local path, and the hub could not provide it ({type(e).__name__})") from None
 
 
+def weight_patterns(allow_pickle: bool) -> list[str]:
+    """Hub files worth downloading for a checkpoint: configs and safetensors, plus pickles when allowed."""
+    return ["*.json", "*.safetensors", *(["*.bin"] if allow_pickle else [])]
+
+
 def read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{path.parent}: missing {path.name}")
@@ -56,26 +64,48 @@ def read_json(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
 
 
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Tensors of a `.safetensors` file or of a directory (single file or sharded with an index). Never unpickles."""
+def read_weights(path: Path, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """Tensors of a weights file or directory: safetensors (single or sharded with an index), never unpickled.
+
+    Pickle files (`.bin`, `.pt`, ...) can run code when loaded, so they are refused unless `allow_pickle`, and even then
+    read with `torch.load(weights_only=True)`, which only rebuilds tensors and plain containers.
+    """
     if path.is_dir():
-        index, single = path / "model.safetensors.index.json", path / "model.safetensors"
-        if index.is_file():
-            shards = sorted(set(read_json(index)["weight_map"].values()))
-            return {k: v for shard in shards for k, v in read_safetensors(path / shard).items()}
-        if single.is_file():
-            return read_safetensors(single)
+        layouts = [("model.safetensors.index.json", "model.safetensors")]
+        if allow_pickle:
+            layouts.append(("pytorch_model.bin.index.json", "pytorch_model.bin"))
+        for index, single in layouts:
+            if (path / index).is_file():
+                shards = sorted(set(read_json(path / index)["weight_map"].values()))
+                return {k: v for shard in shards for k, v in read_weights(path / shard, allow_pickle).items()}
+            if (path / single).is_file():
+                return read_weights(path / single, allow_pickle)
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        hint = f" (found {', '.join(pickles)}: pickle files are refused; convert them to safetensors)" if pickles else ""
+        hint = f" (found {', '.join(pickles)}: {PICKLE_REFUSED})" if pickles else ""
         raise CheckpointError(f"{path}: no model.safetensors{hint}")
-    if path.suffix in PICKLE_SUFFIXES:
-        raise CheckpointError(f"{path}: pickle files are refused (they can run code); convert to safetensors")
     if not path.is_file():
         raise CheckpointError(f"{path}: missing weights file")
+    if path.suffix in PICKLE_SUFFIXES:
+        if not allow_pickle:
+            raise CheckpointError(f"{path}: {PICKLE_REFUSED}")
+        return _read_pickle(path)
     try:
         return load_file(path)
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{path}: unreadable or truncated safetensors file ({e})") from None
+
+
+def _read_pickle(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # weights_only met an object that is not a tensor or a plain container
+        culprit = next((line for line in str(e).splitlines() if "GLOBAL" in line), "it holds objects other than tensors")
+        raise CheckpointError(f"{path}: refused by torch.load(weights_only=True): {culprit.strip()}") from None
+    except (RuntimeError, OSError, EOFError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable or truncated pickle file ({type(e).__name__})") from None
+    if not (isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values())):
+        raise CheckpointError(f"{path}: expected a state dict of tensors, got {type(state).__name__}")
+    return state
 
 
 def rename_keys(state_dict: dict[str, torch.Tensor], rules: list[tuple[str, str]], ignore: str = r"$^") -> dict[str, torch.Tensor]:

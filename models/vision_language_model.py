@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from models.config import VLMConfig
 from models.kv_cache import repeat_rows
 from models.language_model import LanguageModel
-from models.loading import CheckpointError, atomic_write, load_checked, read_safetensors, resolve, save_weights
+from models.loading import CheckpointError, atomic_write, load_checked, read_weights, resolve, save_weights, weight_patterns
 from models.modality_projector import ModalityProjector
 from models.sampling import SamplingParams, sample
 from models.vision_transformer import VisionTransformer
@@ -41,11 +41,11 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         self.language = LanguageModel(config.language)
 
     @classmethod
-    def from_backbones(cls, config: VLMConfig) -> VisionLanguageModel:
+    def from_backbones(cls, config: VLMConfig, allow_pickle: bool = False) -> VisionLanguageModel:
         """A new VLM whose vision tower and/or language model are loaded from `config`'s `pretrained` sources
         (their architecture fields are then taken from those checkpoints)."""
-        vision = VisionTransformer.from_pretrained(config.vision.pretrained) if config.vision.pretrained else None
-        language = LanguageModel.from_pretrained(config.language.pretrained) if config.language.pretrained else None
+        vision = VisionTransformer.from_pretrained(config.vision.pretrained, allow_pickle) if config.vision.pretrained else None
+        language = LanguageModel.from_pretrained(config.language.pretrained, allow_pickle) if config.language.pretrained else None
         config = VLMConfig(vision=vision.config if vision else config.vision, projector=config.projector,
                            language=language.config if language else config.language, image_token_id=config.image_token_id)
         model = cls(config)
@@ -176,14 +176,16 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         atomic_write(Path(save_directory) / "config.json", self.config.save_json)
 
     @classmethod
-    def from_pretrained(cls, source: str | Path, map_location: str | torch.device = "cpu") -> VisionLanguageModel:
-        """A model saved with `save_pretrained`: local directory or hub id (config.json + model.safetensors)."""
-        path = resolve(source, allow_patterns=["config.json", "model.safetensors"])
+    def from_pretrained(cls, source: str | Path, map_location: str | torch.device = "cpu",
+                        allow_pickle: bool = False) -> VisionLanguageModel:
+        """A model saved with `save_pretrained`: local directory or hub id (config.json + model.safetensors; with
+        `allow_pickle`, a `pytorch_model.bin` read by `torch.load(weights_only=True)` will also do)."""
+        path = resolve(source, allow_patterns=weight_patterns(allow_pickle))
         if not path.is_dir():
             raise CheckpointError(f"{source}: expected a checkpoint directory with config.json and model.safetensors")
         config_file = path / "config.json"
         if not config_file.is_file():
             raise CheckpointError(f"{path}: missing config.json")
         model = cls(VLMConfig.from_json(config_file))
-        load_checked(model, read_safetensors(path), path)
+        load_checked(model, read_weights(path, allow_pickle), path)
         return model.to(map_location)

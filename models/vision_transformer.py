@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.config import VisionConfig
-from models.loading import CheckpointError, load_checked, read_json, read_safetensors, rename_keys, resolve
+from models.loading import CheckpointError, load_checked, read_json, read_weights, rename_keys, resolve, weight_patterns
 
 
 # Multi-head self-attention over all patches (no mask), as in transformers' SiglipAttention.
@@ -106,11 +106,12 @@ class VisionTransformer(nn.Module):
         return self.norm(x)
 
     @classmethod
-    def from_pretrained(cls, source: str | Path) -> VisionTransformer:
-        """The vision tower of a SigLIP checkpoint (SiglipVisionModel or SiglipModel; directory or hub id)."""
-        path = resolve(source, allow_patterns=["*.json", "*.safetensors"])
+    def from_pretrained(cls, source: str | Path, allow_pickle: bool = False) -> VisionTransformer:
+        """The vision tower of a SigLIP checkpoint (SiglipVisionModel or SiglipModel; directory or hub id).
+        `allow_pickle` also reads `.bin` weights, with `torch.load(weights_only=True)`."""
+        path = resolve(source, allow_patterns=weight_patterns(allow_pickle))
         preprocessor = path / "preprocessor_config.json"
         config = config_from_hf(read_json(path / "config.json"), read_json(preprocessor) if preprocessor.is_file() else None)
         model = cls(VisionConfig.from_dict({**config.to_dict(), "pretrained": str(source)}))
-        load_checked(model, rename_keys(read_safetensors(path), HF_SIGLIP_KEYS, ignore=HF_SIGLIP_UNUSED), source)
+        load_checked(model, rename_keys(read_weights(path, allow_pickle), HF_SIGLIP_KEYS, ignore=HF_SIGLIP_UNUSED), source)
         return model

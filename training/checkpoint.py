@@ -1,7 +1,8 @@
 """Resumable checkpoints: the `save_pretrained` layout, the tokenizer, the run config and the training state.
 
-Each checkpoint is written into a staging directory, fsynced, then renamed to `step_NNNNNN`: a crash at any moment
-leaves the previous checkpoints intact and no half-written `step_*` directory. Optimizer tensors and RNG states go to
+Each checkpoint is written into a staging directory, fsynced, then renamed to `step_NNNNNN`; old ones are renamed away
+before they are deleted. A crash at any moment leaves the previous checkpoints intact and no half-written or
+half-deleted `step_*` directory. Optimizer tensors and RNG states go to
 safetensors, everything else to JSON: nothing is ever unpickled.
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from models.loading import CheckpointError
@@ -58,10 +60,39 @@ def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> 
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer: torch.optim.Optimizer, scheduler,
                     run_config, keep: int, extra: dict[str, Any] | None = None) -> Path:
-    """Write `run_dir/step_NNNNNN` atomically; keep the newest `keep` checkpoints."""
+    """Write `run_dir/step_NNNNNN` atomically; keep the newest `keep` checkpoints.
+
+    A failed write (disk full, quota, permissions) removes the staging directory and raises CheckpointError; the
+    checkpoints already there are untouched.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     final, staging = run_dir / f"step_{step:06d}", run_dir / f".staging_step_{step:06d}"
-    shutil.rmtree(staging, ignore_errors=True)
+    for leftover in [*run_dir.glob(".staging_step_*"), *run_dir.glob(".retired_step_*")]:  # from a run killed mid-save
+        shutil.rmtree(leftover)
+    try:
+        _write(staging, step, model, tokenizer, optimizer, scheduler, run_config, extra or {})
+    except (OSError, SafetensorError) as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        reason = " ".join(str(e).split()) or type(e).__name__
+        previous = checkpoints(run_dir)
+        kept = f"the newest complete checkpoint, {previous[-1]}, is intact" if previous else "no earlier checkpoint exists"
+        raise CheckpointError(f"could not write checkpoint {final} ({reason}); {kept}") from None
+    # Old checkpoints leave by rename before they are deleted, so a step_* directory is never half deleted.
+    retired = [_retire(final)] if final.exists() else []  # the same step written again (after a resume)
+    os.replace(staging, final)
+    retired += [_retire(old) for old in checkpoints(run_dir)[:-keep]]
+    _fsync(run_dir)
+    for path in retired:
+        shutil.rmtree(path)
+    return final
+
+
+def _retire(checkpoint: Path) -> Path:
+    return checkpoint.rename(checkpoint.with_name(f".retired_{checkpoint.name}"))
+
+
+def _write(staging: Path, step: int, model, tokenizer, optimizer, scheduler, run_config, extra: dict[str, Any]) -> None:
+    """Every file of a checkpoint into `staging`, each fsynced, and the directory itself."""
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     run_config.save_json(staging / RUN_CONFIG)
@@ -70,18 +101,11 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer: torch
     if torch.cuda.is_available():
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
     save_file(tensors, staging / STATE_TENSORS)
-    state = {"step": step, "scheduler": scheduler.state_dict(), "optimizer": optimizer_meta, **(extra or {})}
+    state = {"step": step, "scheduler": scheduler.state_dict(), "optimizer": optimizer_meta, **extra}
     (staging / STATE_JSON).write_text(json.dumps(state))
     for file in staging.iterdir():
         _fsync(file)
     _fsync(staging)
-    if final.exists():  # the same step written again (after a resume): replace it
-        shutil.rmtree(final)
-    os.replace(staging, final)
-    _fsync(run_dir)
-    for old in checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old)
-    return final
 
 
 def checkpoints(run_dir: Path) -> list[Path]:

@@ -42,6 +42,7 @@ class TrainConfig(Config):
     compile: bool = False
     num_threads: int = 0  # CPU threads for torch (0: torch's default)
     wandb: bool = False
+    allow_pickle: bool = False  # read pretrained backbones' .bin weights (torch.load(weights_only=True)); safetensors otherwise
     wandb_project: str = "tinyvlm"
 
     def __post_init__(self) -> None:

@@ -1,6 +1,7 @@
 """save_pretrained / from_pretrained: exact round trip, atomic files, clear errors for checkpoints that do not fit."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -64,12 +65,28 @@ def test_truncated_weights_are_refused(saved):
         VisionLanguageModel.from_pretrained(directory)
 
 
-def test_pickle_weights_are_refused(saved):
+def test_pickle_weights_are_refused_unless_the_user_opts_in(saved):
     model, directory = saved
     (directory / "model.safetensors").unlink()
     torch.save(model.state_dict(), directory / "pytorch_model.bin")
-    with pytest.raises(CheckpointError, match="pickle files are refused"):
+    with pytest.raises(CheckpointError, match="pickle files can run code and are refused.*allow_pickle=True"):
         VisionLanguageModel.from_pretrained(directory)
+    loaded = VisionLanguageModel.from_pretrained(directory, allow_pickle=True)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo this must never run",))
+
+
+def test_opted_in_pickles_are_read_with_weights_only(saved, tmp_path, capfd):
+    model, directory = saved
+    (directory / "model.safetensors").unlink()
+    torch.save({**model.state_dict(), "payload": _RunsCode()}, directory / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"refused by torch.load\(weights_only=True\): .*GLOBAL .*system"):
+        VisionLanguageModel.from_pretrained(directory, allow_pickle=True)
+    assert "must never run" not in capfd.readouterr().out
 
 
 def test_missing_config_and_invalid_config(saved, tmp_path):

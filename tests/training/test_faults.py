@@ -1,6 +1,9 @@
-"""Faults during training lose nothing: a SIGTERM writes a resumable checkpoint; a NaN loss never reaches the weights."""
+"""Faults during training lose nothing: a SIGTERM writes a resumable checkpoint; a NaN loss never reaches the weights;
+bad records are skipped and counted, or stop the run with a message naming them."""
 
+import errno
 import json
+import resource
 import signal
 import subprocess
 import sys
@@ -10,9 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models import VisionLanguageModel
+from models import CheckpointError, VisionLanguageModel
+from training import checkpoint
+from training.checkpoint import find_checkpoint
 from tests.training.helpers import SMALL, small_config
-from train import TrainingError, train
+from data import ImageLoadError, build_datasets, make_shapes_dataset
+from train import TrainingError, main, train
 
 
 def test_sigterm_writes_a_resumable_checkpoint_and_exits_0(tmp_path):
@@ -66,3 +72,90 @@ def test_a_nan_loss_stops_the_run_when_asked(tmp_path, monkeypatch):
     with pytest.raises(TrainingError, match="non-finite loss or gradient at step 4"):
         train(config)
     assert [p.name for p in sorted(tmp_path.glob("step_*"))] == ["step_000002"]
+
+
+def _jsonl_with_bad_images(tmp_path, bad: dict[int, bytes]):
+    """A JSONL dataset of 40 synthetic records whose images at the `bad` indices are overwritten with those bytes."""
+    rows = make_shapes_dataset("train", 40, seed=0, image_size=32)
+    lines = []
+    for i, row in enumerate(rows):
+        row["images"][0].save(tmp_path / f"{i}.png")
+        if i in bad:
+            (tmp_path / f"{i}.png").write_bytes(bad[i])
+        lines.append(json.dumps({"images": [f"{i}.png"], "texts": row["texts"]}))
+    (tmp_path / "data.jsonl").write_text("\n".join(lines))
+    return {"data.source": "jsonl", "data.path": str(tmp_path / "data.jsonl"), "data.holdout": "4"}
+
+
+def test_bad_records_are_skipped_and_counted(tmp_path):
+    data = _jsonl_with_bad_images(tmp_path, {3: b"", 7: b"\x89PNG\r\n\x1a\n truncated", 11: b"plain text"})
+    config = small_config(tmp_path / "run", **data, **{"train.max_steps": "3", "train.save_every": "3", "train.eval_every": "3",
+                                                       "train.batch_size": "36"})  # one batch = every training record
+    train_data, _ = build_datasets(config.data)
+    assert len(train_data) == 36
+    bad_in_train = sum(1 for i in range(36) if _unreadable(train_data, i))
+    metrics = train(config)
+    assert metrics["bad_records"] == 3 * bad_in_train > 0
+    state = json.loads((tmp_path / "run" / "step_000003" / "training_state.json").read_text())
+    assert state["bad_records"] == metrics["bad_records"]
+    weights = load_file(tmp_path / "run" / "step_000003" / "model.safetensors")
+    assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+def _unreadable(dataset, index: int) -> bool:
+    try:
+        dataset[index]
+    except ImageLoadError:
+        return True
+    return False
+
+
+def test_a_bad_record_stops_the_run_when_asked(tmp_path, capsys):
+    data = _jsonl_with_bad_images(tmp_path, {i: b"plain text" for i in range(40) if i % 5 == 0})
+    overrides = {**SMALL, **data, "train.max_steps": "8", "train.output_dir": str(tmp_path / "run"), "data.on_bad_record": "fail"}
+    assert main([arg for key, value in overrides.items() for arg in (f"--{key}", value)]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("error: ") and "record" in error and "not an image file" in error
+    assert error.endswith("set data.on_bad_record=skip to skip and count such records")
+
+
+def _two_steps(tmp_path):
+    """A run directory holding a complete checkpoint at step 2, and the config that continues it to step 4."""
+    train(small_config(tmp_path, **{"train.max_steps": "2", "train.save_every": "2", "train.eval_every": "2"}))
+    return small_config(tmp_path, **{"train.max_steps": "4", "train.save_every": "2", "train.eval_every": "4"})
+
+
+def _assert_step_2_intact(run_dir):
+    assert find_checkpoint(run_dir).name == "step_000002"
+    assert not list(run_dir.glob(".staging*")) and not list(run_dir.glob("step_000004"))
+    VisionLanguageModel.from_pretrained(run_dir / "step_000002")  # loads, complete
+
+
+def test_disk_full_while_saving_is_a_clear_error_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    config = _two_steps(tmp_path)
+
+    def full_disk(tensors, path, **kwargs):
+        path.write_bytes(b"\0" * 1000)  # part of the file got out before the disk filled up
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_file", full_disk)
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint .*step_000004 \(\[Errno 28\] No space left on device\); "
+                                              r"the newest complete checkpoint, .*step_000002, is intact"):
+        train(config, resume=tmp_path / "step_000002")
+    _assert_step_2_intact(tmp_path)
+
+
+def test_a_real_write_failure_exits_with_one_line_and_resume_still_works(tmp_path):
+    """The OS refuses the write (RLIMIT_FSIZE: files may not grow past the model's size, so the optimizer state fails)."""
+    _two_steps(tmp_path)
+    limit = (tmp_path / "step_000002" / "model.safetensors").stat().st_size + 4096
+    overrides = ["--train.max_steps", "4", "--train.eval_every", "4"]
+    result = subprocess.run([sys.executable, "train.py", "--resume", str(tmp_path), *overrides], capture_output=True, text=True,
+                            timeout=300, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: could not write checkpoint") and "step_000002, is intact" in error, error
+    _assert_step_2_intact(tmp_path)
+    assert main(["--resume", str(tmp_path), *overrides]) == 0
+    assert find_checkpoint(tmp_path).name == "step_000004"

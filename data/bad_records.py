@@ -1,0 +1,74 @@
+"""Bad records (a corrupt image, malformed texts) met while training: skipped and counted, or a clear error, by config."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, Literal
+
+from torch.utils.data import Dataset
+
+from data.processors import to_rgb
+
+Policy = Literal["skip", "fail"]
+MAX_REPORTS = 10  # bad records reported one by one; any further ones are only counted
+
+
+class BadRecordError(ValueError):
+    """A record that cannot be read or is malformed, met with `data.on_bad_record=fail`."""
+
+
+def checked_record(record: dict[str, Any]) -> dict[str, Any]:
+    """The record with its images fully decoded to RGB (corrupt image data fails here, not inside a batch) and its
+    texts checked to be user/assistant string pairs; anything else raises."""
+    texts = record["texts"]
+    if not (isinstance(texts, list) and texts and all(isinstance(turn, dict) and isinstance(turn.get("user"), str)
+                                                       and isinstance(turn.get("assistant"), str) for turn in texts)):
+        raise ValueError("'texts' must be a non-empty list of user/assistant string pairs")
+    return {**record, "images": [to_rgb(image) for image in record["images"]]}
+
+
+class CheckedRecords(Dataset):
+    """`dataset[i]` read and checked eagerly (see `checked_record`). A bad record raises BadRecordError naming it
+    under policy "fail", or becomes None under "skip" (the collator leaves Nones out), counted in `num_bad`.
+
+    The count lives in this process: use it with DataLoader(num_workers=0), as train.py does.
+    """
+
+    def __init__(self, dataset, policy: Policy, name: str = "train", report: Callable[[str], None] | None = None):
+        if policy not in ("skip", "fail"):
+            raise ValueError(f"policy must be 'skip' or 'fail', got {policy!r}")
+        self.dataset, self.policy, self.name = dataset, policy, name
+        self.report = report or (lambda message: print(message, file=sys.stderr, flush=True))
+        self.num_bad = 0
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, Any] | None:
+        return self._read(index, lambda: self.dataset[index])
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any] | None]:
+        """A batch in one read where the dataset supports it (Arrow slices are much faster than rows one by one)."""
+        try:
+            records = self.dataset.__getitems__(indices)
+        except Exception:  # noqa: BLE001 -- no batch reads, or a bad record somewhere in the batch: go row by row
+            return [self[index] for index in indices]
+        return [self._read(index, lambda record=record: record) for index, record in zip(indices, records)]
+
+    def _read(self, index: int, fetch: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        try:
+            return checked_record(fetch())
+        except Exception as e:  # noqa: BLE001 -- whatever reading one record raises (PIL, Arrow, a transform) makes it bad
+            return self._bad(index, e)
+
+    def _bad(self, index: int, error: Exception) -> None:
+        detail = " ".join(str(error).split()) or "no details"
+        message = f"{self.name} record {index} is bad ({type(error).__name__}: {detail})"
+        if self.policy == "fail":
+            raise BadRecordError(f"{message}; set data.on_bad_record=skip to skip and count such records") from None
+        self.num_bad += 1
+        if self.num_bad <= MAX_REPORTS:
+            more = "; further bad records are only counted" if self.num_bad == MAX_REPORTS else ""
+            self.report(f"skipped {message}{more}")
+        return None
