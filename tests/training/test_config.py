@@ -58,3 +58,11 @@ def test_yaml_that_does_not_parse(tmp_path):
         load_run_config(tmp_path / "bad.yaml", {})
     with pytest.raises(ConfigError, match="no such config file"):
         load_run_config(tmp_path / "missing.yaml", {})
+
+
+def test_nothing_in_a_config_is_executed(tmp_path):
+    marker = tmp_path / "executed"
+    (tmp_path / "evil.yaml").write_text(f"train: !!python/object/apply:os.system ['touch {marker}']\n")
+    with pytest.raises(ConfigError, match=r"evil.yaml: not valid YAML"):
+        load_run_config(tmp_path / "evil.yaml", {})
+    assert not marker.exists()

@@ -21,7 +21,8 @@ from data import ImageLoadError, build_datasets, make_shapes_dataset
 from train import TrainingError, main, train
 
 
-def test_sigterm_writes_a_resumable_checkpoint_and_exits_0(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_writes_a_resumable_checkpoint_and_exits_0(tmp_path, signum):
     overrides = [arg for key, value in {**SMALL, "train.max_steps": "100000", "train.save_every": "100000",
                                         "train.output_dir": str(tmp_path)}.items() for arg in (f"--{key}", value)]
     process = subprocess.Popen([sys.executable, "train.py", *overrides], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -30,12 +31,12 @@ def test_sigterm_writes_a_resumable_checkpoint_and_exits_0(tmp_path):
         assert process.poll() is None, process.stderr.read()
     time.sleep(3)  # a few steps in
     sent = time.monotonic()
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signum)
     out, err = process.communicate(timeout=30)
     assert process.returncode == 0, err
     assert time.monotonic() - sent < 30
     checkpoints = sorted(tmp_path.glob("step_*"))
-    assert len(checkpoints) == 1 and "SIGTERM: saved" in out
+    assert len(checkpoints) == 1 and f"{signum.name}: saved" in out
     state = json.loads((checkpoints[0] / "training_state.json").read_text())
     step = state["step"]
     config = small_config(tmp_path, **{"train.max_steps": str(step + 2)})
