@@ -18,7 +18,7 @@ import torch
 
 from data import CAPTION_PROMPT, ImageLoadError, ImageProcessor, PromptError, encode_prompt, load_image
 from models import CheckpointError, ConfigError, GenerationError, VisionLanguageModel, kv_cache_bytes
-from training.checkpoint import find_checkpoint, newest_checkpoint
+from training.checkpoint import SHARDED, find_checkpoint, newest_checkpoint
 from training.config import pick_device
 
 RUNS = Path("runs")
@@ -33,6 +33,8 @@ def load(checkpoint: Path | None, device: torch.device, allow_pickle: bool = Fal
         print(f"using the newest checkpoint: {path}", file=sys.stderr)
     else:
         path = find_checkpoint(checkpoint)
+    if (path / SHARDED).is_dir() and not (path / "model.safetensors").is_file():
+        raise CheckpointError(f"{path}: a sharded (FSDP2) checkpoint; export it first: python -m training.export {path}")
     model = VisionLanguageModel.from_pretrained(path, map_location=device, allow_pickle=allow_pickle).eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -4,6 +4,7 @@
     python train.py --config configs/smollm2-shapes.yaml  # real SmolLM2-135M-Instruct + a small ViT (GPU)
     python train.py --config configs/tiny.yaml --train.max_steps 200 --train.output_dir runs/try1 --train.compile false
     python train.py --resume runs/tiny                    # continue from the newest complete checkpoint
+    torchrun --nproc-per-node 8 train.py --config configs/nanovlm-222m.yaml    # DDP on 8 GPUs (see README for more)
 
 Any config field can be set with `--section.field VALUE` (sections: model, data, train; and `--tokenizer`).
 A run writes checkpoints (`step_NNNNNN/`: model, tokenizer, training state), `metrics.json`, `loss_curve.png`,
@@ -26,34 +27,44 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 from tqdm import tqdm
 
-from data import (IMAGE_TOKEN, BadRecordError, CheckedRecords, DataSourceError, ImageLoadError, ImageProcessor, VQACollator,
-                  build_datasets, build_shapes_tokenizer, conversation_texts, prepare_tokenizer, token_id)
-from models import CheckpointError, ConfigError, GenerationError, VisionLanguageModel
+from data import (IGNORE_INDEX, IMAGE_TOKEN, BadRecordError, CheckedRecords, DataSourceError, ImageLoadError, ImageProcessor,
+                  VQACollator, build_datasets, build_shapes_tokenizer, conversation_texts, prepare_tokenizer, token_id)
+from models import CheckpointError, ConfigError, GenerationError, VisionLanguageModel, VLMConfig
 from models.loading import resolve
-from training.checkpoint import RUN_CONFIG, find_checkpoint, load_training_state, save_checkpoint
-from training.config import RunConfig, load_run_config, parse_overrides, pick_device
+from training import distributed
+from training.checkpoint import RUN_CONFIG, SHARDED, find_checkpoint, load_training_state, save_checkpoint
+from training.config import RunConfig, load_run_config, parse_overrides
+from training.distributed import all_reduce, gradient_sync
 from training.evaluate import answer, exact_match, save_loss_curve, save_prediction_grid, validation_loss
-from training.optim import build_optimizer, build_scheduler
+from training.optim import build_optimizer, build_scheduler, freeze_parts
 
 GRID_EXAMPLES = 16
 
 
 class ResumableBatchSampler(Sampler[list[int]]):
-    """Endless shuffled batches; batch k is a pure function of (seed, k), so a run resumes at any batch."""
+    """Endless shuffled batches for one rank of `world_size`.
 
-    def __init__(self, num_samples: int, batch_size: int, seed: int, start: int = 0) -> None:
+    The epochs' permutations (epoch e seeded by seed + e) form one stream of sample indices; global batch k is the
+    stream's samples [start + k*G, start + (k+1)*G) with G = batch_size * world_size, and rank r takes the r-th
+    slice of it. So a run resumes from any sample count at any world size, and 2 ranks x batch b see exactly the
+    samples that 1 rank x batch 2b sees.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, seed: int, start: int = 0, rank: int = 0, world_size: int = 1):
         self.num_samples, self.batch_size, self.seed, self.start = num_samples, batch_size, seed, start
-        self.batches_per_epoch = max(1, num_samples // batch_size)
+        self.rank, self.world_size = rank, world_size
 
     def __iter__(self):
-        position, epoch, order = self.start, None, None
+        position, epoch, order = self.start + self.rank * self.batch_size, None, []
         while True:
-            if position // self.batches_per_epoch != epoch:
-                epoch = position // self.batches_per_epoch
-                order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
-            offset = (position % self.batches_per_epoch) * self.batch_size
-            yield order[offset : offset + self.batch_size].tolist()
-            position += 1
+            batch = []
+            for p in range(position, position + self.batch_size):
+                if p // self.num_samples != epoch:
+                    epoch = p // self.num_samples
+                    order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+                batch.append(order[p % self.num_samples])
+            yield batch
+            position += self.batch_size * self.world_size
 
 
 class TrainingError(RuntimeError):
@@ -87,26 +98,31 @@ class GracefulStop:
 
 
 def train_step(forward, model, batches, optimizer, scheduler, tc, autocast, device) -> tuple[float, int, bool]:
-    """One optimizer step over grad_accum_steps micro-batches; returns (loss, tokens, finite). A step whose loss or
-    gradient is not finite changes no weight."""
+    """One optimizer step over grad_accum_steps micro-batches on every rank; returns (loss, tokens, finite), both
+    summed over ranks. The loss is the mean over every answer token of the step, whichever rank and micro-batch it
+    fell in, so N ranks x batch b train exactly like 1 rank x batch N*b. A non-finite step changes no weight."""
     model.train()
-    step_loss, tokens = 0.0, 0
-    for _ in range(tc.grad_accum_steps):
-        batch = {k: v.to(device) for k, v in next(batches).items()}
-        if not batch["input_ids"].numel():  # every record of it was bad or too long
-            continue
-        with autocast:
-            _, loss = forward(**batch)
-        (loss / tc.grad_accum_steps).backward()
-        step_loss += loss.item() / tc.grad_accum_steps
+    micro_batches = [next(batches) for _ in range(tc.grad_accum_steps)]
+    local_targets = sum(int((batch["targets"] != IGNORE_INDEX).sum()) for batch in micro_batches)
+    total_targets, world_size = all_reduce([local_targets, 1.0], device=device)
+    loss_sum, tokens = torch.zeros((), device=device), 0
+    for i, batch in enumerate(micro_batches):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with gradient_sync(model, enabled=i == len(micro_batches) - 1), autocast:
+            _, loss = forward(**batch, reduction="sum")
+        # DDP and FSDP2 average gradients over ranks: scale by world_size so the step's gradient is the global mean.
+        (loss * world_size / max(total_targets, 1)).backward()
+        loss_sum += loss.detach()
         tokens += int(batch["attention_mask"].sum())
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or float("inf"))
+    loss_sum, tokens = all_reduce([loss_sum.item(), tokens], device=device)
+    step_loss = loss_sum / max(total_targets, 1)
     finite = math.isfinite(step_loss) and bool(torch.isfinite(grad_norm))
     if finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    return step_loss, tokens, finite
+    return step_loss, int(tokens), finite
 
 
 def build_tokenizer(config: RunConfig, train_dataset):
@@ -131,62 +147,69 @@ def build_model(config: RunConfig, tokenizer) -> VisionLanguageModel:
 
 
 def train(config: RunConfig, resume: Path | None = None) -> dict:
-    """Run training to `train.max_steps`; return the final metrics."""
+    """Run training to `train.max_steps` (as one rank of the job when started by torchrun); return the final metrics."""
     tc = config.train
+    ranks, device = distributed.init(tc.device, tc.dist_timeout)
+    try:
+        return _train(config, resume, ranks, device)
+    finally:
+        distributed.shutdown()
+
+
+def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, device: torch.device) -> dict:
+    tc, output_dir = config.train, Path(config.train.output_dir)
     torch.manual_seed(tc.seed)
     if tc.num_threads:
         torch.set_num_threads(tc.num_threads)
-    device, output_dir = pick_device(tc.device), Path(tc.output_dir)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and tc.bf16 else contextlib.nullcontext()
+    say = print if ranks.is_main else lambda *args, **kwargs: None
 
     train_data, validation_data = build_datasets(config.data)
-    if resume:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(resume)
-        model = VisionLanguageModel.from_pretrained(resume)
-    else:
-        tokenizer = build_tokenizer(config, train_data)
-        model = build_model(config, tokenizer)
+    model, tokenizer = load_for_resume(resume, tc) if resume else (None, build_tokenizer(config, train_data))
+    model = model or build_model(config, tokenizer)
     config = RunConfig(model.config, config.data, config.train, config.tokenizer)
-    model.to(device)
-    processor = ImageProcessor.from_config(model.config.vision)
-    collator = VQACollator(tokenizer, processor, model.config.tokens_per_image, tc.max_length)
-    optimizer = build_optimizer(model, tc, device)
+    freeze_parts(model, tc)
+    model = distributed.wrap(model.to(device), tc.parallel, ranks, device)
+    optimizer = build_optimizer(distributed.unwrap(model), tc, device)
     scheduler = build_scheduler(optimizer, tc)
-    state = load_training_state(resume, optimizer, scheduler) if resume else {"step": 0, "data_position": 0, "history": []}
-    step, history = state["step"], state["history"]
+    state = load_training_state(resume, model, optimizer, scheduler, ranks) if resume else {"step": 0, "samples_seen": 0, "history": []}
+    step, history, samples_seen = state["step"], state["history"], state.get("samples_seen", 0)
+    processor = ImageProcessor.from_config(config.model.vision)
+    collator = VQACollator(tokenizer, processor, config.model.tokens_per_image, tc.max_length)
 
-    train_records = CheckedRecords(train_data, config.data.on_bad_record, "train", report=tqdm.write)
-    validation_records = CheckedRecords(validation_data, config.data.on_bad_record, "validation", report=tqdm.write)
-    sampler = ResumableBatchSampler(len(train_records), tc.batch_size, tc.seed, start=state["data_position"])
+    report = tqdm.write if ranks.is_main else lambda message: None
+    train_records = CheckedRecords(train_data, config.data.on_bad_record, "train", report=report)
+    validation_records = CheckedRecords(validation_data, config.data.on_bad_record, "validation", report=report)
+    sampler = ResumableBatchSampler(len(train_records), tc.batch_size, tc.seed, samples_seen, ranks.rank, ranks.world_size)
     batches = iter(DataLoader(train_records, batch_sampler=sampler, collate_fn=collator))
-    data_position, bad_before = state["data_position"], state.get("bad_records", 0)
+    bad_before = state.get("bad_records", 0)
     validation_batches = [collator([validation_records[i] for i in range(s, min(s + tc.batch_size, len(validation_records)))])
                           for s in range(0, min(len(validation_records), tc.eval_batches * tc.batch_size), tc.batch_size)]
     forward = torch.compile(model) if tc.compile else model
     run = None
-    if tc.wandb:
+    if tc.wandb and ranks.is_main:
         import wandb
 
         run = wandb.init(project=tc.wandb_project, config=config.to_dict(), dir=str(output_dir), resume="allow")
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {model.config.tokens_per_image} "
-          f"tokens per image, vocabulary {model.config.language.vocab_size}; data: {len(train_data)} train / "
-          f"{len(validation_data)} validation samples; device {device}", flush=True)
+    say(f"model: {sum(p.numel() for p in distributed.unwrap(model).parameters()) / 1e6:.2f}M parameters, "
+        f"{config.model.tokens_per_image} tokens per image, vocabulary {config.model.language.vocab_size}; data: "
+        f"{len(train_data)} train / {len(validation_data)} validation samples; device {device}"
+        + (f"; {ranks.world_size} ranks ({tc.parallel})" if ranks.distributed else ""), flush=True)
 
-    progress = tqdm(range(step, tc.max_steps), initial=step, total=tc.max_steps, desc="train", dynamic_ncols=True)
+    progress = tqdm(range(step, tc.max_steps), initial=step, total=tc.max_steps, desc="train", dynamic_ncols=True,
+                    disable=not ranks.is_main)
     started, tokens_seen, skipped = time.perf_counter(), 0, state.get("skipped_steps", 0)
     with GracefulStop() as stop:
         for step in progress:
             step_loss, tokens, finite = train_step(forward, model, batches, optimizer, scheduler, tc, autocast, device)
-            data_position += tc.grad_accum_steps
+            samples_seen += tc.batch_size * tc.grad_accum_steps * ranks.world_size
             tokens_seen += tokens
             if not finite:
                 skipped += 1
                 if tc.on_nonfinite == "stop":
                     raise TrainingError(f"non-finite loss or gradient at step {step + 1}: stopped (train.on_nonfinite=stop); "
                                         f"the checkpoints in {output_dir} are intact")
-                progress.write(f"step {step + 1}: non-finite loss or gradient, step skipped ({skipped} so far)")
+                report(f"step {step + 1}: non-finite loss or gradient, step skipped ({skipped} so far)")
             history.append([step + 1, step_loss])
             done = step + 1 == tc.max_steps
             if (step + 1) % tc.log_every == 0 or done:
@@ -197,31 +220,61 @@ def train(config: RunConfig, resume: Path | None = None) -> dict:
             if (step + 1) % tc.eval_every == 0 or done:
                 val_loss = validation_loss(model, validation_batches, device, autocast)
                 state.setdefault("validation", []).append([step + 1, val_loss])
-                progress.write(f"step {step + 1}: train loss {step_loss:.4f}, validation loss {val_loss:.4f}")
+                report(f"step {step + 1}: train loss {step_loss:.4f}, validation loss {val_loss:.4f}")
                 if run:
                     run.log({"val/loss": val_loss}, step=step + 1)
-            if (step + 1) % tc.save_every == 0 or done or stop.requested:
-                if not all(torch.isfinite(p).all() for p in model.parameters()):
+            stop_requested = all_reduce([float(stop.requested is not None)], op="max", device=device)[0] > 0
+            if (step + 1) % tc.save_every == 0 or done or stop_requested:
+                if not distributed.all_finite(model):
                     raise TrainingError(f"the weights hold NaN/inf at step {step + 1}: not saved; the checkpoints in {output_dir} are intact")
                 path = save_checkpoint(output_dir, step + 1, model, tokenizer, optimizer, scheduler, config, tc.keep_checkpoints,
-                                       extra={"data_position": data_position, "history": history, "skipped_steps": skipped,
+                                       extra={"samples_seen": samples_seen, "history": history, "skipped_steps": skipped,
                                               "bad_records": bad_before + train_records.num_bad,
-                                              "validation": state.get("validation", [])})
-                if stop.requested and not done:
+                                              "validation": state.get("validation", [])}, ranks=ranks)
+                if stop_requested and not done:
                     progress.close()
-                    print(f"{stop.requested}: saved {path}; continue with: python train.py --resume {output_dir}", flush=True)
+                    say(f"{stop.requested or 'stop signal'}: saved {path}; continue with: python train.py --resume {output_dir}", flush=True)
                     return {"step": step + 1, "stopped_by": stop.requested}
     progress.close()
     metrics = {"step": tc.max_steps, "train_loss": history[-1][1] if history else None,
                "validation_loss": state["validation"][-1][1] if state.get("validation") else None,
                "skipped_steps": skipped, "bad_records": bad_before + train_records.num_bad}
-    return finish(model, tokenizer, processor, validation_records, config, state.get("validation", []), history, metrics, device, run)
+    final_model = unsharded(model, config, output_dir / f"step_{tc.max_steps:06d}", ranks)
+    if not ranks.is_main:
+        return metrics
+    return finish(final_model, tokenizer, processor, validation_records, config, state.get("validation", []), history,
+                  metrics, device, run)
+
+
+def load_for_resume(checkpoint: Path, tc) -> tuple[VisionLanguageModel, object]:
+    """The model and tokenizer of a checkpoint to resume; a sharded (FSDP2) one gets its weights from its shards later."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    if (checkpoint / SHARDED).is_dir():
+        return VisionLanguageModel(VLMConfig.from_json(checkpoint / "config.json")), tokenizer
+    return VisionLanguageModel.from_pretrained(checkpoint), tokenizer
+
+
+def unsharded(model, config: RunConfig, checkpoint: Path, ranks: distributed.Ranks) -> VisionLanguageModel | None:
+    """The trained model as one ordinary module on rank 0 (None elsewhere). An FSDP2 model is gathered from its
+    shards (every rank takes part) and also saved in the `save_pretrained` layout into the final checkpoint."""
+    if not distributed.is_sharded(model):
+        return distributed.unwrap(model) if ranks.is_main else None
+    weights = distributed.full_state_dict(model)
+    if not ranks.is_main:
+        return None
+    plain = VisionLanguageModel(config.model)
+    plain.load_state_dict(weights)
+    plain.save_pretrained(checkpoint)
+    return plain
 
 
 def finish(model, tokenizer, processor, validation_records: CheckedRecords, config: RunConfig, validation_losses, history,
            metrics: dict, device, run) -> dict:
     """Final exact-match scores, metrics.json, loss curve, prediction grid, and one held-out image for the demo."""
     tc, output_dir = config.train, Path(config.train.output_dir)
+    model.to(device)
     records = [r for r in map(validation_records.__getitem__, range(min(tc.eval_questions, len(validation_records)))) if r]
     if records:
         predictions = answer(model, tokenizer, processor, records, device)
@@ -256,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     except (BadRecordError, ConfigError, CheckpointError, DataSourceError, GenerationError, ImageLoadError, TrainingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except torch.distributed.DistError as e:  # another rank died or hung: torchrun reports which
+        print(f"error: lost contact with the other ranks ({type(e).__name__}: {' '.join(str(e).split())[:300]})", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

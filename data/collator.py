@@ -37,7 +37,8 @@ class VQACollator:
     input_ids, attention_mask, targets: LongTensor [B, T]; images: FloatTensor [N, 3, H, W], in the order their
     placeholders appear (row by row). A record whose ids exceed `max_length` is dropped, never truncated, and counted
     in `num_too_long` (per process: DataLoader workers each keep their own count); None records (bad ones that
-    `CheckedRecords` skipped) are left out. A batch may thus have no rows.
+    `CheckedRecords` skipped) are left out. A batch that loses every record holds one padding row with no targets,
+    so that training still runs its forward and backward (every rank of a distributed job must).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, processor: ImageProcessor, tokens_per_image: int,
@@ -61,6 +62,8 @@ class VQACollator:
             id_rows.append(ids)
             target_rows.append(targets)
             images += [self.processor(image) for image in record["images"]]
+        if not id_rows:
+            id_rows, target_rows = [[self.tokenizer.pad_token_id]], [[IGNORE_INDEX]]
         input_ids, attention_mask = pad(id_rows, self.tokenizer.pad_token_id, self.padding_side)
         targets, _ = pad(target_rows, IGNORE_INDEX, self.padding_side)
         size = self.processor.image_size

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -80,14 +81,14 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         return embeddings.masked_scatter(slots.unsqueeze(-1), features)
 
     def forward(self, input_ids: Tensor, images: Tensor | None = None, attention_mask: Tensor | None = None,
-                targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                targets: Tensor | None = None, reduction: Literal["mean", "sum"] = "mean") -> tuple[Tensor, Tensor | None]:
         """Logits [B, T, V] and, given `targets` [B, T] (the token to predict at each position, -100 to skip),
-        the mean cross-entropy over the positions that have one."""
+        the cross-entropy over the positions that have one: their mean, or their sum (0 when there are none)."""
         hidden, _ = self.language(self.embed(input_ids, images), attention_mask)
         logits = self.language.head(hidden)
         if targets is None:
             return logits, None
-        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction=reduction)
 
     @torch.inference_mode()
     def stream(self, input_ids: Tensor, images: Tensor | None = None, attention_mask: Tensor | None = None, *,

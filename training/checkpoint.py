@@ -17,13 +17,16 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
+from torch.distributed.checkpoint import CheckpointException
 from safetensors.torch import load_file, save_file
 
-from models.loading import CheckpointError
+from models.loading import CheckpointError, atomic_write
+from training.distributed import Ranks, barrier, is_sharded, load_sharded, save_sharded, unwrap
 
 STATE_TENSORS = "training_state.safetensors"
 STATE_JSON = "training_state.json"
 RUN_CONFIG = "run_config.json"
+SHARDED = "sharded"  # an FSDP2 checkpoint's weights and optimizer state (torch.distributed.checkpoint), one file per rank
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -59,31 +62,41 @@ def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> 
 
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer: torch.optim.Optimizer, scheduler,
-                    run_config, keep: int, extra: dict[str, Any] | None = None) -> Path:
-    """Write `run_dir/step_NNNNNN` atomically; keep the newest `keep` checkpoints.
+                    run_config, keep: int, extra: dict[str, Any] | None = None, ranks: Ranks = Ranks()) -> Path:
+    """Write `run_dir/step_NNNNNN` atomically; keep the newest `keep` checkpoints. Every rank calls it: under FSDP2
+    each rank writes its shards; rank 0 writes everything else and renames the checkpoint into place.
 
     A failed write (disk full, quota, permissions) removes the staging directory and raises CheckpointError; the
     checkpoints already there are untouched.
     """
-    run_dir.mkdir(parents=True, exist_ok=True)
     final, staging = run_dir / f"step_{step:06d}", run_dir / f".staging_step_{step:06d}"
-    for leftover in [*run_dir.glob(".staging_step_*"), *run_dir.glob(".retired_step_*")]:  # from a run killed mid-save
-        shutil.rmtree(leftover)
+    if ranks.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for leftover in [*run_dir.glob(".staging_step_*"), *run_dir.glob(".retired_step_*")]:  # from a run killed mid-save
+            shutil.rmtree(leftover)
+    barrier()
     try:
-        _write(staging, step, model, tokenizer, optimizer, scheduler, run_config, extra or {})
-    except (OSError, SafetensorError) as e:
+        if is_sharded(model):
+            save_sharded(model, optimizer, staging / SHARDED)
+            barrier()
+        if ranks.is_main:
+            _write(staging, step, unwrap(model), tokenizer, optimizer, scheduler, run_config,
+                   {**(extra or {}), "sharded_world_size": ranks.world_size if is_sharded(model) else 0})
+    except (OSError, SafetensorError, CheckpointException) as e:
         shutil.rmtree(staging, ignore_errors=True)
         reason = " ".join(str(e).split()) or type(e).__name__
         previous = checkpoints(run_dir)
         kept = f"the newest complete checkpoint, {previous[-1]}, is intact" if previous else "no earlier checkpoint exists"
         raise CheckpointError(f"could not write checkpoint {final} ({reason}); {kept}") from None
-    # Old checkpoints leave by rename before they are deleted, so a step_* directory is never half deleted.
-    retired = [_retire(final)] if final.exists() else []  # the same step written again (after a resume)
-    os.replace(staging, final)
-    retired += [_retire(old) for old in checkpoints(run_dir)[:-keep]]
-    _fsync(run_dir)
-    for path in retired:
-        shutil.rmtree(path)
+    if ranks.is_main:
+        # Old checkpoints leave by rename before they are deleted, so a step_* directory is never half deleted.
+        retired = [_retire(final)] if final.exists() else []  # the same step written again (after a resume)
+        os.replace(staging, final)
+        retired += [_retire(old) for old in checkpoints(run_dir)[:-keep]]
+        _fsync(run_dir)
+        for path in retired:
+            shutil.rmtree(path)
+    barrier()
     return final
 
 
@@ -92,20 +105,24 @@ def _retire(checkpoint: Path) -> Path:
 
 
 def _write(staging: Path, step: int, model, tokenizer, optimizer, scheduler, run_config, extra: dict[str, Any]) -> None:
-    """Every file of a checkpoint into `staging`, each fsynced, and the directory itself."""
-    model.save_pretrained(staging)
+    """Every file of a checkpoint into `staging`, each fsynced, and the directories themselves. A sharded model's
+    weights and optimizer state are already in `staging/sharded`; here it gets just its config."""
+    sharded = extra["sharded_world_size"] > 0
+    if sharded:
+        atomic_write(staging / "config.json", model.config.save_json)
+    else:
+        model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     run_config.save_json(staging / RUN_CONFIG)
-    tensors, optimizer_meta = _optimizer_tensors(optimizer)
+    tensors, optimizer_meta = ({}, None) if sharded else _optimizer_tensors(optimizer)
     tensors["rng.torch"] = torch.get_rng_state()
     if torch.cuda.is_available():
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
     save_file(tensors, staging / STATE_TENSORS)
     state = {"step": step, "scheduler": scheduler.state_dict(), "optimizer": optimizer_meta, **extra}
     (staging / STATE_JSON).write_text(json.dumps(state))
-    for file in staging.iterdir():
-        _fsync(file)
-    _fsync(staging)
+    for path in [*staging.rglob("*"), staging]:
+        _fsync(path)
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
@@ -134,8 +151,9 @@ def newest_checkpoint(root: Path) -> Path:
     return max(found, key=lambda p: (p / STATE_JSON).stat().st_mtime)
 
 
-def load_training_state(directory: Path, optimizer: torch.optim.Optimizer, scheduler) -> dict[str, Any]:
-    """Restore optimizer, scheduler and RNG from a checkpoint; return its JSON state (step, data position, ...)."""
+def load_training_state(directory: Path, model, optimizer: torch.optim.Optimizer, scheduler, ranks: Ranks = Ranks()) -> dict[str, Any]:
+    """Restore optimizer, scheduler and RNG from a checkpoint (and, for a sharded one, the model's shards); return its
+    JSON state (step, samples seen, ...). Ordinary checkpoints resume at any world size, sharded ones at their own."""
     state_file, tensor_file = directory / STATE_JSON, directory / STATE_TENSORS
     if not state_file.is_file() or not tensor_file.is_file():
         raise CheckpointError(f"{directory}: not a resumable checkpoint (missing {STATE_JSON} or {STATE_TENSORS})")
@@ -143,7 +161,16 @@ def load_training_state(directory: Path, optimizer: torch.optim.Optimizer, sched
         state, tensors = json.loads(state_file.read_text()), load_file(tensor_file)
     except Exception as e:
         raise CheckpointError(f"{directory}: unreadable training state ({type(e).__name__}: {e})") from None
-    optimizer.load_state_dict(_optimizer_state(tensors, state["optimizer"]))
+    sharded_world_size = state.get("sharded_world_size", 0)
+    if sharded_world_size != (ranks.world_size if is_sharded(model) else 0):
+        raise CheckpointError(f"{directory}: " + (
+            f"an FSDP2 checkpoint of {sharded_world_size} ranks resumes with train.parallel=fsdp on {sharded_world_size} "
+            f"ranks (or export its weights: python -m training.export {directory})" if sharded_world_size else
+            "an unsharded checkpoint resumes without FSDP2 (train.parallel=ddp), at any world size"))
+    if sharded_world_size:
+        load_sharded(model, optimizer, directory / SHARDED)
+    else:
+        optimizer.load_state_dict(_optimizer_state(tensors, state["optimizer"]))
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(tensors["rng.torch"])
     if "rng.cuda" in tensors and torch.cuda.is_available():

@@ -17,7 +17,7 @@ from models.config import Config, ConfigError, VLMConfig, check
 class TrainConfig(Config):
     output_dir: str = "runs/tiny"
     max_steps: int = 1000
-    batch_size: int = 32
+    batch_size: int = 32  # per rank and micro-batch: a step sees batch_size x grad_accum_steps x world_size samples
     grad_accum_steps: int = 1
     lr_projector: float = 3e-3  # a learning rate of 0 freezes that part
     lr_vision: float = 3e-3
@@ -40,6 +40,8 @@ class TrainConfig(Config):
     device: str = "auto"  # auto: cuda if available, else cpu
     bf16: bool = True  # autocast to bfloat16 on GPU (CPU trains in float32)
     compile: bool = False
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: DDP replicas, or FSDP2 shards for models too big for one GPU
+    dist_timeout: int = 600  # seconds a collective may wait for the other ranks before the job fails
     num_threads: int = 0  # CPU threads for torch (0: torch's default)
     wandb: bool = False
     allow_pickle: bool = False  # read pretrained backbones' .bin weights (torch.load(weights_only=True)); safetensors otherwise
@@ -47,7 +49,7 @@ class TrainConfig(Config):
 
     def __post_init__(self) -> None:
         self.check_at_least("train", 1, ("max_steps", "batch_size", "grad_accum_steps", "max_length", "eval_every", "save_every",
-                                         "keep_checkpoints", "log_every"))
+                                         "keep_checkpoints", "log_every", "dist_timeout"))
         self.check_at_least("train", 0, ("lr_projector", "lr_vision", "lr_language", "weight_decay", "warmup_steps", "grad_clip",
                                          "eval_batches", "eval_questions", "num_threads", "decay_steps"))
         check(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from data import ImageProcessor, encode_prompt, left_pad
+from data import IGNORE_INDEX, ImageProcessor, encode_prompt, left_pad
 from models import VisionLanguageModel
 
 
@@ -18,12 +18,14 @@ def normalize(answer: str) -> str:
 
 @torch.no_grad()
 def validation_loss(model: VisionLanguageModel, batches: Iterable[dict], device: torch.device, autocast) -> float:
+    """Mean cross-entropy over every answer token of `batches`."""
     model.eval()
-    losses = []
+    total, count = 0.0, 0
     for batch in batches:
         with autocast:
-            losses.append(model(**{k: v.to(device) for k, v in batch.items()})[1].item())
-    return sum(losses) / max(1, len(losses))
+            total += model(**{k: v.to(device) for k, v in batch.items()}, reduction="sum")[1].item()
+        count += int((batch["targets"] != IGNORE_INDEX).sum())
+    return total / max(1, count)
 
 
 def answer(model: VisionLanguageModel, tokenizer, processor: ImageProcessor, records: list[dict], device: torch.device,

@@ -10,16 +10,24 @@ from torch import nn
 from training.config import TrainConfig
 
 
-def build_optimizer(model: nn.Module, config: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """Parts with a learning rate of 0 are frozen (requires_grad=False) and left out of the optimizer."""
-    groups = []
-    for part, lr in (("projector", config.lr_projector), ("vision", config.lr_vision), ("language", config.lr_language)):
-        params = list(getattr(model, part).parameters())
-        for p in params:
+def learning_rates(config: TrainConfig) -> dict[str, float]:
+    return {"projector": config.lr_projector, "vision": config.lr_vision, "language": config.lr_language}
+
+
+def freeze_parts(model: nn.Module, config: TrainConfig) -> None:
+    """Parts with a learning rate of 0 are frozen (requires_grad=False); call before DDP / FSDP2 wrap the model."""
+    for part, lr in learning_rates(config).items():
+        for p in getattr(model, part).parameters():
             p.requires_grad_(lr > 0)
+
+
+def build_optimizer(model: nn.Module, config: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over the parts that train (see `freeze_parts`), weight decay on matrices only."""
+    groups = []
+    for part, lr in learning_rates(config).items():
         if lr == 0:
             continue
-        unique = list({id(p): p for p in params}.values())  # tied weights once
+        unique = list({id(p): p for p in getattr(model, part).parameters()}.values())  # tied weights once
         decay = [p for p in unique if p.dim() >= 2]
         no_decay = [p for p in unique if p.dim() < 2]
         groups.append({"name": f"{part}.decay", "params": decay, "lr": lr, "weight_decay": config.weight_decay})

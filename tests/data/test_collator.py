@@ -93,8 +93,9 @@ def test_too_long_records_are_dropped_and_counted(shapes_tokenizer):
     collator = VQACollator(shapes_tokenizer, ImageProcessor(16), TOKENS_PER_IMAGE, max_length=limit)
     batch = collator([short, long, short])
     assert batch["input_ids"].shape == (2, limit) and batch["images"].shape[0] == 2 and collator.num_too_long == 1
-    empty = collator([long])
-    assert empty["input_ids"].shape == (0, 0) and empty["images"].shape == (0, 3, 16, 16) and collator.num_too_long == 2
+    empty = collator([long, None])  # None: a bad record, skipped upstream
+    assert empty["input_ids"].tolist() == [[shapes_tokenizer.pad_token_id]] and empty["targets"].tolist() == [[IGNORE_INDEX]]
+    assert empty["images"].shape == (0, 3, 16, 16) and collator.num_too_long == 2
 
 
 def test_left_pad_for_generation():

@@ -41,8 +41,17 @@ def test_resume_equals_an_uninterrupted_run(tmp_path):
 
 
 def test_batches_are_a_function_of_their_position():
-    whole = iter(ResumableBatchSampler(20, 4, seed=3))
-    batches = [next(whole) for _ in range(12)]  # three epochs of five batches, each a fresh permutation
-    resumed = iter(ResumableBatchSampler(20, 4, seed=3, start=7))
+    stream = iter(ResumableBatchSampler(20, 4, seed=3))
+    batches = [next(stream) for _ in range(12)]  # 48 samples: epochs of 20, each a fresh permutation
+    flat = [i for batch in batches for i in batch]
+    assert sorted(flat[:20]) == sorted(flat[20:40]) == list(range(20)) and flat[:20] != flat[20:40]
+    resumed = iter(ResumableBatchSampler(20, 4, seed=3, start=28))  # from any sample count
     assert [next(resumed) for _ in range(5)] == batches[7:12]
-    assert sorted(i for b in batches[:5] for i in b) == list(range(20)) and batches[:5] != batches[5:10]
+
+
+def test_ranks_split_each_global_batch():
+    """Rank r of N takes the r-th slice of the batch one rank with N times the batch size would see."""
+    single = iter(ResumableBatchSampler(20, 6, seed=1, start=2))
+    ranks = [iter(ResumableBatchSampler(20, 2, seed=1, start=2, rank=r, world_size=3)) for r in range(3)]
+    for _ in range(10):
+        assert next(single) == [i for rank in ranks for i in next(rank)]

@@ -1,0 +1,159 @@
+"""train.py under torchrun on CPU (gloo): DDP equals one process with the whole batch, checkpoints cross world sizes,
+FSDP2 trains, resumes from its shards and exports, and a dead rank ends the job instead of hanging it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from models import VisionLanguageModel
+from tests.training.helpers import SMALL, small_config
+from training.config import RunConfig
+from train import train
+
+pytestmark = pytest.mark.slow
+
+STEPS = 20
+COMMON = {"train.decay_steps": str(STEPS), "train.eval_every": str(STEPS), "train.num_threads": "1",
+          "train.keep_checkpoints": "5"}  # torchrun gives each rank one thread: the reference gets one too
+
+
+def torchrun(nproc: int, *argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "train.py", *argv]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def overrides(**settings: str) -> list[str]:
+    return [arg for key, value in {**SMALL, **COMMON, **settings}.items() for arg in (f"--{key}", value)]
+
+
+def history_and_weights(run_dir: Path, step: int):
+    checkpoint = run_dir / f"step_{step:06d}"
+    history = json.loads((checkpoint / "training_state.json").read_text())["history"]
+    return torch.tensor([loss for _, loss in history]), load_file(checkpoint / "model.safetensors")
+
+
+def assert_same_run(run_dir: Path, reference: Path, step: int = STEPS, reference_step: int = STEPS) -> None:
+    """The run's losses up to `step` equal the reference's first ones; at equal steps, so do the weights."""
+    (losses, weights), (expected_losses, expected_weights) = (history_and_weights(run_dir, step),
+                                                              history_and_weights(reference, reference_step))
+    torch.testing.assert_close(losses, expected_losses[: len(losses)], atol=1e-5, rtol=0)
+    if step != reference_step:
+        return
+    for name, tensor in expected_weights.items():
+        if name.endswith("k_proj.bias"):
+            # Softmax ignores a shift shared by every key, so this bias's true gradient is 0 and what it gets is rounding
+            # noise, which Adam scales up to lr-sized steps: it wanders differently under any other summation order.
+            continue
+        torch.testing.assert_close(weights[name], tensor, atol=1e-5, rtol=0, msg=lambda message: f"{name}: {message}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """One process, batch 8, 20 steps, a checkpoint every 10."""
+    threads = torch.get_num_threads()
+    run_dir = tmp_path_factory.mktemp("reference")
+    try:
+        train(small_config(run_dir, **COMMON, **{"train.batch_size": "8", "train.max_steps": str(STEPS), "train.save_every": "10"}))
+    finally:
+        torch.set_num_threads(threads)
+    return run_dir
+
+
+@pytest.mark.parametrize("batch_size, accumulation", [("4", "1"), ("2", "2")])  # the second accumulates under no_sync
+def test_two_ranks_of_batch_4_equal_one_of_batch_8(reference, tmp_path, batch_size, accumulation):
+    torchrun(2, *overrides(**{"train.batch_size": batch_size, "train.grad_accum_steps": accumulation, "train.max_steps": str(STEPS),
+                              "train.save_every": "10", "train.output_dir": str(tmp_path)}))
+    assert_same_run(tmp_path, reference)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())  # rank 0 alone wrote the artifacts
+    assert metrics["step"] == STEPS and not list(tmp_path.glob("*rank*"))
+
+
+def test_checkpoints_resume_across_world_sizes(reference, tmp_path):
+    # 2 ranks x 4 -> 1 rank x 8
+    torchrun(2, *overrides(**{"train.batch_size": "4", "train.max_steps": "10", "train.save_every": "10",
+                              "train.output_dir": str(tmp_path / "two")}))
+    config = RunConfig.from_json(tmp_path / "two" / "step_000010" / "run_config.json")
+    threads = torch.get_num_threads()
+    try:
+        train(config.replace({"train.batch_size": "8", "train.max_steps": str(STEPS)}), resume=tmp_path / "two" / "step_000010")
+    finally:
+        torch.set_num_threads(threads)
+    assert_same_run(tmp_path / "two", reference)
+    # 1 rank x 8 (the reference's step 10) -> 2 ranks x 4
+    (tmp_path / "one").mkdir()
+    os.symlink(reference / "step_000010", tmp_path / "one" / "step_000010")
+    torchrun(2, "--resume", str(tmp_path / "one" / "step_000010"), "--train.batch_size", "4",
+             "--train.output_dir", str(tmp_path / "one"))
+    assert_same_run(tmp_path / "one", reference)
+
+
+def test_fsdp2_trains_resumes_from_its_shards_and_exports(reference, tmp_path):
+    fsdp = {"train.parallel": "fsdp", "train.batch_size": "4", "train.save_every": "2"}
+    torchrun(2, *overrides(**fsdp, **{"train.max_steps": "4", "train.output_dir": str(tmp_path / "whole")}))
+    assert (tmp_path / "whole" / "step_000002" / "sharded").is_dir()
+    assert not (tmp_path / "whole" / "step_000002" / "model.safetensors").exists()
+    assert_same_run(tmp_path / "whole", reference, step=4, reference_step=STEPS)  # the same computation, sharded
+
+    torchrun(2, *overrides(**fsdp, **{"train.max_steps": "2", "train.output_dir": str(tmp_path / "split")}))
+    torchrun(2, "--resume", str(tmp_path / "split"), "--train.max_steps", "4")
+    assert_same_run(tmp_path / "split", tmp_path / "whole", step=4, reference_step=4)
+
+    exported = subprocess.run([sys.executable, "-m", "training.export", str(tmp_path / "whole" / "step_000002"),
+                               "--out", str(tmp_path / "exported")], capture_output=True, text=True, timeout=300)
+    assert exported.returncode == 0, exported.stderr
+    for directory in (tmp_path / "exported", tmp_path / "whole" / "step_000004"):  # the final step is exported by train.py
+        model = VisionLanguageModel.from_pretrained(directory)
+        tokens = model.generate(torch.tensor([[10, 11, 12]]), None, max_new_tokens=4, greedy=True)  # text only
+        assert tokens.shape == (1, 4)
+    unsharded = subprocess.run([sys.executable, "train.py", "--resume", str(tmp_path / "whole" / "step_000002")],
+                               capture_output=True, text=True, timeout=300)
+    assert unsharded.returncode == 2 and unsharded.stderr.strip().splitlines()[-1].endswith(
+        "an FSDP2 checkpoint of 2 ranks resumes with train.parallel=fsdp on 2 ranks "
+        f"(or export its weights: python -m training.export {tmp_path / 'whole' / 'step_000002'})"), unsharded.stderr
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return found
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        environ = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((int(v.split(b"=", 1)[1]) for v in environ if v.startswith(b"RANK=")), None)
+
+
+def test_a_killed_rank_ends_the_job_with_an_error(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py",
+               *overrides(**{"train.max_steps": "100000", "train.save_every": "100000", "train.output_dir": str(tmp_path),
+                             "train.dist_timeout": "30"})]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 180
+    while "model:" not in (line := job.stdout.readline()) and time.monotonic() < deadline:
+        assert job.poll() is None
+    time.sleep(2)
+    rank_1 = next(pid for pid in _children(job.pid) if _rank_of(pid) == 1)
+    killed = time.monotonic()
+    os.kill(rank_1, signal.SIGKILL)
+    output, _ = job.communicate(timeout=120)
+    assert job.returncode != 0 and time.monotonic() - killed < 120
+    assert "exitcode  : -9" in output and "Signal 9 (SIGKILL)" in output, output[-3000:]

@@ -1,0 +1,145 @@
+"""Running under torchrun: the process group, DDP or FSDP2 wrapping, reductions across ranks, and sharded state.
+
+One process per device; `torchrun` sets RANK, WORLD_SIZE and LOCAL_RANK. Without them everything here is a no-op
+and train.py runs as a single process. NCCL on GPU, gloo on CPU; every collective times out after
+`train.dist_timeout` seconds, so a rank that dies never leaves the others waiting forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from training.config import pick_device
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """Where this process stands in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 alone logs, shows progress and writes files."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init(device_name: str, timeout_s: float) -> tuple[Ranks, torch.device]:
+    """Join the job torchrun started (if any); return this process's ranks and device (cuda:LOCAL_RANK on GPU)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    device = pick_device(device_name)
+    if world_size == 1:
+        return Ranks(), device
+    ranks = Ranks(int(os.environ["RANK"]), world_size, int(os.environ["LOCAL_RANK"]))
+    if device.type == "cuda":
+        device = torch.device("cuda", ranks.local_rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+    return ranks, device
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap(model: nn.Module, strategy: str, ranks: Ranks, device: torch.device) -> nn.Module:
+    """DDP (a full replica per rank, gradients all-reduced) or FSDP2 (parameters, gradients and optimizer state
+    sharded; each transformer block gathered just in time). FSDP2 shards `model` in place and returns it."""
+    if not ranks.distributed:
+        return model
+    if strategy == "ddp":
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    mesh = init_device_mesh(device.type, (ranks.world_size,))
+    for block in [*model.vision.blocks, *model.language.blocks]:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip the gradient all-reduce (DDP `no_sync`) or reduce-scatter (FSDP2) on all but the last micro-batch."""
+    if isinstance(model, DistributedDataParallel) and not enabled:
+        with model.no_sync():
+            yield
+        return
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+    yield
+
+
+def all_reduce(values: list[float], op: str = "sum", device: torch.device | None = None) -> list[float]:
+    """Element-wise sum or max of `values` over all ranks (the values themselves when not distributed)."""
+    if not dist.is_initialized():
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def all_finite(model: nn.Module) -> bool:
+    """True when no rank holds a NaN/inf weight (each checks its own shards)."""
+    local = all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()) for p in model.parameters())
+    return all_reduce([float(not local)], op="max")[0] == 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    """Every rank writes its shards of the model and optimizer state into `directory` (torch.distributed.checkpoint)."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory)
+
+
+def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    """Read a `save_sharded` checkpoint into an FSDP2 model and its optimizer (same world size)."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=directory)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's weights on rank 0's CPU (a collective under FSDP2: every rank must call it)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options) if is_sharded(model) else unwrap(model).state_dict()
+
+
+def read_sharded_weights(directory: Path, model: nn.Module) -> None:
+    """Load the model part of a sharded checkpoint into an ordinary, unsharded `model`, in one process."""
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=directory, no_dist=True)
+    model.load_state_dict(state["model"])
