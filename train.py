@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Sampler
 from tqdm import tqdm
 
 from data import (IGNORE_INDEX, IMAGE_TOKEN, BadRecordError, CheckedRecords, DataSourceError, ImageLoadError, ImageProcessor,
-                  VQACollator, build_datasets, build_shapes_tokenizer, conversation_texts, prepare_tokenizer, token_id)
+                  PromptError, VQACollator, build_datasets, build_shapes_tokenizer, conversation_texts, prepare_tokenizer, token_id)
 from models import CheckpointError, ConfigError, GenerationError, VisionLanguageModel, VLMConfig
 from models.loading import resolve
 from training import distributed
@@ -72,9 +72,14 @@ class TrainingError(RuntimeError):
 
 
 class GracefulStop:
-    """SIGINT / SIGTERM ask the loop to finish its step, write a checkpoint and return; a second signal stops at once."""
+    """SIGINT / SIGTERM ask the loop to finish its step, write a checkpoint and return; a second signal stops at once,
+    unless `escalate` is off: under torchrun a worker often gets the same signal twice (from the scheduler and from
+    torchrun), and stopping one rank at once would leave the others waiting in a collective."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, escalate: bool = True) -> None:
+        self.escalate = escalate
 
     def __enter__(self) -> GracefulStop:
         self.requested: str | None = None
@@ -86,7 +91,7 @@ class GracefulStop:
         self.restore()
 
     def _handle(self, signum: int, frame) -> None:
-        if self.requested:
+        if self.requested and self.escalate:
             self.restore()
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum).name
@@ -173,16 +178,18 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     optimizer = build_optimizer(distributed.unwrap(model), tc, device)
     scheduler = build_scheduler(optimizer, tc)
     state = load_training_state(resume, model, optimizer, scheduler, ranks) if resume else {"step": 0, "samples_seen": 0, "history": []}
-    step, history, samples_seen = state["step"], state["history"], state.get("samples_seen", 0)
+    # Checkpoints from before multi-GPU training counted batches (data_position), not samples.
+    samples_seen = state.get("samples_seen", state.get("data_position", 0) * tc.batch_size * tc.grad_accum_steps)
+    step, history = state["step"], state["history"]
     processor = ImageProcessor.from_config(config.model.vision)
-    collator = VQACollator(tokenizer, processor, config.model.tokens_per_image, tc.max_length)
+    collator = VQACollator(tokenizer, processor, config.model.tokens_per_image, tc.max_length, ensure_image=ranks.distributed)
 
     report = tqdm.write if ranks.is_main else lambda message: None
     train_records = CheckedRecords(train_data, config.data.on_bad_record, "train", report=report)
     validation_records = CheckedRecords(validation_data, config.data.on_bad_record, "validation", report=report)
     sampler = ResumableBatchSampler(len(train_records), tc.batch_size, tc.seed, samples_seen, ranks.rank, ranks.world_size)
     batches = iter(DataLoader(train_records, batch_sampler=sampler, collate_fn=collator))
-    bad_before = state.get("bad_records", 0)
+    bad_before = bad_records = state.get("bad_records", 0)
     validation_batches = [collator([validation_records[i] for i in range(s, min(s + tc.batch_size, len(validation_records)))])
                           for s in range(0, min(len(validation_records), tc.eval_batches * tc.batch_size), tc.batch_size)]
     forward = torch.compile(model) if tc.compile else model
@@ -199,7 +206,7 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     progress = tqdm(range(step, tc.max_steps), initial=step, total=tc.max_steps, desc="train", dynamic_ncols=True,
                     disable=not ranks.is_main)
     started, tokens_seen, skipped = time.perf_counter(), 0, state.get("skipped_steps", 0)
-    with GracefulStop() as stop:
+    with GracefulStop(escalate=not ranks.distributed) as stop:
         for step in progress:
             step_loss, tokens, finite = train_step(forward, model, batches, optimizer, scheduler, tc, autocast, device)
             samples_seen += tc.batch_size * tc.grad_accum_steps * ranks.world_size
@@ -227,9 +234,10 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
             if (step + 1) % tc.save_every == 0 or done or stop_requested:
                 if not distributed.all_finite(model):
                     raise TrainingError(f"the weights hold NaN/inf at step {step + 1}: not saved; the checkpoints in {output_dir} are intact")
+                bad_records = bad_before + int(all_reduce([train_records.num_bad], device=device)[0])
                 path = save_checkpoint(output_dir, step + 1, model, tokenizer, optimizer, scheduler, config, tc.keep_checkpoints,
                                        extra={"samples_seen": samples_seen, "history": history, "skipped_steps": skipped,
-                                              "bad_records": bad_before + train_records.num_bad,
+                                              "bad_records": bad_records,
                                               "validation": state.get("validation", [])}, ranks=ranks)
                 if stop_requested and not done:
                     progress.close()
@@ -238,7 +246,7 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     progress.close()
     metrics = {"step": tc.max_steps, "train_loss": history[-1][1] if history else None,
                "validation_loss": state["validation"][-1][1] if state.get("validation") else None,
-               "skipped_steps": skipped, "bad_records": bad_before + train_records.num_bad}
+               "skipped_steps": skipped, "bad_records": bad_records}
     final_model = unsharded(model, config, output_dir / f"step_{tc.max_steps:06d}", ranks)
     if not ranks.is_main:
         return metrics
@@ -280,8 +288,10 @@ def finish(model, tokenizer, processor, validation_records: CheckedRecords, conf
         predictions = answer(model, tokenizer, processor, records, device)
         metrics.update(exact_match(records, predictions))
         save_prediction_grid(records[:GRID_EXAMPLES], predictions[:GRID_EXAMPLES], output_dir / "predictions.png")
-        example = next((r for r in records if "circle" in json.dumps(r["texts"])), records[0])
-        example["images"][0].save(output_dir / "heldout_example.png")
+        with_image = [r for r in records if r["images"]]
+        example = next((r for r in with_image if "circle" in json.dumps(r["texts"])), with_image[0] if with_image else None)
+        if example:
+            example["images"][0].save(output_dir / "heldout_example.png")
     save_loss_curve(history, validation_losses, output_dir / "loss_curve.png")
     (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     if run:
@@ -306,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             config_path = args.config or (Path(__file__).parent / "configs" / "tiny.yaml")
             train(load_run_config(config_path, overrides))
-    except (BadRecordError, ConfigError, CheckpointError, DataSourceError, GenerationError, ImageLoadError, TrainingError) as e:
+    except (BadRecordError, ConfigError, CheckpointError, DataSourceError, GenerationError, ImageLoadError, PromptError,
+            TrainingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except torch.distributed.DistError as e:  # another rank died or hung: torchrun reports which

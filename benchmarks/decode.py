@@ -7,7 +7,7 @@ Methods: tinyvlm fast path (compiled, shape-static decode step), tinyvlm eager, 
 `generate` with its dynamic cache, transformers with a static cache + torch.compile. ms/step is the decode step,
 measured as (time(N new tokens) - time(1 new token)) / (N - 1), so the prefill cancels; tok/s = batch / step time.
 Also: time to first token for an image + 64-token prompt (nanovlm-222m shape), and cached vs uncached time against
-the number of new tokens. Writes benchmarks/results/decode-<device>.{md,json,png}.
+the number of new tokens. Writes benchmarks/results/decode-<device>-<dtype>.{md,json,png}.
 """
 
 from __future__ import annotations
@@ -108,6 +108,22 @@ def decode_table(reference, ours, args, device) -> list[dict]:
 
 
 @torch.inference_mode()
+def bandwidth_floor_ms(model, device: torch.device, repeats: int = 5) -> tuple[float, float]:
+    """(GB/s this device reads at, ms to read `model`'s weights once at that rate): the floor for one batch-1 decode
+    step, which must read every weight. The rate is the best of a few full reads of a buffer of the weights' size."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    buffer = torch.ones(weight_bytes // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        buffer.sum()
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return weight_bytes / best / 1e9, 1000 * best
+
+
+@torch.inference_mode()
 def time_to_first_token(device: torch.device, dtype: torch.dtype, repeats: int) -> float:
     """Image (SigLIP-B/16-224) + 64-token prompt through the nanovlm-222m shape, to the first sampled token."""
     config = VLMConfig(vision=VisionConfig(), language=LanguageConfig(vocab_size=49216), image_token_id=49152)
@@ -133,7 +149,7 @@ def cache_curve(ours, args, device) -> list[dict]:
     return points
 
 
-def write_results(rows, ttft_ms, curve, args, device, out: Path) -> None:
+def write_results(rows, ttft_ms, curve, floor, args, device, out: Path) -> None:
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or 'CPU'}, {torch.get_num_threads()} threads"
     title = (f"Decode, SmolLM2-135M shape, random weights, {args.dtype}, greedy, {args.prompt_len}-token prompt, "
              f"{args.new_tokens} new tokens; {hardware}; torch {torch.__version__}")
@@ -142,15 +158,19 @@ def write_results(rows, ttft_ms, curve, args, device, out: Path) -> None:
         ratio = f"{r['speedup_vs_transformers_dynamic']:.2f}" if r["speedup_vs_transformers_dynamic"] else "–"
         lines.append(f"| {r['batch']} | {r['method']} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:.1f} | {ratio} | "
                      f"{r['same_tokens_as_first_method']:.3f} |")
+    gb_per_s, floor_ms = floor
+    lines += ["", f"Bandwidth floor, batch 1 (reading every weight once per step at the {gb_per_s:.1f} GB/s this device "
+                  f"reads a buffer of the same size): {floor_ms:.2f} ms/step"]
     if ttft_ms is not None:
         lines += ["", f"Time to first token, image + 64-token prompt (nanovlm-222m shape, tinyvlm eager): {ttft_ms:.1f} ms"]
     if curve:
         lines += ["", "| new tokens | cached s | uncached s | uncached / cached |", "|---|---|---|---|"]
         lines += [f"| {p['new_tokens']} | {p['cached_s']:.2f} | {p['uncached_s']:.2f} | {p['uncached_s'] / p['cached_s']:.1f} |" for p in curve]
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"decode-{device.type}"
+    stem = out / f"decode-{device.type}-{args.dtype}"
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    stem.with_suffix(".json").write_text(json.dumps(dict(title=title, rows=rows, ttft_ms=ttft_ms, curve=curve), indent=2))
+    stem.with_suffix(".json").write_text(json.dumps(dict(title=title, rows=rows, ttft_ms=ttft_ms, curve=curve,
+                                                                bandwidth_gb_per_s=gb_per_s, floor_ms_per_step=floor_ms), indent=2))
     plot(rows, curve, stem.with_suffix(".png"), title)
     print("\n".join(lines))
 
@@ -196,9 +216,10 @@ def main() -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     reference, ours = build_models(device, dtype)
     rows = decode_table(reference, ours, args, device)
+    floor = bandwidth_floor_ms(ours.language, device)
     ttft = None if args.no_ttft else time_to_first_token(device, dtype, args.repeats)
     curve = cache_curve(ours, args, device) if args.curve_tokens else []
-    write_results(rows, ttft, curve, args, device, args.out)
+    write_results(rows, ttft, curve, floor, args, device, args.out)
 
 
 if __name__ == "__main__":

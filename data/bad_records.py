@@ -12,6 +12,8 @@ from data.processors import to_rgb
 
 Policy = Literal["skip", "fail"]
 MAX_REPORTS = 10  # bad records reported one by one; any further ones are only counted
+MAX_BAD_SHARE = 0.5  # past this share of the records read (after MIN_READ), the data or its format is wrong: stop
+MIN_READ = 20
 
 
 class BadRecordError(ValueError):
@@ -20,17 +22,20 @@ class BadRecordError(ValueError):
 
 def checked_record(record: dict[str, Any]) -> dict[str, Any]:
     """The record with its images fully decoded to RGB (corrupt image data fails here, not inside a batch) and its
-    texts checked to be user/assistant string pairs; anything else raises."""
+    texts checked to be user/assistant pairs of valid Unicode strings; anything else raises."""
     texts = record["texts"]
     if not (isinstance(texts, list) and texts and all(isinstance(turn, dict) and isinstance(turn.get("user"), str)
                                                        and isinstance(turn.get("assistant"), str) for turn in texts)):
         raise ValueError("'texts' must be a non-empty list of user/assistant string pairs")
+    for turn in texts:
+        (turn["user"] + turn["assistant"]).encode("utf-8")  # a lone surrogate (JSON allows "\ud800") raises here
     return {**record, "images": [to_rgb(image) for image in record["images"]]}
 
 
 class CheckedRecords(Dataset):
     """`dataset[i]` read and checked eagerly (see `checked_record`). A bad record raises BadRecordError naming it
-    under policy "fail", or becomes None under "skip" (the collator leaves Nones out), counted in `num_bad`.
+    under policy "fail", or becomes None under "skip" (the collator leaves Nones out), counted in `num_bad`; when
+    most records are bad, the data or its format is wrong, and even "skip" stops with a BadRecordError.
 
     The count lives in this process: use it with DataLoader(num_workers=0), as train.py does.
     """
@@ -40,7 +45,7 @@ class CheckedRecords(Dataset):
             raise ValueError(f"policy must be 'skip' or 'fail', got {policy!r}")
         self.dataset, self.policy, self.name = dataset, policy, name
         self.report = report or (lambda message: print(message, file=sys.stderr, flush=True))
-        self.num_bad = 0
+        self.num_bad = self.num_read = 0
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -57,6 +62,7 @@ class CheckedRecords(Dataset):
         return [self._read(index, lambda record=record: record) for index, record in zip(indices, records)]
 
     def _read(self, index: int, fetch: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        self.num_read += 1
         try:
             return checked_record(fetch())
         except Exception as e:  # noqa: BLE001 -- whatever reading one record raises (PIL, Arrow, a transform) makes it bad
@@ -68,6 +74,9 @@ class CheckedRecords(Dataset):
         if self.policy == "fail":
             raise BadRecordError(f"{message}; set data.on_bad_record=skip to skip and count such records") from None
         self.num_bad += 1
+        if self.num_read >= MIN_READ and self.num_bad > MAX_BAD_SHARE * self.num_read:
+            raise BadRecordError(f"{self.num_bad} of the {self.num_read} {self.name} records read so far are bad, the latest: "
+                                 f"{message}; the dataset or its format is likely wrong") from None
         if self.num_bad <= MAX_REPORTS:
             more = "; further bad records are only counted" if self.num_bad == MAX_REPORTS else ""
             self.report(f"skipped {message}{more}")

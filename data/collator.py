@@ -38,11 +38,13 @@ class VQACollator:
     placeholders appear (row by row). A record whose ids exceed `max_length` is dropped, never truncated, and counted
     in `num_too_long` (per process: DataLoader workers each keep their own count); None records (bad ones that
     `CheckedRecords` skipped) are left out. A batch that loses every record holds one padding row with no targets,
-    so that training still runs its forward and backward (every rank of a distributed job must).
+    so that training still runs its forward and backward. With `ensure_image`, a batch without any image gets a
+    placeholder row (one black image, no targets), so the vision tower runs too: every rank of a DDP / FSDP2 job
+    must use the same parameters at every step.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, processor: ImageProcessor, tokens_per_image: int,
-                 max_length: int, padding_side: Side = "right"):
+                 max_length: int, padding_side: Side = "right", ensure_image: bool = False):
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
         if tokenizer.pad_token_id is None:
@@ -50,7 +52,7 @@ class VQACollator:
         token_id(tokenizer, IMAGE_TOKEN)  # fail now, not at the first batch
         self.tokenizer, self.processor = tokenizer, processor
         self.tokens_per_image, self.max_length, self.padding_side = tokens_per_image, max_length, padding_side
-        self.num_too_long = 0
+        self.num_too_long, self.ensure_image = 0, ensure_image
 
     def __call__(self, records: list[dict | None]) -> dict[str, torch.Tensor]:
         id_rows, target_rows, images = [], [], []
@@ -62,11 +64,15 @@ class VQACollator:
             id_rows.append(ids)
             target_rows.append(targets)
             images += [self.processor(image) for image in record["images"]]
+        size = self.processor.image_size
+        if self.ensure_image and not images:
+            id_rows.append([token_id(self.tokenizer, IMAGE_TOKEN)] * self.tokens_per_image)
+            target_rows.append([IGNORE_INDEX] * self.tokens_per_image)
+            images.append(torch.zeros(3, size, size))
         if not id_rows:
             id_rows, target_rows = [[self.tokenizer.pad_token_id]], [[IGNORE_INDEX]]
         input_ids, attention_mask = pad(id_rows, self.tokenizer.pad_token_id, self.padding_side)
         targets, _ = pad(target_rows, IGNORE_INDEX, self.padding_side)
-        size = self.processor.image_size
         return {
             "input_ids": input_ids,
             "attention_mask": attention_mask,

@@ -168,7 +168,10 @@ def load_training_state(directory: Path, model, optimizer: torch.optim.Optimizer
             f"ranks (or export its weights: python -m training.export {directory})" if sharded_world_size else
             "an unsharded checkpoint resumes without FSDP2 (train.parallel=ddp), at any world size"))
     if sharded_world_size:
-        load_sharded(model, optimizer, directory / SHARDED)
+        try:
+            load_sharded(model, optimizer, directory / SHARDED)
+        except CheckpointException as e:
+            raise CheckpointError(f"{directory}: unreadable shards ({' '.join(str(e).split())[:300]})") from None
     else:
         optimizer.load_state_dict(_optimizer_state(tensors, state["optimizer"]))
     scheduler.load_state_dict(state["scheduler"])

@@ -102,7 +102,8 @@ def all_reduce(values: list[float], op: str = "sum", device: torch.device | None
     """Element-wise sum or max of `values` over all ranks (the values themselves when not distributed)."""
     if not dist.is_initialized():
         return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
+    on_gpu = dist.get_backend() == "nccl"  # NCCL reduces CUDA tensors only
+    tensor = torch.tensor(values, dtype=torch.float64, device=(device or torch.device("cuda", torch.cuda.current_device())) if on_gpu else "cpu")
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return tensor.tolist()
 

@@ -37,9 +37,10 @@ def answer(model: VisionLanguageModel, tokenizer, processor: ImageProcessor, rec
         chunk = records[start : start + batch_size]
         prompts = [encode_prompt(tokenizer, r["texts"][0]["user"], len(r["images"]), model.config.tokens_per_image) for r in chunk]
         ids, mask = left_pad(prompts, tokenizer.pad_token_id)
-        images = torch.stack([processor(image) for r in chunk for image in r["images"]])
+        pixels = [processor(image) for r in chunk for image in r["images"]]
+        images = torch.stack(pixels).to(device) if pixels else None
         room = model.config.language.max_position_embeddings - ids.shape[1]
-        tokens = model.generate(ids.to(device), images.to(device), mask.to(device), max_new_tokens=min(max_new_tokens, room),
+        tokens = model.generate(ids.to(device), images, mask.to(device), max_new_tokens=min(max_new_tokens, room),
                                 greedy=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         answers += tokenizer.batch_decode(tokens.tolist(), skip_special_tokens=True)
     return answers
@@ -88,7 +89,8 @@ def save_prediction_grid(records: list[dict], predictions: list[str], path: Path
         ax.axis("off")
     for ax, record, prediction in zip(axes.flat, records, predictions):
         turn = record["texts"][0]
-        ax.imshow(record["images"][0])
+        if record["images"]:
+            ax.imshow(record["images"][0])
         right = normalize(prediction) == normalize(turn["assistant"])
         ax.set_title(f"Q: {turn['user']}\nexpected: {turn['assistant']}\npredicted: {prediction}", fontsize=7,
                      color="green" if right else "red", wrap=True)

@@ -10,7 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from models import CheckpointError, VisionLanguageModel, VLMConfig
+from torch.distributed.checkpoint import CheckpointException
+
+from models import CheckpointError, ConfigError, VisionLanguageModel, VLMConfig
 from training.checkpoint import SHARDED
 from training.distributed import read_sharded_weights
 
@@ -37,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         print(f"exported {export(args.checkpoint, args.out)}")
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (CheckpointError, CheckpointException, ConfigError) as e:
+        print(f"error: {' '.join(str(e).split())[:500]}", file=sys.stderr)
         return 2
     return 0
 

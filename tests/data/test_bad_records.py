@@ -50,7 +50,20 @@ def test_malformed_texts_are_bad_records():
 
 
 def test_reports_stop_after_ten_but_counting_goes_on():
-    reports = []
-    records = CheckedRecords([{"texts": None}] * 15, "skip", report=reports.append)
-    assert records.__getitems__(list(range(15))) == [None] * 15
+    reports, good = [], {"images": [], "texts": [{"user": "hi", "assistant": "ok"}]}
+    records = CheckedRecords([{"texts": None}] * 15 + [good] * 15, "skip", report=reports.append)
+    assert records.__getitems__(list(range(30))) == [None] * 15 + [good] * 15
     assert records.num_bad == 15 and len(reports) == 10 and reports[-1].endswith("further bad records are only counted")
+
+
+def test_text_that_is_not_valid_unicode_is_a_bad_record():
+    records = CheckedRecords([{"images": [], "texts": [{"user": "caf\ud800", "assistant": "ok"}]}], "fail")
+    with pytest.raises(BadRecordError, match="train record 0 is bad .*surrogates not allowed"):
+        records[0]
+
+
+def test_a_dataset_that_is_mostly_bad_stops_even_when_skipping():
+    """Every record failing the same way is a wrong dataset or format, not a few corrupt samples: no silent run."""
+    records = CheckedRecords([{"images": [], "texts": None}] * 30, "skip", report=lambda message: None)
+    with pytest.raises(BadRecordError, match=r"^20 of the 20 train records read so far are bad, the latest: train record 19 is bad"):
+        [records[i] for i in range(30)]

@@ -124,3 +124,14 @@ def test_conversation_invariants(shapes_tokenizer, turns, num_images):
     assert all(t == IGNORE_INDEX or t == ids[i + 1] for i, t in enumerate(targets))
     runs = answer_runs(torch.tensor(targets))
     assert [shapes_tokenizer.decode(run) for run in runs] == [t["assistant"] + "<|im_end|>" for t in turns]
+
+
+def test_ensure_image_adds_a_placeholder_row_only_to_batches_without_images(shapes_tokenizer):
+    collator = VQACollator(shapes_tokenizer, ImageProcessor(16), TOKENS_PER_IMAGE, max_length=512, ensure_image=True)
+    text_only = records_with_images([0, 0])
+    batch = collator(text_only)
+    image_id = token_id(shapes_tokenizer, IMAGE_TOKEN)
+    assert batch["input_ids"].shape[0] == 3 and batch["images"].shape == (1, 3, 16, 16)
+    assert batch["input_ids"][2, :TOKENS_PER_IMAGE].tolist() == [image_id] * TOKENS_PER_IMAGE
+    assert (batch["targets"][2] == IGNORE_INDEX).all() and not batch["images"].any()
+    assert collator(records_with_images([1, 0]))["input_ids"].shape[0] == 2  # has an image: unchanged

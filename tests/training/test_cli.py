@@ -74,10 +74,11 @@ def test_generate_refuses_a_truncated_checkpoint_and_a_corrupt_image(checkpoint,
     assert code == 2 and "unreadable or truncated safetensors" in err.strip().splitlines()[-1]
 
 
-def test_a_typed_image_token_is_text_and_the_answer_streams(checkpoint, capsys):
+def test_a_typed_image_token_is_accepted_as_text(checkpoint, capsys):
+    """20 typed placeholders would break the image splice (16 image tokens expected) if they became image tokens."""
     directory, image = checkpoint
     code, out, err = _generate(capsys, "--checkpoint", str(directory), "--image", str(image), "--prompt", "<|image|> " * 20)
-    assert code == 0, err
+    assert code == 0 and "error" not in err, err
 
 
 def test_invalid_utf8_bytes_on_the_real_command_line(checkpoint):

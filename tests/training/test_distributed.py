@@ -122,6 +122,21 @@ def test_fsdp2_trains_resumes_from_its_shards_and_exports(reference, tmp_path):
         f"(or export its weights: python -m training.export {tmp_path / 'whole' / 'step_000002'})"), unsharded.stderr
 
 
+def test_ranks_stay_in_step_when_a_batch_has_no_image(tmp_path):
+    """Text-only records: a rank whose batch has no image still runs the vision tower (DDP needs every parameter)."""
+    from data import make_shapes_dataset
+
+    lines = []
+    for i, row in enumerate(make_shapes_dataset("train", 24, seed=0, image_size=32)):
+        row["images"][0].save(tmp_path / f"{i}.png")
+        lines.append(json.dumps({"images": [f"{i}.png"] if i % 3 == 0 else [], "texts": row["texts"]}))
+    (tmp_path / "data.jsonl").write_text("\n".join(lines))
+    torchrun(2, *overrides(**{"data.source": "jsonl", "data.path": str(tmp_path / "data.jsonl"), "data.holdout": "4",
+                              "train.batch_size": "1", "train.max_steps": "6", "train.save_every": "6", "train.eval_every": "6",
+                              "train.output_dir": str(tmp_path / "run"), "train.dist_timeout": "60"}), timeout=240)
+    assert (tmp_path / "run" / "step_000006" / "model.safetensors").is_file()
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
