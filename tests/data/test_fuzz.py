@@ -84,6 +84,7 @@ def processor():
     return ImageProcessor(24)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Pillow warns about the corrupt metadata it is fed here
 @settings(FUZZ, max_examples=800)
 @given(data=st.one_of(corrupted_files(), st.binary(max_size=512)))
 def test_image_bytes_give_an_rgb_image_or_an_image_load_error(processor, data):
