@@ -170,7 +170,7 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     say = print if ranks.is_main else lambda *args, **kwargs: None
 
     train_data, validation_data = build_datasets(config.data)
-    model, tokenizer = load_for_resume(resume, tc) if resume else (None, build_tokenizer(config, train_data))
+    model, tokenizer = load_for_resume(resume) if resume else (None, build_tokenizer(config, train_data))
     model = model or build_model(config, tokenizer)
     config = RunConfig(model.config, config.data, config.train, config.tokenizer)
     freeze_parts(model, tc)
@@ -254,7 +254,7 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
                   metrics, device, run)
 
 
-def load_for_resume(checkpoint: Path, tc) -> tuple[VisionLanguageModel, object]:
+def load_for_resume(checkpoint: Path) -> tuple[VisionLanguageModel, object]:
     """The model and tokenizer of a checkpoint to resume; a sharded (FSDP2) one gets its weights from its shards later."""
     from transformers import AutoTokenizer
 
