@@ -30,6 +30,7 @@ from tqdm import tqdm
 from data import (IGNORE_INDEX, IMAGE_TOKEN, BadRecordError, CheckedRecords, DataSourceError, ImageLoadError, ImageProcessor,
                   PromptError, VQACollator, build_datasets, build_shapes_tokenizer, conversation_texts, prepare_tokenizer, token_id)
 from models import CheckpointError, ConfigError, GenerationError, VisionLanguageModel, VLMConfig
+from models.config import one_line
 from models.loading import resolve
 from training import distributed
 from training.checkpoint import RUN_CONFIG, SHARDED, find_checkpoint, load_training_state, save_checkpoint
@@ -108,9 +109,11 @@ def train_step(forward, model, batches, optimizer, scheduler, tc, autocast, devi
     fell in, so N ranks x batch b train exactly like 1 rank x batch N*b. A non-finite step changes no weight."""
     model.train()
     micro_batches = [next(batches) for _ in range(tc.grad_accum_steps)]
+    # Counted on the host-side batches, so the loop below never waits on the device.
     local_targets = sum(int((batch["targets"] != IGNORE_INDEX).sum()) for batch in micro_batches)
+    tokens = sum(int(batch["attention_mask"].sum()) for batch in micro_batches)
     total_targets, world_size = all_reduce([local_targets, 1.0], device=device)
-    loss_sum, tokens = torch.zeros((), device=device), 0
+    loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(micro_batches):
         batch = {k: v.to(device) for k, v in batch.items()}
         with gradient_sync(model, enabled=i == len(micro_batches) - 1), autocast:
@@ -118,7 +121,6 @@ def train_step(forward, model, batches, optimizer, scheduler, tc, autocast, devi
         # DDP and FSDP2 average gradients over ranks: scale by world_size so the step's gradient is the global mean.
         (loss * world_size / max(total_targets, 1)).backward()
         loss_sum += loss.detach()
-        tokens += int(batch["attention_mask"].sum())
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or float("inf"))
     loss_sum, tokens = all_reduce([loss_sum.item(), tokens], device=device)
     step_loss = loss_sum / max(total_targets, 1)
@@ -321,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except torch.distributed.DistError as e:  # another rank died or hung: torchrun reports which
-        print(f"error: lost contact with the other ranks ({type(e).__name__}: {' '.join(str(e).split())[:300]})", file=sys.stderr)
+        print(f"error: lost contact with the other ranks ({type(e).__name__}: {one_line(e, 300)})", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

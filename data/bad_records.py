@@ -9,6 +9,7 @@ from typing import Any, Literal
 from torch.utils.data import Dataset
 
 from data.processors import to_rgb
+from models.config import one_line
 
 Policy = Literal["skip", "fail"]
 MAX_REPORTS = 10  # bad records reported one by one; any further ones are only counted
@@ -69,8 +70,7 @@ class CheckedRecords(Dataset):
             return self._bad(index, e)
 
     def _bad(self, index: int, error: Exception) -> None:
-        detail = " ".join(str(error).split()) or "no details"
-        message = f"{self.name} record {index} is bad ({type(error).__name__}: {detail})"
+        message = f"{self.name} record {index} is bad ({type(error).__name__}: {one_line(error)})"
         if self.policy == "fail":
             raise BadRecordError(f"{message}; set data.on_bad_record=skip to skip and count such records") from None
         self.num_bad += 1

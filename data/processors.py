@@ -13,7 +13,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torchvision.transforms import v2
 
-from models.config import VisionConfig
+from models.config import VisionConfig, one_line
 
 MAX_IMAGE_PIXELS = 8192 * 8192  # larger images are refused as likely decompression bombs
 _WIDE_GREY_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # 16-bit greyscale as PIL reads it
@@ -49,8 +49,7 @@ def load_image(source: str | os.PathLike | BinaryIO) -> Image.Image:
     except UnidentifiedImageError:
         raise ImageLoadError(f"{name}: not an image file (or a format Pillow cannot read)") from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:
-        message = " ".join(str(e).split()) or type(e).__name__
-        raise ImageLoadError(f"{name}: corrupt or truncated image ({message})") from None
+        raise ImageLoadError(f"{name}: corrupt or truncated image ({one_line(e)})") from None
     return to_rgb(image)
 
 

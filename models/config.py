@@ -27,6 +27,12 @@ def check(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def one_line(error: BaseException | str, limit: int = 500) -> str:
+    """An error's text on one line (whitespace runs collapsed), cut at `limit` characters, for one-line CLI errors."""
+    text = " ".join(str(error).split()) or (type(error).__name__ if isinstance(error, BaseException) else "")
+    return text[:limit]
+
+
 _TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
 
 

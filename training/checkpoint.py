@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 from torch.distributed.checkpoint import CheckpointException
 from safetensors.torch import load_file, save_file
 
+from models.config import one_line
 from models.loading import CheckpointError, atomic_write
 from training.distributed import Ranks, barrier, is_sharded, load_sharded, save_sharded, unwrap
 
@@ -84,10 +85,9 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer: torch
                    {**(extra or {}), "sharded_world_size": ranks.world_size if is_sharded(model) else 0})
     except (OSError, SafetensorError, CheckpointException) as e:
         shutil.rmtree(staging, ignore_errors=True)
-        reason = " ".join(str(e).split()) or type(e).__name__
         previous = checkpoints(run_dir)
         kept = f"the newest complete checkpoint, {previous[-1]}, is intact" if previous else "no earlier checkpoint exists"
-        raise CheckpointError(f"could not write checkpoint {final} ({reason}); {kept}") from None
+        raise CheckpointError(f"could not write checkpoint {final} ({one_line(e)}); {kept}") from None
     if ranks.is_main:
         # Old checkpoints leave by rename before they are deleted, so a step_* directory is never half deleted.
         retired = [_retire(final)] if final.exists() else []  # the same step written again (after a resume)
@@ -171,7 +171,7 @@ def load_training_state(directory: Path, model, optimizer: torch.optim.Optimizer
         try:
             load_sharded(model, optimizer, directory / SHARDED)
         except CheckpointException as e:
-            raise CheckpointError(f"{directory}: unreadable shards ({' '.join(str(e).split())[:300]})") from None
+            raise CheckpointError(f"{directory}: unreadable shards ({one_line(e, 300)})") from None
     else:
         optimizer.load_state_dict(_optimizer_state(tensors, state["optimizer"]))
     scheduler.load_state_dict(state["scheduler"])

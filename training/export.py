@@ -13,6 +13,7 @@ from pathlib import Path
 from torch.distributed.checkpoint import CheckpointException
 
 from models import CheckpointError, ConfigError, VisionLanguageModel, VLMConfig
+from models.config import one_line
 from training.checkpoint import SHARDED
 from training.distributed import read_sharded_weights
 
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"exported {export(args.checkpoint, args.out)}")
     except (CheckpointError, CheckpointException, ConfigError) as e:
-        print(f"error: {' '.join(str(e).split())[:500]}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     return 0
 
