@@ -78,7 +78,8 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         if num_images == 0:
             return embeddings
         features = self.projector(self.vision(images.to(embeddings.dtype)))
-        return embeddings.masked_scatter(slots.unsqueeze(-1), features)
+        # Under autocast the projector returns bfloat16 while embeddings stay float32: splice in the embeddings' dtype.
+        return embeddings.masked_scatter(slots.unsqueeze(-1), features.to(embeddings.dtype))
 
     def forward(self, input_ids: Tensor, images: Tensor | None = None, attention_mask: Tensor | None = None,
                 targets: Tensor | None = None, reduction: Literal["mean", "sum"] = "mean") -> tuple[Tensor, Tensor | None]:

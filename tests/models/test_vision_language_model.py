@@ -47,6 +47,22 @@ def test_gradients_reach_every_part():
         assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in part.parameters()), part
 
 
+def test_bf16_autocast_trains_and_matches_float32():
+    """Mixed precision (as train.py runs it on a GPU; CPU autocast takes the same path): the bfloat16 projector
+    output is spliced into the float32 embeddings, and the loss stays within bfloat16 noise of float32's."""
+    model = tiny_vlm().train()
+    ids = torch.randint(3, 90, (1, 10), generator=torch.Generator().manual_seed(2))
+    ids[0, 1:5] = IMAGE_ID
+    images = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    _, reference = model(ids, images, targets=ids.roll(-1, 1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(ids, images, targets=ids.roll(-1, 1))
+    loss.backward()
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, reference, rtol=0.02, atol=0.02)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
 def test_wrong_number_of_images():
     model = tiny_vlm()
     ids = torch.full((1, 6), 5)
