@@ -35,8 +35,9 @@ def write(cache: KVCache, key: Tensor, value: Tensor, start_pos: int | Tensor) -
         cache["value"][:, :, start_pos:end] = value
         return cache, cache["key"][:, :, :end], cache["value"][:, :, :end]
     slots = torch.arange(key.shape[2], device=key.device) + start_pos
-    cache["key"].index_copy_(2, slots, key)
-    cache["value"].index_copy_(2, slots, value)
+    # Cast as slice assignment does: under autocast the projections give bfloat16 K/V for a float32 cache.
+    cache["key"].index_copy_(2, slots, key.to(cache["key"].dtype))
+    cache["value"].index_copy_(2, slots, value.to(cache["value"].dtype))
     return cache, cache["key"], cache["value"]
 
 

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -158,14 +158,18 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         return self.language.head(hidden[:, -1])
 
     def _compiled_decode_step(self, cache: list[dict[str, Tensor]]):
-        """`decode_step` through torch.compile (CUDA graphs on GPU), built once and reused across calls."""
+        """`decode_step` through torch.compile (CUDA graphs on GPU), built once per device type and reused across
+        calls (a model compiled on the CPU and then moved to a GPU gets its CUDA-graph version)."""
         for block_cache in cache:  # lets CUDA graphs write the cache in place instead of copying it each step
             for tensor in block_cache.values():
                 torch._dynamo.mark_static_address(tensor)
-        if getattr(self, "_compiled_step", None) is None:
-            mode = "reduce-overhead" if next(self.parameters()).is_cuda else None
-            self._compiled_step = torch.compile(self.decode_step, mode=mode, fullgraph=True, dynamic=False)
-        return self._compiled_step
+        if not hasattr(self, "_compiled_steps"):
+            self._compiled_steps: dict[str, Callable] = {}
+        compiled, device_type = self._compiled_steps, next(self.parameters()).device.type
+        if device_type not in compiled:
+            mode = "reduce-overhead" if device_type == "cuda" else None
+            compiled[device_type] = torch.compile(self.decode_step, mode=mode, fullgraph=True, dynamic=False)
+        return compiled[device_type]
 
     def generate(self, input_ids: Tensor, images: Tensor | None = None, attention_mask: Tensor | None = None,
                  **settings) -> Tensor:

@@ -31,6 +31,21 @@ def test_tensor_position_step_equals_int_position_step(model):
     assert torch.equal(torch.stack(tokens, 1), eager)
 
 
+def test_tensor_position_step_under_bf16_autocast(model):
+    """Under autocast the projections give bfloat16 K/V for the float32 cache: the in-place write casts them, as the
+    int-position path's slice assignment does, and both steps give the same logits."""
+    ids, mask, images = left_padded_batch()
+    full_mask = torch.ones(3, ids.shape[1] + 1, dtype=torch.long)
+    full_mask[:, : ids.shape[1]] = mask
+    logits = []
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for start_pos in (ids.shape[1], torch.tensor(ids.shape[1])):
+            cache = model.language.allocate_kv_cache(3, ids.shape[1] + 1)
+            hidden, cache = model.language(model.embed(ids, images), full_mask, cache)
+            logits.append(model.decode_step(hidden[:, -1].argmax(-1), full_mask, cache, start_pos).float())
+    torch.testing.assert_close(logits[0], logits[1], rtol=0.02, atol=0.02)
+
+
 @pytest.mark.slow
 def test_compiled_decode_equals_eager_without_recompiling(model):
     from torch._dynamo.utils import counters
