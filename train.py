@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
+import random
 import signal
 import sys
 import threading
@@ -28,7 +30,8 @@ from torch.utils.data import DataLoader, Sampler
 from tqdm import tqdm
 
 from data import (IGNORE_INDEX, IMAGE_TOKEN, BadRecordError, CheckedRecords, DataSourceError, ImageLoadError, ImageProcessor,
-                  PromptError, VQACollator, build_datasets, build_shapes_tokenizer, conversation_texts, prepare_tokenizer, token_id)
+                  PromptError, VQACollator, build_datasets, build_shapes_tokenizer, conversation_texts, prepare_tokenizer, text_lengths,
+                  token_id)
 from models import CheckpointError, ConfigError, GenerationError, VisionLanguageModel, VLMConfig
 from models.config import one_line
 from models.loading import resolve
@@ -49,23 +52,43 @@ class ResumableBatchSampler(Sampler[list[int]]):
     stream's samples [start + k*G, start + (k+1)*G) with G = batch_size * world_size, and rank r takes the r-th
     slice of it. So a run resumes from any sample count at any world size, and 2 ranks x batch b see exactly the
     samples that 1 rank x batch 2b sees.
+
+    With `lengths` (one per sample), batches are grouped by length to save padding: each window of `group` global
+    batches of the stream is sorted by length in buckets of `bucket` (so that records of about the same length keep
+    their random order and batches still mix kinds of record), cut into global batches again, and those are taken in
+    a seeded shuffled order. The same samples are seen, in batches of similar lengths; a run then resumes exactly from any
+    multiple of G (any step), at any world size that keeps G.
     """
 
-    def __init__(self, num_samples: int, batch_size: int, seed: int, start: int = 0, rank: int = 0, world_size: int = 1):
+    def __init__(self, num_samples: int, batch_size: int, seed: int, start: int = 0, rank: int = 0, world_size: int = 1,
+                 lengths: list[int] | None = None, group: int = 16, bucket: int = 64):
         self.num_samples, self.batch_size, self.seed, self.start = num_samples, batch_size, seed, start
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.lengths, self.group, self.bucket = rank, world_size, lengths, group, bucket
+        self._epoch, self._order = None, []
 
     def __iter__(self):
-        position, epoch, order = self.start + self.rank * self.batch_size, None, []
-        while True:
-            batch = []
-            for p in range(position, position + self.batch_size):
-                if p // self.num_samples != epoch:
-                    epoch = p // self.num_samples
-                    order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
-                batch.append(order[p % self.num_samples])
-            yield batch
-            position += self.batch_size * self.world_size
+        size = self.batch_size * self.world_size
+        mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+        if self.lengths is None:
+            for position in itertools.count(self.start, size):
+                yield self._stream(position, size)[mine]
+        first_batch = self.start // size
+        for window in itertools.count(first_batch // self.group):
+            by_length = sorted(self._stream(window * size * self.group, size * self.group),
+                               key=lambda i: self.lengths[i] // self.bucket)
+            batches = [by_length[k * size : (k + 1) * size][mine] for k in range(self.group)]
+            random.Random(f"{self.seed}:{window}").shuffle(batches)
+            yield from batches[max(0, first_batch - window * self.group):]
+
+    def _stream(self, position: int, count: int) -> list[int]:
+        """Sample indices at stream positions position .. position + count - 1."""
+        indices = []
+        for p in range(position, position + count):
+            if p // self.num_samples != self._epoch:
+                self._epoch = p // self.num_samples
+                self._order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + self._epoch)).tolist()
+            indices.append(self._order[p % self.num_samples])
+        return indices
 
 
 class TrainingError(RuntimeError):
@@ -189,7 +212,8 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     report = tqdm.write if ranks.is_main else lambda message: None
     train_records = CheckedRecords(train_data, config.data.on_bad_record, "train", report=report)
     validation_records = CheckedRecords(validation_data, config.data.on_bad_record, "validation", report=report)
-    sampler = ResumableBatchSampler(len(train_records), tc.batch_size, tc.seed, samples_seen, ranks.rank, ranks.world_size)
+    lengths = text_lengths(train_data) if tc.group_by_length else None
+    sampler = ResumableBatchSampler(len(train_records), tc.batch_size, tc.seed, samples_seen, ranks.rank, ranks.world_size, lengths)
     batches = iter(DataLoader(train_records, batch_sampler=sampler, collate_fn=collator))
     bad_before = bad_records = state.get("bad_records", 0)
     validation_batches = [collator([validation_records[i] for i in range(s, min(s + tc.batch_size, len(validation_records)))])

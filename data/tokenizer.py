@@ -70,9 +70,24 @@ def token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
 
 def conversation_texts(dataset: Iterable[dict]) -> Iterator[str]:
     """Every user and assistant string of the records (a tokenizer corpus); a Dataset's images are not even decoded."""
-    if isinstance(dataset, Dataset):
-        dataset = dataset.with_format(None).select_columns(["texts"])  # also skips transforms that open images
-    for record in dataset:
+    for record in _texts_only(dataset):
         for turn in record["texts"]:
             yield turn["user"]
             yield turn["assistant"]
+
+
+def text_lengths(dataset: Iterable[dict]) -> list[int]:
+    """Characters of conversation text per record, a cheap stand-in for its token count (images are not decoded;
+    malformed texts count 0 and are reported when the record is read)."""
+    def chars(turns) -> int:
+        if not isinstance(turns, list):
+            return 0
+        return sum(len(text) for turn in turns if isinstance(turn, dict) for text in turn.values() if isinstance(text, str))
+
+    return [chars(record.get("texts")) for record in _texts_only(dataset)]
+
+
+def _texts_only(dataset: Iterable[dict]) -> Iterable[dict]:
+    if isinstance(dataset, Dataset):
+        return dataset.with_format(None).select_columns(["texts"])  # also skips transforms that open images
+    return dataset

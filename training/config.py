@@ -19,6 +19,9 @@ class TrainConfig(Config):
     max_steps: int = 1000
     batch_size: int = 32  # per rank and micro-batch: a step sees batch_size x grad_accum_steps x world_size samples
     grad_accum_steps: int = 1
+    # Batches of similar lengths (characters of text, in buckets of 64) drawn from windows of 16 batches: less padding,
+    # the same samples. Resume with the same global batch size (batch_size x world_size) to see the same batches.
+    group_by_length: bool = False
     lr_projector: float = 3e-3  # a learning rate of 0 freezes that part
     lr_vision: float = 3e-3
     lr_language: float = 3e-3

@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from data import (IM_END, IM_START, IMAGE_TOKEN, PAD_TOKEN, build_shapes_tokenizer, conversation_texts, encode_conversation,
-                  encode_prompt, make_shapes_dataset, prepare_tokenizer, token_id)
+                  encode_prompt, make_shapes_dataset, prepare_tokenizer, text_lengths, token_id)
 from data.synthetic import CELLS, COLORS, SHAPES
 
 SPECIALS = (IM_START, IM_END, IMAGE_TOKEN, PAD_TOKEN)
@@ -100,3 +100,10 @@ def test_prepare_tokenizer_on_smollm2():
     ids, targets = encode_conversation(tokenizer, [{"user": f"what is {IMAGE_TOKEN}?", "assistant": "a cat"}], 1, 4)
     assert ids.count(size) == 4
     assert tokenizer.decode([t for t in targets if t != -100]) == "a cat<|im_end|>"
+
+
+def test_text_lengths_count_every_turn_and_tolerate_malformed_records():
+    dataset = make_shapes_dataset("train", 12, seed=0, turns=2)
+    assert text_lengths(dataset) == [sum(len(t["user"]) + len(t["assistant"]) for t in r["texts"]) for r in dataset]
+    malformed = [{"texts": None}, {"texts": [{"user": 3, "assistant": "ok"}, "junk"]}, {}]
+    assert text_lengths(malformed) == [0, 2, 0]

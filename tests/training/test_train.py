@@ -1,5 +1,6 @@
 """Training end to end on a very small config: the loss falls, and a resumed run equals an uninterrupted one."""
 
+import itertools
 import json
 
 import pytest
@@ -27,8 +28,9 @@ def test_loss_falls_and_the_run_leaves_its_artifacts(tmp_path):
     assert json.loads((tmp_path / "metrics.json").read_text())["validation_loss"] == metrics["validation_loss"]
 
 
-def test_resume_equals_an_uninterrupted_run(tmp_path):
-    steps = {"train.decay_steps": "12", "train.save_every": "6", "train.eval_every": "6"}
+@pytest.mark.parametrize("group_by_length", ["false", "true"])  # step 6 falls inside a window of 16 batches
+def test_resume_equals_an_uninterrupted_run(tmp_path, group_by_length):
+    steps = {"train.decay_steps": "12", "train.save_every": "6", "train.eval_every": "6", "train.group_by_length": group_by_length}
     train(small_config(tmp_path / "whole", **steps, **{"train.max_steps": "12"}))
     train(small_config(tmp_path / "split", **steps, **{"train.max_steps": "6"}))
     config = RunConfig.from_json(tmp_path / "split" / "step_000006" / "run_config.json").replace({"train.max_steps": "12"})
@@ -55,3 +57,30 @@ def test_ranks_split_each_global_batch():
     ranks = [iter(ResumableBatchSampler(20, 2, seed=1, start=2, rank=r, world_size=3)) for r in range(3)]
     for _ in range(10):
         assert next(single) == [i for rank in ranks for i in next(rank)]
+
+
+def test_length_grouping_keeps_the_samples_and_cuts_the_padding():
+    lengths = [(i * 37) % 50 for i in range(200)]
+    plain = ResumableBatchSampler(200, 8, seed=2)
+    grouped = ResumableBatchSampler(200, 8, seed=2, lengths=lengths, group=5, bucket=10)
+    plain_batches, grouped_batches = (list(itertools.islice(iter(s), 25)) for s in (plain, grouped))  # one epoch
+    assert sorted(i for b in grouped_batches for i in b) == list(range(200))
+    for start in range(0, 25, 5):  # each window of 5 batches holds the plain stream's samples of that window
+        window = grouped_batches[start : start + 5]
+        assert sorted(i for b in window for i in b) == sorted(i for b in plain_batches[start : start + 5] for i in b)
+        spans = sorted((min(lengths[i] // 10 for i in b), max(lengths[i] // 10 for i in b)) for b in window)
+        assert all(high <= next_low for (_, high), (next_low, _) in zip(spans, spans[1:]))  # sorted by bucket, cut in runs
+    padded = lambda batches: sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    assert padded(grouped_batches) < 0.8 * padded(plain_batches)
+    assert grouped_batches != sorted(grouped_batches, key=lambda b: lengths[b[0]])  # windows' batches are shuffled
+
+
+def test_length_grouped_batches_resume_and_split_across_ranks():
+    lengths = [(i * 13) % 17 for i in range(60)]
+    sampler = lambda **kwargs: ResumableBatchSampler(60, seed=4, lengths=lengths, group=4, bucket=3, **kwargs)
+    whole = list(itertools.islice(iter(sampler(batch_size=6)), 30))
+    resumed = sampler(batch_size=6, start=7 * 6)  # mid-window, at step 7
+    assert list(itertools.islice(iter(resumed), 23)) == whole[7:]
+    ranks = [iter(sampler(batch_size=2, rank=r, world_size=3)) for r in range(3)]
+    for batch in whole:
+        assert batch == [i for rank in ranks for i in next(rank)]
