@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -56,8 +57,8 @@ class ResumableBatchSampler(Sampler[list[int]]):
     With `lengths` (one per sample), batches are grouped by length to save padding: each window of `group` global
     batches of the stream is sorted by length in buckets of `bucket` (so that records of about the same length keep
     their random order and batches still mix kinds of record), cut into global batches again, and those are taken in
-    a seeded shuffled order. The same samples are seen, in batches of similar lengths; a run then resumes exactly from any
-    multiple of G (any step), at any world size that keeps G.
+    a seeded shuffled order. The same samples are seen, in batches of similar lengths; a run then resumes exactly
+    from any multiple of G (any step), at any world size that keeps G.
     """
 
     def __init__(self, num_samples: int, batch_size: int, seed: int, start: int = 0, rank: int = 0, world_size: int = 1,
@@ -66,17 +67,22 @@ class ResumableBatchSampler(Sampler[list[int]]):
         self.rank, self.world_size, self.lengths, self.group, self.bucket = rank, world_size, lengths, group, bucket
         self._epoch, self._order = None, []
 
-    def __iter__(self):
-        size = self.batch_size * self.world_size
+    def __iter__(self) -> Iterator[list[int]]:
+        size = self.batch_size * self.world_size  # G: one global batch
         mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
-        if self.lengths is None:
-            for position in itertools.count(self.start, size):
-                yield self._stream(position, size)[mine]
+        global_batches = self._plain(size) if self.lengths is None else self._grouped(size)
+        return (batch[mine] for batch in global_batches)
+
+    def _plain(self, size: int) -> Iterator[list[int]]:
+        for position in itertools.count(self.start, size):
+            yield self._stream(position, size)
+
+    def _grouped(self, size: int) -> Iterator[list[int]]:
         first_batch = self.start // size
         for window in itertools.count(first_batch // self.group):
             by_length = sorted(self._stream(window * size * self.group, size * self.group),
                                key=lambda i: self.lengths[i] // self.bucket)
-            batches = [by_length[k * size : (k + 1) * size][mine] for k in range(self.group)]
+            batches = [by_length[k * size : (k + 1) * size] for k in range(self.group)]
             random.Random(f"{self.seed}:{window}").shuffle(batches)
             yield from batches[max(0, first_batch - window * self.group):]
 
