@@ -40,6 +40,7 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         self.vision = VisionTransformer(config.vision)
         self.projector = ModalityProjector(config)
         self.language = LanguageModel(config.language)
+        self._compiled_steps: dict[str, Callable] = {}  # device type -> compiled decode_step (see _compiled_decode_step)
 
     @classmethod
     def from_backbones(cls, config: VLMConfig, allow_pickle: bool = False) -> VisionLanguageModel:
@@ -163,8 +164,6 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         for block_cache in cache:  # lets CUDA graphs write the cache in place instead of copying it each step
             for tensor in block_cache.values():
                 torch._dynamo.mark_static_address(tensor)
-        if not hasattr(self, "_compiled_steps"):
-            self._compiled_steps: dict[str, Callable] = {}
         compiled, device_type = self._compiled_steps, next(self.parameters()).device.type
         if device_type not in compiled:
             mode = "reduce-overhead" if device_type == "cuda" else None
