@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
@@ -48,8 +49,8 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         (their architecture fields are then taken from those checkpoints)."""
         vision = VisionTransformer.from_pretrained(config.vision.pretrained, allow_pickle) if config.vision.pretrained else None
         language = LanguageModel.from_pretrained(config.language.pretrained, allow_pickle) if config.language.pretrained else None
-        config = VLMConfig(vision=vision.config if vision else config.vision, projector=config.projector,
-                           language=language.config if language else config.language, image_token_id=config.image_token_id)
+        config = dataclasses.replace(config, vision=vision.config if vision else config.vision,
+                                     language=language.config if language else config.language)
         model = cls(config)
         if vision:
             model.vision = vision
@@ -64,7 +65,7 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         """Resize the LM vocabulary (after adding image / special tokens to the tokenizer) and record the image id."""
         self.language.resize_token_embeddings(vocab_size)
         image_token_id = self.config.image_token_id if image_token_id is None else image_token_id
-        self.config = VLMConfig(self.config.vision, self.config.projector, self.language.config, image_token_id)
+        self.config = dataclasses.replace(self.config, language=self.language.config, image_token_id=image_token_id)
 
     def embed(self, input_ids: Tensor, images: Tensor | None = None) -> Tensor:
         """Token embeddings [B, T, C] with the projected image patches written at the image-token positions,

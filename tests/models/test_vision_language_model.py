@@ -1,10 +1,13 @@
 """The VLM's splice of image features into the token embeddings, and its loss."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.models.helpers import tiny_vlm
+from models import VisionLanguageModel
+from tests.models.helpers import tiny_vlm, tiny_vlm_config
 
 IMAGE_ID = 95
 
@@ -69,3 +72,9 @@ def test_wrong_number_of_images():
     ids[0, :4] = IMAGE_ID
     with pytest.raises(ValueError, match="hold 4 image tokens but 0 image"):
         model(ids, None)
+
+
+def test_resizing_the_vocabulary_keeps_the_rest_of_the_config():
+    model = VisionLanguageModel(tiny_vlm_config())
+    model.resize_token_embeddings(120, image_token_id=119)
+    assert model.config == dataclasses.replace(tiny_vlm_config(vocab_size=120), image_token_id=119)

@@ -1,15 +1,19 @@
 """Training end to end on a very small config: the loss falls, and a resumed run equals an uninterrupted one."""
 
+import contextlib
+import copy
 import itertools
 import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from tests.models.helpers import tiny_vlm
 from tests.training.helpers import small_config
-from training.config import RunConfig
-from train import ResumableBatchSampler, train
+from training.config import RunConfig, TrainConfig
+from train import ResumableBatchSampler, train, train_step
 
 def _history(run_dir):
     last = sorted(run_dir.glob("step_*"))[-1]
@@ -84,3 +88,30 @@ def test_length_grouped_batches_resume_and_split_across_ranks():
     ranks = [iter(sampler(batch_size=2, rank=r, world_size=3)) for r in range(3)]
     for batch in whole:
         assert batch == [i for rank in ranks for i in next(rank)]
+
+
+def test_a_step_descends_the_mean_answer_loss():
+    """train_step against a float64 reference: the gradient of the mean over every answer token of the batch."""
+    model = tiny_vlm()
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 90, (3, 16), generator=generator)
+    ids[:, :4] = model.config.image_token_id  # one image per row
+    images = torch.randn(3, 3, 32, 32, generator=generator)
+    targets = torch.full_like(ids, -100)
+    targets[0, 5:13], targets[1, 9], targets[2, 11:13] = ids[0, 6:14], ids[1, 10], ids[2, 12:14]  # 8, 1 and 2 answer tokens
+    batch = {"input_ids": ids, "images": images, "attention_mask": torch.ones_like(ids), "targets": targets}
+
+    reference = copy.deepcopy(model).double()
+    logits, _ = reference(ids, images.double())
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    expected.backward()
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    before = copy.deepcopy(model)
+    loss, tokens, finite = train_step(model, model, iter([batch]), optimizer, scheduler, TrainConfig(grad_clip=0),
+                                      contextlib.nullcontext(), torch.device("cpu"))
+    assert finite and tokens == ids.numel()
+    assert loss == pytest.approx(expected.item(), rel=1e-5)
+    for (name, after), old, ref in zip(model.named_parameters(), before.parameters(), reference.parameters()):
+        torch.testing.assert_close(old - after, ref.grad.float(), rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
