@@ -1,4 +1,5 @@
-"""Training end to end on a very small config: the loss falls, and a resumed run equals an uninterrupted one."""
+"""Training: the loss falls, one step follows the gradient of the mean answer loss, a resumed run equals an uninterrupted one,
+and the batch sampler (resumable, rank-split, length-grouped)."""
 
 import contextlib
 import copy
