@@ -21,6 +21,7 @@ install: $(STAMP)
 demo: install
 	$(PY) train.py --config configs/tiny.yaml
 	$(PY) generate.py --image runs/tiny/heldout_example.png --prompt "What color is the circle?"
+	$(PY) generate.py --image runs/tiny/heldout_example.png
 
 test: install
 	$(PY) -m pytest -q

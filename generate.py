@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> None:
     image = load_image(args.image)
     model, tokenizer = load(args.checkpoint, device, args.allow_pickle)
     pixels = ImageProcessor.from_config(model.config.vision)(image)[None].to(device)
-    ids = torch.tensor([encode_prompt(tokenizer, prompt, 1, model.config.tokens_per_image)], device=device)
+    ids = torch.tensor([encode_prompt(tokenizer, prompt, 1, model.config.tokens_per_image, model.config.image_position)],
+                       device=device)
     rows, tokens = args.num_samples, ids.shape[1] + args.max_new_tokens
     dtype = next(model.parameters()).dtype
     print(f"KV cache: {kv_cache_bytes(model.config.language, rows, tokens, dtype) / 2**20:.2f} MiB "

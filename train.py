@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 from tqdm import tqdm
 
-from data import (IGNORE_INDEX, IMAGE_TOKEN, BadRecordError, CheckedRecords, DataSourceError, ImageLoadError, ImageProcessor,
+from data import (IMAGE_TOKEN, BadRecordError, CheckedRecords, DataSourceError, ImageLoadError, ImageProcessor,
                   PromptError, VQACollator, build_datasets, build_shapes_tokenizer, conversation_texts, prepare_tokenizer, text_lengths,
                   token_id)
 from models import CheckpointError, ConfigError, GenerationError, VisionLanguageModel, VLMConfig
@@ -41,7 +41,9 @@ from training.checkpoint import RUN_CONFIG, SHARDED, find_checkpoint, load_train
 from training.config import RunConfig, load_run_config, parse_overrides
 from training.distributed import all_reduce, gradient_sync
 from training.evaluate import answer, exact_match, save_loss_curve, save_prediction_grid, validation_loss
+from training.loss import target_weights
 from training.optim import build_optimizer, build_scheduler, freeze_parts
+from training.vision_pretraining import pretrain_vision
 
 GRID_EXAMPLES = 16
 
@@ -134,25 +136,27 @@ class GracefulStop:
 
 def train_step(forward, model, batches, optimizer, scheduler, tc, autocast, device) -> tuple[float, int, bool]:
     """One optimizer step over grad_accum_steps micro-batches on every rank; returns (loss, tokens, finite), both
-    summed over ranks. The loss is the mean over every answer token of the step, whichever rank and micro-batch it
-    fell in, so N ranks x batch b train exactly like 1 rank x batch N*b. A non-finite step changes no weight."""
+    summed over ranks. The loss is the weighted mean (`target_weights`) over every answer token of the step, whichever
+    rank and micro-batch it fell in, so N ranks x batch b train exactly like 1 rank x batch N*b. A non-finite step
+    changes no weight."""
     model.train()
     micro_batches = [next(batches) for _ in range(tc.grad_accum_steps)]
-    # Counted on the host-side batches, so the loop below never waits on the device.
-    local_targets = sum(int((batch["targets"] != IGNORE_INDEX).sum()) for batch in micro_batches)
+    # Weighed on the host-side batches, so the loop below never waits on the device.
+    weights = [target_weights(batch["targets"], tc.loss_weight) for batch in micro_batches]
     tokens = sum(int(batch["attention_mask"].sum()) for batch in micro_batches)
-    total_targets, world_size = all_reduce([local_targets, 1.0], device=device)
+    total_weight, world_size = all_reduce([float(sum(w.sum() for w in weights)), 1.0], device=device)
     loss_sum = torch.zeros((), device=device)
-    for i, batch in enumerate(micro_batches):
+    for i, (batch, weight) in enumerate(zip(micro_batches, weights)):
         batch = {k: v.to(device) for k, v in batch.items()}
         with gradient_sync(model, enabled=i == len(micro_batches) - 1), autocast:
-            _, loss = forward(**batch, reduction="sum")
+            _, losses = forward(**batch, reduction="none")
+        loss = (losses * weight.to(device)).sum()
         # DDP and FSDP2 average gradients over ranks: scale by world_size so the step's gradient is the global mean.
-        (loss * world_size / max(total_targets, 1)).backward()
+        (loss * world_size / (total_weight or 1)).backward()
         loss_sum += loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or float("inf"))
     loss_sum, tokens = all_reduce([loss_sum.item(), tokens], device=device)
-    step_loss = loss_sum / max(total_targets, 1)
+    step_loss = loss_sum / (total_weight or 1)
     finite = math.isfinite(step_loss) and bool(torch.isfinite(grad_norm))
     if finite:
         optimizer.step()
@@ -204,6 +208,11 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     model, tokenizer = load_for_resume(resume) if resume else (None, build_tokenizer(config, train_data))
     model = model or build_model(config, tokenizer)
     config = RunConfig(model.config, config.data, config.train, config.tokenizer)
+    processor = ImageProcessor.from_config(config.model.vision)
+    if tc.vision_pretrain_steps and not resume:
+        say(f"vision pre-training: {tc.vision_pretrain_steps} steps of {tc.vision_pretrain_batch_size} scenes", flush=True)
+        pretrain_vision(model.vision.to(device), processor, config.data.shapes, tc.vision_pretrain_steps,
+                        tc.vision_pretrain_batch_size, tc.vision_pretrain_lr, tc.seed, device, report=say)
     freeze_parts(model, tc)
     model = distributed.wrap(model.to(device), tc.parallel, ranks, device)
     optimizer = build_optimizer(distributed.unwrap(model), tc, device)
@@ -212,8 +221,8 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     # Checkpoints from before multi-GPU training counted batches (data_position), not samples.
     samples_seen = state.get("samples_seen", state.get("data_position", 0) * tc.batch_size * tc.grad_accum_steps)
     step, history = state["step"], state["history"]
-    processor = ImageProcessor.from_config(config.model.vision)
-    collator = VQACollator(tokenizer, processor, config.model.tokens_per_image, tc.max_length, ensure_image=ranks.distributed)
+    collator = VQACollator(tokenizer, processor, config.model.tokens_per_image, tc.max_length, ensure_image=ranks.distributed,
+                           image_position=config.model.image_position)
 
     report = tqdm.write if ranks.is_main else lambda message: None
     train_records = CheckedRecords(train_data, config.data.on_bad_record, "train", report=report)
@@ -257,7 +266,7 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
                 if run:
                     run.log({"train/loss": step_loss, "train/tokens_per_s": rate, "lr": scheduler.get_last_lr()[-1]}, step=step + 1)
             if (step + 1) % tc.eval_every == 0 or done:
-                val_loss = validation_loss(model, validation_batches, device, autocast)
+                val_loss = validation_loss(model, validation_batches, device, autocast, tc.loss_weight)
                 state.setdefault("validation", []).append([step + 1, val_loss])
                 report(f"step {step + 1}: train loss {step_loss:.4f}, validation loss {val_loss:.4f}")
                 if run:

@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 from data.processors import ImageProcessor
 from data.prompts import IGNORE_INDEX, encode_conversation
 from data.tokenizer import IMAGE_TOKEN, token_id
+from models.config import ImagePosition
 
 Side = Literal["left", "right"]
 
@@ -44,7 +45,8 @@ class VQACollator:
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, processor: ImageProcessor, tokens_per_image: int,
-                 max_length: int, padding_side: Side = "right", ensure_image: bool = False):
+                 max_length: int, padding_side: Side = "right", ensure_image: bool = False,
+                 image_position: ImagePosition = "before_text"):
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
         if tokenizer.pad_token_id is None:
@@ -52,12 +54,13 @@ class VQACollator:
         token_id(tokenizer, IMAGE_TOKEN)  # fail now, not at the first batch
         self.tokenizer, self.processor = tokenizer, processor
         self.tokens_per_image, self.max_length, self.padding_side = tokens_per_image, max_length, padding_side
-        self.num_too_long, self.ensure_image = 0, ensure_image
+        self.num_too_long, self.ensure_image, self.image_position = 0, ensure_image, image_position
 
     def __call__(self, records: list[dict | None]) -> dict[str, torch.Tensor]:
         id_rows, target_rows, images = [], [], []
         for record in filter(None, records):
-            ids, targets = encode_conversation(self.tokenizer, record["texts"], len(record["images"]), self.tokens_per_image)
+            ids, targets = encode_conversation(self.tokenizer, record["texts"], len(record["images"]), self.tokens_per_image,
+                                               self.image_position)
             if len(ids) > self.max_length:
                 self.num_too_long += 1
                 continue

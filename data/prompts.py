@@ -5,6 +5,7 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizerBase
 
 from data.tokenizer import IM_END, IM_START, IMAGE_TOKEN, token_id
+from models.config import ImagePosition
 
 CAPTION_PROMPT = "Describe the image."  # the user turn of caption samples; generate.py's default prompt
 IGNORE_INDEX = -100  # targets at positions that carry no loss
@@ -25,16 +26,21 @@ def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, user_text: str, num_images: int, tokens_per_image: int) -> list[int]:
-    """`<|im_start|>user\\n` + `<|image|>` x (num_images * tokens_per_image) + text + `<|im_end|>\\n<|im_start|>assistant\\n`."""
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, user_text: str, num_images: int, tokens_per_image: int,
+                  image_position: ImagePosition = "before_text") -> list[int]:
+    """`<|im_start|>user\\n` + images + text + `<|im_end|>\\n<|im_start|>assistant\\n`, where images are
+    `<|image|>` x (num_images * tokens_per_image); with image_position="after_text" they follow the text instead."""
     start, end = token_id(tokenizer, IM_START), token_id(tokenizer, IM_END)
     images = [token_id(tokenizer, IMAGE_TOKEN)] * (num_images * tokens_per_image)
-    return [start, *encode_text(tokenizer, "user\n"), *images, *encode_text(tokenizer, user_text), end,
-            *encode_text(tokenizer, "\n"), start, *encode_text(tokenizer, "assistant\n")]
+    text = encode_text(tokenizer, user_text)
+    content = images + text if image_position == "before_text" else text + images
+    return [start, *encode_text(tokenizer, "user\n"), *content, end, *encode_text(tokenizer, "\n"), start,
+            *encode_text(tokenizer, "assistant\n")]
 
 
 def encode_conversation(
-    tokenizer: PreTrainedTokenizerBase, turns: list[dict[str, str]], num_images: int, tokens_per_image: int
+    tokenizer: PreTrainedTokenizerBase, turns: list[dict[str, str]], num_images: int, tokens_per_image: int,
+    image_position: ImagePosition = "before_text",
 ) -> tuple[list[int], list[int]]:
     """ChatML ids for `turns` ({"user", "assistant"} dicts; the images go in the first user turn) and their targets.
 
@@ -47,7 +53,7 @@ def encode_conversation(
     input_ids: list[int] = []
     is_answer: list[bool] = []
     for i, turn in enumerate(turns):
-        prompt = encode_prompt(tokenizer, turn["user"], num_images if i == 0 else 0, tokens_per_image)
+        prompt = encode_prompt(tokenizer, turn["user"], num_images if i == 0 else 0, tokens_per_image, image_position)
         answer = [*encode_text(tokenizer, turn["assistant"]), end]
         input_ids += prompt + answer + newline
         is_answer += [False] * len(prompt) + [True] * len(answer) + [False] * len(newline)

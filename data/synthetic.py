@@ -82,6 +82,13 @@ def split_of(scene: Scene, validation_fraction: float) -> Split:
     return "validation" if bucket < validation_fraction else "train"
 
 
+def sample_scene_of(split: Split, rng: random.Random, validation_fraction: float) -> Scene:
+    """A scene of `split`: scenes are drawn until one hashes into it."""
+    while split_of(scene := sample_scene(rng), validation_fraction) != split:
+        pass
+    return scene
+
+
 def render(scene: Scene, image_size: int, rng: random.Random) -> Image.Image:
     """Draw the scene crisply (no anti-aliasing) on a light background; `rng` jitters the shapes within their cells."""
     image = Image.new("RGB", (image_size, image_size), BACKGROUND)
@@ -102,6 +109,18 @@ def render(scene: Scene, image_size: int, rng: random.Random) -> Image.Image:
         }[item.shape]
         draw.polygon(corners, fill=COLORS[item.color])
     return image
+
+
+CELL_CLASSES = {"shape": ("none", *SHAPES), "color": ("none", *COLORS), "size": ("none", *SIZES)}  # class 0: an empty cell
+
+
+def cell_labels(scene: Scene) -> list[tuple[int, int, int]]:
+    """Per cell (row-major), the class indices of its shape, colour and size in CELL_CLASSES; (0, 0, 0) when empty."""
+    labels = [(0, 0, 0)] * len(CELLS)
+    for item in scene:
+        labels[item.cell] = tuple(CELL_CLASSES[name].index(value) for name, value in
+                                  (("shape", item.shape), ("color", item.color), ("size", item.size)))
+    return labels
 
 
 def add_noise(image: Image.Image, amplitude: int, generator: np.random.Generator) -> Image.Image:
@@ -153,9 +172,7 @@ def make_shapes_dataset(split: Split, num_samples: int, seed: int, image_size: i
     rng = random.Random(f"shapes:{split}:{seed}")
     rows: dict[str, list] = {"images": [], "texts": [], "question_type": [], "noise_seed": []}
     while len(rows["texts"]) < num_samples:
-        scene = sample_scene(rng)
-        if split_of(scene, validation_fraction) != split:
-            continue
+        scene = sample_scene_of(split, rng, validation_fraction)
         if turns == 1:
             kinds = [QUESTION_TYPES[len(rows["texts"]) % len(QUESTION_TYPES)]]
         else:

@@ -132,6 +132,9 @@ class Config:
         return type(self).from_dict(values)
 
 
+ImagePosition = Literal["before_text", "after_text"]
+
+
 @dataclasses.dataclass
 class VisionConfig(Config):
     """A SigLIP-style ViT (defaults: SigLIP-B/16 at 224 px)."""
@@ -170,9 +173,11 @@ class VisionConfig(Config):
 
 @dataclasses.dataclass
 class ProjectorConfig(Config):
-    """Pixel shuffle by `pixel_shuffle_factor` (fewer, wider patch tokens), then a linear map to the LM width."""
+    """Pixel shuffle by `pixel_shuffle_factor` (fewer, wider patch tokens), then a linear map to the LM width, plus
+    (with `position_embedding`) a learned embedding per image token, which tells the LM where each token came from."""
 
     pixel_shuffle_factor: int = 2
+    position_embedding: bool = False
 
     def __post_init__(self) -> None:
         check(self.pixel_shuffle_factor >= 1, f"projector.pixel_shuffle_factor must be >= 1, got {self.pixel_shuffle_factor}")
@@ -214,12 +219,16 @@ class LanguageConfig(Config):
 
 @dataclasses.dataclass
 class VLMConfig(Config):
-    """The whole model: which pieces, and the id of the image placeholder token in the LM vocabulary."""
+    """The whole model: which pieces, the id of the image placeholder token in the LM vocabulary, and where a
+    prompt's image tokens go (a property of how the model was trained, so it travels with the checkpoint)."""
 
     vision: VisionConfig = dataclasses.field(default_factory=VisionConfig)
     projector: ProjectorConfig = dataclasses.field(default_factory=ProjectorConfig)
     language: LanguageConfig = dataclasses.field(default_factory=LanguageConfig)
     image_token_id: int | None = None
+    # before_text: image tokens open the user turn (nanoVLM, Idefics3). after_text: they close it, so that in a causal
+    # LM each image token can attend to the question and the image is read with the question in mind.
+    image_position: ImagePosition = "before_text"
 
     def __post_init__(self) -> None:
         grid, factor = self.vision.grid_size, self.projector.pixel_shuffle_factor

@@ -84,14 +84,16 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         return embeddings.masked_scatter(slots.unsqueeze(-1), features.to(embeddings.dtype))
 
     def forward(self, input_ids: Tensor, images: Tensor | None = None, attention_mask: Tensor | None = None,
-                targets: Tensor | None = None, reduction: Literal["mean", "sum"] = "mean") -> tuple[Tensor, Tensor | None]:
+                targets: Tensor | None = None, reduction: Literal["mean", "sum", "none"] = "mean") -> tuple[Tensor, Tensor | None]:
         """Logits [B, T, V] and, given `targets` [B, T] (the token to predict at each position, -100 to skip),
-        the cross-entropy over the positions that have one: their mean, or their sum (0 when there are none)."""
+        the cross-entropy over the positions that have one: their mean, their sum (0 when there are none), or
+        (reduction="none") each position's own, [B, T] with 0 where there is no target."""
         hidden, _ = self.language(self.embed(input_ids, images), attention_mask)
         logits = self.language.head(hidden)
         if targets is None:
             return logits, None
-        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction=reduction)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction=reduction)
+        return logits, loss.view(targets.shape) if reduction == "none" else loss
 
     @torch.inference_mode()
     def stream(self, input_ids: Tensor, images: Tensor | None = None, attention_mask: Tensor | None = None, *,

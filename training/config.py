@@ -11,6 +11,7 @@ import yaml
 
 from data import DataConfig
 from models.config import Config, ConfigError, VLMConfig, check
+from training.loss import LossWeight
 
 
 @dataclasses.dataclass
@@ -22,6 +23,11 @@ class TrainConfig(Config):
     # Batches of similar lengths (characters of text, in buckets of 64) drawn from windows of 16 batches: less padding,
     # the same samples. Resume with the same global batch size (batch_size x world_size) to see the same batches.
     group_by_length: bool = False
+    # Before step 1 of a fresh run on the synthetic shapes: train the ViT to name each patch's shape, colour and size
+    # (training/vision_pretraining.py), for a ViT that starts from scratch. 0 skips it.
+    vision_pretrain_steps: int = 0
+    vision_pretrain_batch_size: int = 64
+    vision_pretrain_lr: float = 1e-3
     lr_projector: float = 3e-3  # a learning rate of 0 freezes that part
     lr_vision: float = 3e-3
     lr_language: float = 3e-3
@@ -31,6 +37,9 @@ class TrainConfig(Config):
     decay_steps: int = 0  # length of the cosine decay (0: max_steps); set it to stop early and resume later
     min_lr_ratio: float = 0.1  # cosine decay ends at this fraction of each learning rate
     grad_clip: float = 1.0  # 0 disables clipping
+    # How answer tokens share the loss: each token alike, or each sample alike (its tokens' mean; short answers
+    # then weigh as much as long captions instead of a 40th of one).
+    loss_weight: LossWeight = "token"
     on_nonfinite: Literal["skip", "stop"] = "skip"  # a NaN/inf loss or gradient: skip that step, or stop the run
     max_length: int = 256  # samples longer than this (in tokens) are skipped, never truncated
     eval_every: int = 250
@@ -52,9 +61,10 @@ class TrainConfig(Config):
 
     def __post_init__(self) -> None:
         self.check_at_least("train", 1, ("max_steps", "batch_size", "grad_accum_steps", "max_length", "eval_every", "save_every",
-                                         "keep_checkpoints", "log_every", "dist_timeout"))
+                                         "keep_checkpoints", "log_every", "dist_timeout", "vision_pretrain_batch_size"))
         self.check_at_least("train", 0, ("lr_projector", "lr_vision", "lr_language", "weight_decay", "warmup_steps", "grad_clip",
-                                         "eval_batches", "eval_questions", "num_threads", "decay_steps"))
+                                         "eval_batches", "eval_questions", "num_threads", "decay_steps", "vision_pretrain_steps"))
+        check(self.vision_pretrain_lr > 0, f"train.vision_pretrain_lr must be positive, got {self.vision_pretrain_lr}")
         check(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
         check(0 < self.adam_beta2 < 1, f"train.adam_beta2 must lie in (0, 1), got {self.adam_beta2}")
         check(self.decay_steps == 0 or self.decay_steps >= self.warmup_steps,
@@ -70,6 +80,16 @@ class RunConfig(Config):
     # A Hugging Face tokenizer (directory, hub id, .gguf or package://pkg/file.gguf); None trains a byte-level BPE
     # on the training texts. Image and pad tokens are added and the LM vocabulary is sized to fit.
     tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.train.vision_pretrain_steps:
+            check(self.data.source == "synthetic", f"train.vision_pretrain_steps ({self.train.vision_pretrain_steps}) needs "
+                  f"data.source=synthetic, whose scene generator gives its labels; set it to 0 for data.source={self.data.source}")
+            check(self.model.vision.image_size == self.data.shapes.image_size,
+                  f"train.vision_pretrain_steps: model.vision.image_size ({self.model.vision.image_size}) must equal "
+                  f"data.shapes.image_size ({self.data.shapes.image_size})")
+            grid = self.model.vision.grid_size
+            check(grid % 3 == 0, f"train.vision_pretrain_steps: the patch grid ({grid}x{grid}) must split evenly into the scenes' 3x3 cells")
 
 
 def load_yaml(path: str | Path) -> dict:

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
-from data import IGNORE_INDEX, ImageProcessor, encode_prompt, left_pad
+from data import ImageProcessor, encode_prompt, left_pad
 from models import VisionLanguageModel
+from training.loss import LossWeight, target_weights
 
 
 def normalize(answer: str) -> str:
@@ -17,15 +18,18 @@ def normalize(answer: str) -> str:
 
 
 @torch.no_grad()
-def validation_loss(model: VisionLanguageModel, batches: Iterable[dict], device: torch.device, autocast) -> float:
-    """Mean cross-entropy over every answer token of `batches`."""
+def validation_loss(model: VisionLanguageModel, batches: Iterable[dict], device: torch.device, autocast,
+                    per: LossWeight = "token") -> float:
+    """Cross-entropy over every answer token of `batches`, weighted as in training (see `target_weights`)."""
     model.eval()
-    total, count = 0.0, 0
+    total, weight = 0.0, 0.0
     for batch in batches:
+        weights = target_weights(batch["targets"], per)
         with autocast:
-            total += model(**{k: v.to(device) for k, v in batch.items()}, reduction="sum")[1].item()
-        count += int((batch["targets"] != IGNORE_INDEX).sum())
-    return total / max(1, count)
+            losses = model(**{k: v.to(device) for k, v in batch.items()}, reduction="none")[1]
+        total += float((losses * weights.to(device)).sum())
+        weight += float(weights.sum())
+    return total / (weight or 1)
 
 
 def answer(model: VisionLanguageModel, tokenizer, processor: ImageProcessor, records: list[dict], device: torch.device,
@@ -35,7 +39,8 @@ def answer(model: VisionLanguageModel, tokenizer, processor: ImageProcessor, rec
     answers = []
     for start in range(0, len(records), batch_size):
         chunk = records[start : start + batch_size]
-        prompts = [encode_prompt(tokenizer, r["texts"][0]["user"], len(r["images"]), model.config.tokens_per_image) for r in chunk]
+        prompts = [encode_prompt(tokenizer, r["texts"][0]["user"], len(r["images"]), model.config.tokens_per_image,
+                                 model.config.image_position) for r in chunk]
         ids, mask = left_pad(prompts, tokenizer.pad_token_id)
         pixels = [processor(image) for r in chunk for image in r["images"]]
         images = torch.stack(pixels).to(device) if pixels else None

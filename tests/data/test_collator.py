@@ -70,13 +70,14 @@ def test_image_tokens_and_images_follow_reading_order(collator, shapes_tokenizer
     torch.testing.assert_close(batch["images"], expected)
 
 
-@pytest.mark.parametrize("side", ["left", "right"])
-def test_padding_keeps_each_row_intact(shapes_tokenizer, side):
+@pytest.mark.parametrize("side, image_position", [("left", "before_text"), ("right", "before_text"), ("right", "after_text")])
+def test_padding_keeps_each_row_intact(shapes_tokenizer, side, image_position):
     records = records_with_images([1, 0, 2])
-    batch = VQACollator(shapes_tokenizer, ImageProcessor(16), TOKENS_PER_IMAGE, 512, padding_side=side)(records)
+    collator = VQACollator(shapes_tokenizer, ImageProcessor(16), TOKENS_PER_IMAGE, 512, padding_side=side, image_position=image_position)
+    batch = collator(records)
     pad_id, length = shapes_tokenizer.pad_token_id, batch["input_ids"].shape[1]
     for row, record in enumerate(records):
-        ids, targets = encode_conversation(shapes_tokenizer, record["texts"], len(record["images"]), TOKENS_PER_IMAGE)
+        ids, targets = encode_conversation(shapes_tokenizer, record["texts"], len(record["images"]), TOKENS_PER_IMAGE, image_position)
         real = slice(0, len(ids)) if side == "right" else slice(length - len(ids), length)
         padding = torch.ones(length, dtype=torch.bool)
         padding[real] = False

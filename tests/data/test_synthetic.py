@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from data import QUESTION_TYPES, ShapesConfig, make_shapes_dataset, shapes_datasets
-from data.synthetic import BACKGROUND, CELLS, COLORS, render, sample_scene
+from data.synthetic import BACKGROUND, CELL_CLASSES, CELLS, COLORS, cell_labels, render, sample_scene, sample_scene_of, split_of
 from models.config import ConfigError
 
 GRID = (("top left", "top", "top right"), ("left", "center", "right"), ("bottom left", "bottom", "bottom right"))
@@ -85,6 +85,23 @@ def test_pixel_reader_recovers_rendered_scenes(image_size):
         scene = sample_scene(rng)
         expected = {CELLS[item.cell]: (item.size, item.color, item.shape) for item in scene}
         assert read_scene(render(scene, image_size, rng)) == expected
+
+
+def test_cell_labels_name_what_each_cell_shows():
+    rng = random.Random(5)
+    for _ in range(100):
+        scene = sample_scene(rng)
+        seen = read_scene(render(scene, 64, rng))
+        for cell, labels in enumerate(cell_labels(scene)):
+            shape, color, size = (CELL_CLASSES[name][i] for name, i in zip(("shape", "color", "size"), labels))
+            assert (size, color, shape) == seen.get(CELLS[cell], ("none", "none", "none"))
+
+
+@pytest.mark.parametrize("split", ["train", "validation"])
+def test_scenes_can_be_drawn_from_one_split(split):
+    rng = random.Random(0)
+    scenes = [sample_scene_of(split, rng, 0.3) for _ in range(50)]
+    assert {split_of(scene, 0.3) for scene in scenes} == {split} and len(set(scenes)) > 40
 
 
 @pytest.mark.parametrize("split,turns,noise", [("validation", 1, 12), ("train", 6, 0), ("train", 3, 0)])

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from data import (IM_END, IM_START, IMAGE_TOKEN, PAD_TOKEN, build_shapes_tokenizer, conversation_texts, encode_conversation,
+from data import (IGNORE_INDEX, IM_END, IM_START, IMAGE_TOKEN, PAD_TOKEN, build_shapes_tokenizer, conversation_texts, encode_conversation,
                   encode_prompt, make_shapes_dataset, prepare_tokenizer, text_lengths, token_id)
 from data.synthetic import CELLS, COLORS, SHAPES
 
@@ -58,6 +58,22 @@ def test_piecewise_ids_match_the_chat_template(shapes_tokenizer):
     assert ids == shapes_tokenizer.encode(text, add_special_tokens=False)
     prompt = shapes_tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
     assert encode_prompt(shapes_tokenizer, turns[0]["user"], 0, 4) == shapes_tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def test_image_tokens_can_follow_the_question(shapes_tokenizer):
+    turns = [{"user": "What color is the circle?", "assistant": "red"}, {"user": "And the square?", "assistant": "blue"}]
+    image_id, end_id, start_id = (token_id(shapes_tokenizer, t) for t in (IMAGE_TOKEN, IM_END, IM_START))
+    header = [start_id, *shapes_tokenizer.encode("user\n", add_special_tokens=False)]
+    question = shapes_tokenizer.encode(turns[0]["user"], add_special_tokens=False)
+    before, before_targets = encode_conversation(shapes_tokenizer, turns, 2, 3)
+    after, after_targets = encode_conversation(shapes_tokenizer, turns, 2, 3, image_position="after_text")
+    opened = len(header) + len(question) + 6  # the first user turn up to its <|im_end|>
+    assert before[:opened] == header + [image_id] * 6 + question
+    assert after[:opened + 1] == header + question + [image_id] * 6 + [end_id]
+    assert after[opened:] == before[opened:] and after_targets[opened:] == before_targets[opened:]
+    assert set(after_targets[:opened]) == {IGNORE_INDEX}  # the moved image tokens carry no targets
+    prompt = encode_prompt(shapes_tokenizer, turns[0]["user"], 1, 3, image_position="after_text")
+    assert prompt[:len(header) + len(question) + 4] == header + question + [image_id] * 3 + [end_id]
 
 
 def test_typed_special_token_text_stays_text(shapes_tokenizer):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from models import GenerationError
-from tests.models.generation_helpers import IMAGE_ID, TOKENS_PER_IMAGE, left_pad_prompts, make_prompt
+from tests.models.generation_helpers import left_pad_prompts, make_prompt
 from tests.models.helpers import tiny_vlm
 
 @pytest.fixture(scope="module")

@@ -19,3 +19,14 @@ def test_pixel_shuffle_groups_neighbouring_patches():
     ])
     torch.testing.assert_close(projector(patches), projector.proj(expected))
     assert projector(patches).shape == (2, config.tokens_per_image, config.language.hidden_size)
+
+
+def test_position_embedding_marks_each_token_alike_in_every_image():
+    config = tiny_vlm_config()
+    projector = ModalityProjector(config.replace({"projector.position_embedding": "true"}))
+    patches = torch.randn(3, 16, config.vision.hidden_size)
+    plain = ModalityProjector(config)
+    plain.proj.weight.data.copy_(projector.proj.weight)
+    assert projector.position.shape == (config.tokens_per_image, config.language.hidden_size)
+    torch.testing.assert_close(projector(patches), plain(patches) + projector.position)
+    assert projector.position.std() > 2 * plain(patches).std() / 3  # as visible as the content it is added to

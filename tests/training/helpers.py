@@ -10,7 +10,7 @@ SMALL = {
     "data.shapes.image_size": "32", "data.shapes.num_train": "256", "data.shapes.num_validation": "16",
     "train.batch_size": "8", "train.eval_questions": "8", "train.eval_batches": "1", "train.warmup_steps": "2",
     "train.log_every": "1", "train.device": "cpu", "train.lr_projector": "0.01", "train.lr_vision": "0.01",
-    "train.lr_language": "0.01",
+    "train.lr_language": "0.01", "train.vision_pretrain_steps": "0",
 }
 
 

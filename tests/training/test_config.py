@@ -46,6 +46,9 @@ def test_boolean_and_numeric_overrides_parse():
     (["--train.max_steps"], "--train.max_steps needs a value"),
     (["max_steps"], "unexpected argument 'max_steps'"),
     (["--model.language.num_kv_heads", "3"], r"num_heads \(\d+\) must be divisible by language.num_kv_heads \(3\)"),
+    (["--data.source", "jsonl", "--data.path", "x.jsonl"], r"vision_pretrain_steps \(400\) needs data.source=synthetic.* set it to 0"),
+    (["--model.vision.patch_size", "12"], r"the patch grid \(4x4\) must split evenly into the scenes' 3x3 cells"),
+    (["--model.vision.image_size", "96"], r"model.vision.image_size \(96\) must equal data.shapes.image_size \(48\)"),
 ])
 def test_bad_overrides_are_clear_errors(argv, message):
     with pytest.raises(ConfigError, match=message):

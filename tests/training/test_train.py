@@ -1,4 +1,4 @@
-"""Training: the loss falls, one step follows the gradient of the mean answer loss, a resumed run equals an uninterrupted one,
+"""Training: the loss falls, one step follows the gradient of the (token- or sample-weighted) mean answer loss, a resumed run equals an uninterrupted one,
 and the batch sampler (resumable, rank-split, length-grouped)."""
 
 import contextlib
@@ -33,9 +33,25 @@ def test_loss_falls_and_the_run_leaves_its_artifacts(tmp_path):
     assert json.loads((tmp_path / "metrics.json").read_text())["validation_loss"] == metrics["validation_loss"]
 
 
-@pytest.mark.parametrize("group_by_length", ["false", "true"])  # step 6 falls inside a window of 16 batches
-def test_resume_equals_an_uninterrupted_run(tmp_path, group_by_length):
-    steps = {"train.decay_steps": "12", "train.save_every": "6", "train.eval_every": "6", "train.group_by_length": group_by_length}
+# A 3x3 patch grid, so that the ViT can be pre-trained on the scenes' cells; the ViT then stays frozen.
+PRETRAINED_VIT = {"model.vision.image_size": "48", "model.vision.patch_size": "16", "data.shapes.image_size": "48",
+                  "train.vision_pretrain_steps": "3", "train.vision_pretrain_batch_size": "8", "train.lr_vision": "0"}
+
+
+def test_a_fresh_run_pretrains_its_vit(tmp_path):
+    train(small_config(tmp_path / "plain", **{**PRETRAINED_VIT, "train.vision_pretrain_steps": "0", "train.max_steps": "1"}))
+    train(small_config(tmp_path / "pretrained", **{**PRETRAINED_VIT, "train.max_steps": "1"}))
+    (_, plain), (_, pretrained) = _history(tmp_path / "plain"), _history(tmp_path / "pretrained")
+    vision = [name for name in plain if name.startswith("vision.")]
+    # lr_vision is 0: the plain run's ViT is its initialisation (the same in both runs), the other's was pre-trained.
+    assert vision and all(not torch.equal(plain[name], pretrained[name]) for name in vision)
+
+
+# Step 6 falls inside a window of 16 batches; a resumed run must not pre-train its ViT again.
+@pytest.mark.parametrize("settings", [{"train.group_by_length": "false"}, {"train.group_by_length": "true"}, PRETRAINED_VIT],
+                         ids=["plain", "grouped", "pretrained-vit"])
+def test_resume_equals_an_uninterrupted_run(tmp_path, settings):
+    steps = {"train.decay_steps": "12", "train.save_every": "6", "train.eval_every": "6", **settings}
     train(small_config(tmp_path / "whole", **steps, **{"train.max_steps": "12"}))
     train(small_config(tmp_path / "split", **steps, **{"train.max_steps": "6"}))
     config = RunConfig.from_json(tmp_path / "split" / "step_000006" / "run_config.json").replace({"train.max_steps": "12"})
@@ -91,8 +107,10 @@ def test_length_grouped_batches_resume_and_split_across_ranks():
         assert batch == [i for rank in ranks for i in next(rank)]
 
 
-def test_a_step_descends_the_mean_answer_loss():
-    """train_step against a float64 reference: the gradient of the mean over every answer token of the batch."""
+@pytest.mark.parametrize("loss_weight", ["token", "sample"])
+def test_a_step_descends_the_mean_answer_loss(loss_weight):
+    """train_step against a float64 reference: the gradient of the mean over every answer token of the batch, or of
+    the mean over samples of each sample's mean answer-token loss."""
     model = tiny_vlm()
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 90, (3, 16), generator=generator)
@@ -104,14 +122,18 @@ def test_a_step_descends_the_mean_answer_loss():
 
     reference = copy.deepcopy(model).double()
     logits, _ = reference(ids, images.double())
-    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    if loss_weight == "token":
+        expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    else:
+        expected = torch.stack([F.cross_entropy(row_logits, row_targets) for row_logits, row_targets in zip(logits, targets)]).mean()
     expected.backward()
 
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     before = copy.deepcopy(model)
-    loss, tokens, finite = train_step(model, model, iter([batch]), optimizer, scheduler, TrainConfig(grad_clip=0),
-                                      contextlib.nullcontext(), torch.device("cpu"))
+    config = TrainConfig(grad_clip=0, loss_weight=loss_weight)
+    loss, tokens, finite = train_step(model, model, iter([batch]), optimizer, scheduler, config, contextlib.nullcontext(),
+                                      torch.device("cpu"))
     assert finite and tokens == ids.numel()
     assert loss == pytest.approx(expected.item(), rel=1e-5)
     for (name, after), old, ref in zip(model.named_parameters(), before.parameters(), reference.parameters()):
