@@ -213,6 +213,7 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
         say(f"vision pre-training: {tc.vision_pretrain_steps} steps of {tc.vision_pretrain_batch_size} scenes", flush=True)
         pretrain_vision(model.vision.to(device), processor, config.data.shapes, tc.vision_pretrain_steps,
                         tc.vision_pretrain_batch_size, tc.vision_pretrain_lr, tc.seed, device, report=say)
+        distributed.broadcast_parameters(model.vision)  # GPU kernels need not be bit-exact across ranks
     freeze_parts(model, tc)
     model = distributed.wrap(model.to(device), tc.parallel, ranks, device)
     optimizer = build_optimizer(distributed.unwrap(model), tc, device)

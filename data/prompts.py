@@ -30,6 +30,8 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, user_text: str, num_images
                   image_position: ImagePosition = "before_text") -> list[int]:
     """`<|im_start|>user\\n` + images + text + `<|im_end|>\\n<|im_start|>assistant\\n`, where images are
     `<|image|>` x (num_images * tokens_per_image); with image_position="after_text" they follow the text instead."""
+    if image_position not in ("before_text", "after_text"):
+        raise ValueError(f"image_position must be 'before_text' or 'after_text', got {image_position!r}")
     start, end = token_id(tokenizer, IM_START), token_id(tokenizer, IM_END)
     images = [token_id(tokenizer, IMAGE_TOKEN)] * (num_images * tokens_per_image)
     text = encode_text(tokenizer, user_text)

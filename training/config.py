@@ -37,8 +37,8 @@ class TrainConfig(Config):
     decay_steps: int = 0  # length of the cosine decay (0: max_steps); set it to stop early and resume later
     min_lr_ratio: float = 0.1  # cosine decay ends at this fraction of each learning rate
     grad_clip: float = 1.0  # 0 disables clipping
-    # How answer tokens share the loss: each token alike, or each sample alike (its tokens' mean; short answers
-    # then weigh as much as long captions instead of a 40th of one).
+    # How a sample's n answer tokens share the loss: token (1 each), sample (1/n each: every sample, i.e. every record,
+    # weighs alike, so a one-word answer as much as a 40-token caption) or square (1/sqrt(n) each; see training/loss.py).
     loss_weight: LossWeight = "token"
     on_nonfinite: Literal["skip", "stop"] = "skip"  # a NaN/inf loss or gradient: skip that step, or stop the run
     max_length: int = 256  # samples longer than this (in tokens) are skipped, never truncated
@@ -88,6 +88,8 @@ class RunConfig(Config):
             check(self.model.vision.image_size == self.data.shapes.image_size,
                   f"train.vision_pretrain_steps: model.vision.image_size ({self.model.vision.image_size}) must equal "
                   f"data.shapes.image_size ({self.data.shapes.image_size})")
+            check(self.model.vision.pretrained is None, "train.vision_pretrain_steps would overwrite the pretrained ViT "
+                  f"{self.model.vision.pretrained}; set it to 0")
             grid = self.model.vision.grid_size
             check(grid % 3 == 0, f"train.vision_pretrain_steps: the patch grid ({grid}x{grid}) must split evenly into the scenes' 3x3 cells")
 

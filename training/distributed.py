@@ -108,6 +108,13 @@ def all_reduce(values: list[float], op: str = "sum", device: torch.device | None
     return tensor.tolist()
 
 
+def broadcast_parameters(module: nn.Module) -> None:
+    """Every rank takes rank 0's weights: for weights set before `wrap` on each rank, which FSDP2 does not sync."""
+    if dist.is_initialized():
+        for p in module.parameters():
+            dist.broadcast(p.data, src=0)
+
+
 def all_finite(model: nn.Module) -> bool:
     """True when no rank holds a NaN/inf weight (each checks its own shards)."""
     local = all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()) for p in model.parameters())

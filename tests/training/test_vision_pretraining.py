@@ -8,6 +8,7 @@ import torch
 from data import ImageProcessor, ShapesConfig
 from models.config import VisionConfig
 from models.vision_transformer import VisionTransformer
+from data.synthetic import CELL_CLASSES
 from training.vision_pretraining import patch_cells, pretrain_vision, scene_batch
 
 
@@ -20,20 +21,17 @@ def test_patches_map_to_the_cell_they_lie_in():
 
 
 def test_the_vit_learns_to_name_each_cells_shape_colour_and_size():
-    """After pre-training, the ViT + classifier read held-out scenes' cells; before it, they do not."""
+    """After pre-training, the ViT + classifier read the cells of held-out scenes, far above always saying "empty"."""
     torch.manual_seed(0)
     vision = VisionTransformer(VisionConfig(image_size=48, patch_size=16, hidden_size=64, intermediate_size=128, num_layers=2,
                                             num_heads=2, image_mean=(0.9, 0.886, 0.878), image_std=(0.13, 0.15, 0.19)))
     processor, shapes = ImageProcessor.from_config(vision.config), ShapesConfig(image_size=48)
     images, labels = scene_batch(shapes, processor, patch_cells(3), 200, random.Random(1), "validation")
-
-    def accuracy(head):
-        with torch.no_grad():
-            logits = head(vision.eval()(images)).split([5, 7, 3], dim=-1)
-        return [(part.argmax(-1) == labels[..., k]).float().mean().item() for k, part in enumerate(logits)]
-
-    head, losses = pretrain_vision(vision, processor, shapes, 0, 32, 3e-3, 0, torch.device("cpu"), report=lambda _: None)
-    untrained = accuracy(head)
+    sizes = [len(classes) for classes in CELL_CLASSES.values()]
     head, losses = pretrain_vision(vision, processor, shapes, 150, 32, 3e-3, 0, torch.device("cpu"), report=lambda _: None)
+    with torch.no_grad():
+        logits = head(vision.eval()(images)).split(sizes, dim=-1)
+    accuracy = [(part.argmax(-1) == labels[..., k]).float().mean().item() for k, part in enumerate(logits)]
+    majority = [labels[..., k].flatten().bincount().max().item() / labels[..., k].numel() for k in range(len(sizes))]  # "empty": ~78%
     assert len(losses) == 150 and losses[-1] < 0.2 * losses[0]
-    assert min(accuracy(head)) > 0.95 and max(untrained) < 0.8, (accuracy(head), untrained)
+    assert all(a > max(0.95, m + 0.15) for a, m in zip(accuracy, majority)), (accuracy, majority)
