@@ -46,7 +46,9 @@ def assert_same_run(run_dir: Path, reference: Path, step: int = STEPS, reference
     """The run's losses up to `step` equal the reference's first ones; at equal steps, so do the weights."""
     (losses, weights), (expected_losses, expected_weights) = (history_and_weights(run_dir, step),
                                                               history_and_weights(reference, reference_step))
-    torch.testing.assert_close(losses, expected_losses[: len(losses)], atol=1e-5, rtol=0)
+    # 5e-5 on losses of ~1-4: another summation order (and, with loss_weight=sample, dividing each row by its answer
+    # length before the sum) rounds differently, and 20 Adam steps at lr 0.01 carry that forward.
+    torch.testing.assert_close(losses, expected_losses[: len(losses)], atol=5e-5, rtol=0)
     if step != reference_step:
         return
     for name, tensor in expected_weights.items():
@@ -54,9 +56,9 @@ def assert_same_run(run_dir: Path, reference: Path, step: int = STEPS, reference
             # Softmax ignores a shift shared by every key, so this bias's true gradient is 0 and what it gets is rounding
             # noise, which Adam scales up to lr-sized steps: it wanders differently under any other summation order.
             continue
-        # 1e-4: Adam divides by sqrt(v), so weights with tiny gradients amplify the rounding differences of another
-        # summation order; still ~1,000x below the 20 x lr = 0.06 that 20 steps may move a weight.
-        torch.testing.assert_close(weights[name], tensor, atol=1e-4, rtol=0, msg=lambda message: f"{name}: {message}")
+        # 3e-4: Adam divides by sqrt(v), so weights with tiny gradients amplify the rounding differences of another
+        # summation order; still 200x below the 20 x lr = 0.06 that 20 steps may move a weight.
+        torch.testing.assert_close(weights[name], tensor, atol=3e-4, rtol=0, msg=lambda message: f"{name}: {message}")
 
 
 @pytest.fixture(scope="module")
