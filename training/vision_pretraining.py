@@ -64,7 +64,7 @@ def pretrain_vision(vision: VisionTransformer, processor: ImageProcessor, shapes
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(loss.detach())  # read only when reporting: no host sync per step
         if (step + 1) % 100 == 0 or step + 1 == steps:
-            report(f"vision pre-training step {step + 1}/{steps}: loss {losses[-1]:.4f}")
-    return head, losses
+            report(f"vision pre-training step {step + 1}/{steps}: loss {losses[-1].item():.4f}")
+    return head, torch.stack(losses).tolist() if losses else []
