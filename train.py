@@ -142,8 +142,8 @@ def train_step(forward, model, batches, optimizer, scheduler, tc, autocast, devi
     model.train()
     micro_batches = [next(batches) for _ in range(tc.grad_accum_steps)]
     # Weighed on the host-side batches, so the loop below never waits on the device.
-    weights = [target_weights(batch["targets"], tc.loss_weight) for batch in micro_batches]
-    tokens = sum(int(batch["attention_mask"].sum()) for batch in micro_batches)
+    weights = [target_weights(batch["targets"], batch["attention_mask"], tc.loss_weight) for batch in micro_batches]
+    tokens = sum(int((batch["attention_mask"] > 0).sum()) for batch in micro_batches)
     total_weight, world_size = all_reduce([float(sum(w.sum() for w in weights)), 1.0], device=device)
     loss_sum = torch.zeros((), device=device)
     for i, (batch, weight) in enumerate(zip(micro_batches, weights)):
@@ -223,7 +223,7 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     samples_seen = state.get("samples_seen", state.get("data_position", 0) * tc.batch_size * tc.grad_accum_steps)
     step, history = state["step"], state["history"]
     collator = VQACollator(tokenizer, processor, config.model.tokens_per_image, tc.max_length, ensure_image=ranks.distributed,
-                           image_position=config.model.image_position)
+                           image_position=config.model.image_position, pack=tc.packing)
 
     report = tqdm.write if ranks.is_main else lambda message: None
     train_records = CheckedRecords(train_data, config.data.on_bad_record, "train", report=report)

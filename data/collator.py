@@ -1,4 +1,5 @@
-"""Batching: cauldron records → padded token ids, attention mask, answer-only targets and stacked image tensors."""
+"""Batching: cauldron records → padded (optionally packed) token ids, attention mask, answer-only targets and stacked
+image tensors."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from data.packing import pack_rows
 from data.processors import ImageProcessor
 from data.prompts import IGNORE_INDEX, encode_conversation
 from data.tokenizer import IMAGE_TOKEN, token_id
@@ -36,7 +38,8 @@ class VQACollator:
     """Records {"images": [PIL], "texts": [{"user", "assistant"}]} → a batch dict of tensors.
 
     input_ids, attention_mask, targets: LongTensor [B, T]; images: FloatTensor [N, 3, H, W], in the order their
-    placeholders appear (row by row). A record whose ids exceed `max_length` is dropped, never truncated, and counted
+    placeholders appear (row by row). With `pack`, a row holds several records (see `data.packing`) and the attention
+    mask numbers them 1, 2, ... (0 for padding); otherwise a row is one record and the mask is 1 or 0. A record whose ids exceed `max_length` is dropped, never truncated, and counted
     in `num_too_long` (per process: DataLoader workers each keep their own count); None records (bad ones that
     `CheckedRecords` skipped) are left out. A batch that loses every record holds one padding row with no targets,
     so that training still runs its forward and backward. With `ensure_image`, a batch without any image gets a
@@ -46,7 +49,7 @@ class VQACollator:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, processor: ImageProcessor, tokens_per_image: int,
                  max_length: int, padding_side: Side = "right", ensure_image: bool = False,
-                 image_position: ImagePosition = "before_text"):
+                 image_position: ImagePosition = "before_text", pack: bool = False):
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
         if tokenizer.pad_token_id is None:
@@ -54,27 +57,32 @@ class VQACollator:
         token_id(tokenizer, IMAGE_TOKEN)  # fail now, not at the first batch
         self.tokenizer, self.processor = tokenizer, processor
         self.tokens_per_image, self.max_length, self.padding_side = tokens_per_image, max_length, padding_side
-        self.num_too_long, self.ensure_image, self.image_position = 0, ensure_image, image_position
+        self.num_too_long, self.ensure_image, self.image_position, self.pack = 0, ensure_image, image_position, pack
 
     def __call__(self, records: list[dict | None]) -> dict[str, torch.Tensor]:
-        id_rows, target_rows, images = [], [], []
+        samples = []  # (ids, targets, images) per record
         for record in filter(None, records):
             ids, targets = encode_conversation(self.tokenizer, record["texts"], len(record["images"]), self.tokens_per_image,
                                                self.image_position)
             if len(ids) > self.max_length:
                 self.num_too_long += 1
                 continue
-            id_rows.append(ids)
-            target_rows.append(targets)
-            images += [self.processor(image) for image in record["images"]]
+            samples.append((ids, targets, [self.processor(image) for image in record["images"]]))
         size = self.processor.image_size
-        if self.ensure_image and not images:
-            id_rows.append([token_id(self.tokenizer, IMAGE_TOKEN)] * self.tokens_per_image)
-            target_rows.append([IGNORE_INDEX] * self.tokens_per_image)
-            images.append(torch.zeros(3, size, size))
-        if not id_rows:
-            id_rows, target_rows = [[self.tokenizer.pad_token_id]], [[IGNORE_INDEX]]
-        input_ids, attention_mask = pad(id_rows, self.tokenizer.pad_token_id, self.padding_side)
+        if self.ensure_image and not any(images for _, _, images in samples):
+            image_ids = [token_id(self.tokenizer, IMAGE_TOKEN)] * self.tokens_per_image
+            samples.append((image_ids, [IGNORE_INDEX] * self.tokens_per_image, [torch.zeros(3, size, size)]))
+        if not samples:
+            samples = [([self.tokenizer.pad_token_id], [IGNORE_INDEX], [])]
+        rows = pack_rows([len(ids) for ids, _, _ in samples]) if self.pack else [[i] for i in range(len(samples))]
+        id_rows, target_rows, sequence_rows, images = [], [], [], []
+        for row in rows:
+            id_rows.append([token for i in row for token in samples[i][0]])
+            target_rows.append([target for i in row for target in samples[i][1]])
+            sequence_rows.append([n for n, i in enumerate(row, 1) for _ in samples[i][0]])
+            images += [image for i in row for image in samples[i][2]]
+        input_ids, _ = pad(id_rows, self.tokenizer.pad_token_id, self.padding_side)
+        attention_mask, _ = pad(sequence_rows, 0, self.padding_side)
         targets, _ = pad(target_rows, IGNORE_INDEX, self.padding_side)
         return {
             "input_ids": input_ids,

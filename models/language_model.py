@@ -2,7 +2,8 @@
 
 Weights load from Hugging Face Llama checkpoints (safetensors, sharded or not) and from GGUF files (SmolLM2 ships
 as one). Every block maps `(x, kv_cache)` to `(x, kv_cache)`; positions come from `start_pos` and, for padded
-batches, from the attention mask, so each row's rotary positions start at 0 at its first real token.
+batches, from the attention mask, so each row's (or each packed sequence's) rotary positions start at 0 at its first
+real token.
 """
 
 from __future__ import annotations
@@ -198,7 +199,8 @@ class LanguageModel(nn.Module):
         """Run the blocks over `embeddings` [B, T, C] placed at slots start_pos .. start_pos + T.
 
         attention_mask: [B, L] with 1 for real tokens and 0 for padding over slots 0 .. L-1 (L >= the slots
-        attended); None means no padding. kv_cache: one dict per block (see `allocate_kv_cache`), or None for a
+        attended), or, for rows that pack several sequences, 1, 2, ... for the tokens of each (in order; see
+        data/packing.py); None means no padding. kv_cache: one dict per block (see `allocate_kv_cache`), or None for a
         plain pass. start_pos: an int, or a 0-dim tensor for shape-static decoding over the whole cache.
         Returns the final-normed hidden states and the cache; logits are `head(hidden)`.
         """
@@ -223,17 +225,23 @@ class LanguageModel(nn.Module):
                             num_keys: int, device: torch.device) -> tuple[Tensor, Tensor | None]:
         """Rotary positions [B, T] and the attention mask [B, 1, T, S] (None for plain causal attention).
 
-        With padding, a token's position is the number of real tokens before it; pads see only themselves so that
-        no softmax row is empty, and no real token ever sees a pad."""
+        A token's position is the number of real tokens before it in its own sequence (a packed row's sequences are
+        numbered 1, 2, ... in order); a token sees the earlier tokens of its sequence, and a pad sees only itself, so
+        that no softmax row is empty."""
         slots = torch.arange(seq, device=device) + start_pos
         if attention_mask is None:
             mask = None if num_keys == seq else causal_mask(start_pos, seq, num_keys, device)[None, None]
             return slots.expand(batch, seq), mask
-        real = attention_mask[:, :num_keys].bool()
-        positions = (real.long().cumsum(-1) - 1).clamp(min=0).gather(1, slots.expand(batch, seq))
-        causal = causal_mask(start_pos, seq, num_keys, device)
+        sequence = attention_mask[:, :num_keys].long()
+        real = sequence > 0
+        # Real tokens of the earlier sequences of the row, for each sequence number (never above num_keys): no host sync.
+        per_sequence = torch.zeros(batch, num_keys + 1, dtype=torch.long, device=device).scatter_add_(1, sequence, real.long())
+        earlier = (per_sequence.cumsum(-1) - per_sequence).gather(1, sequence)
+        positions = (real.long().cumsum(-1) - 1 - earlier).clamp(min=0).gather(1, slots.expand(batch, seq))
+        query_sequence = sequence.gather(1, slots.expand(batch, seq))
+        same_sequence = (query_sequence[:, :, None] == sequence[:, None, :]) & real[:, None, :]
         own_slot = torch.arange(num_keys, device=device) == slots[:, None]
-        mask = causal & (real[:, None, :] | own_slot)
+        mask = causal_mask(start_pos, seq, num_keys, device) & (same_sequence | own_slot)
         return positions, mask[:, None]
 
     def allocate_kv_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None,

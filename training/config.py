@@ -23,6 +23,9 @@ class TrainConfig(Config):
     # Batches of similar lengths (characters of text, in buckets of 64) drawn from windows of 16 batches: less padding,
     # the same samples. Resume with the same global batch size (batch_size x world_size) to see the same batches.
     group_by_length: bool = False
+    # Pack each batch's samples into as few rows as its longest sample allows (data/packing.py): the same samples
+    # and the same loss, on fewer padding tokens.
+    packing: bool = True
     # Before step 1 of a fresh run on the synthetic shapes: train the ViT to name each patch's shape, colour and size
     # (training/vision_pretraining.py), for a ViT that starts from scratch. 0 skips it.
     vision_pretrain_steps: int = 0

@@ -24,7 +24,7 @@ def validation_loss(model: VisionLanguageModel, batches: Iterable[dict], device:
     model.eval()
     total, weight = 0.0, 0.0
     for batch in batches:
-        weights = target_weights(batch["targets"], per)
+        weights = target_weights(batch["targets"], batch["attention_mask"], per)
         with autocast:
             losses = model(**{k: v.to(device) for k, v in batch.items()}, reduction="none")[1]
         total += float((losses * weights.to(device)).sum())

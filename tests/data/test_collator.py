@@ -136,3 +136,26 @@ def test_ensure_image_adds_a_placeholder_row_only_to_batches_without_images(shap
     assert batch["input_ids"][2, :TOKENS_PER_IMAGE].tolist() == [image_id] * TOKENS_PER_IMAGE
     assert (batch["targets"][2] == IGNORE_INDEX).all() and not batch["images"].any()
     assert collator(records_with_images([1, 0]))["input_ids"].shape[0] == 2  # has an image: unchanged
+
+
+def test_packing_keeps_every_record_whole_with_its_images(shapes_tokenizer):
+    """Packed rows hold the records' exact ids and targets, numbered 1, 2, ... in the mask, and the images follow
+    their placeholders in reading order."""
+    records = records_with_images([1, 0, 2, 0, 8, 0, 1, 0])  # the 8-image record is twice as long as most
+    processor = ImageProcessor(16)
+    plain = VQACollator(shapes_tokenizer, processor, TOKENS_PER_IMAGE, 512)(records)
+    packed = VQACollator(shapes_tokenizer, processor, TOKENS_PER_IMAGE, 512, pack=True)(records)
+    assert packed["input_ids"].shape[0] < len(records) and packed["input_ids"].shape[1] == plain["input_ids"].shape[1]
+    encoded = [encode_conversation(shapes_tokenizer, r["texts"], len(r["images"]), TOKENS_PER_IMAGE) for r in records]
+    found, images = [], []
+    for ids, targets, sequences in zip(packed["input_ids"].tolist(), packed["targets"].tolist(), packed["attention_mask"].tolist()):
+        count = max(sequences)
+        assert sequences == sorted(sequences, key=lambda n: n or count + 1)  # 1, 1, ..., 2, ..., then padding (0)
+        for n in range(1, count + 1):
+            piece = ([i for i, s in zip(ids, sequences) if s == n], [t for t, s in zip(targets, sequences) if s == n])
+            record = encoded.index(piece)
+            found.append(record)
+            images += records[record]["images"]
+    assert sorted(found) == list(range(len(records)))
+    torch.testing.assert_close(packed["images"], torch.stack([processor(image) for image in images]))
+    assert int((packed["attention_mask"] > 0).sum()) == int(plain["attention_mask"].sum())

@@ -118,3 +118,23 @@ def test_unsupported_checkpoint_is_refused(tmp_path):
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="no such file"):
         LanguageModel.from_pretrained(tmp_path / "nothing-here")
+
+
+def test_packed_sequences_equal_separate_passes(llama_pair):
+    """Rows that pack several sequences (mask 1, 1, ..., 2, ..., 0 for padding) give each sequence the logits it gets
+    alone: positions restart at 0 and no token sees another sequence."""
+    _, ours = llama_pair
+    rows = [[4, 6, 3], [9, 5]]  # the sequences' lengths in each row
+    ids = torch.randint(0, 128, (2, 15))
+    mask = torch.tensor([[n for n, length in enumerate(row, 1) for _ in range(length)] + [0] * (15 - sum(row)) for row in rows])
+    with torch.no_grad():
+        packed = ours.head(ours(ours.token_embedding(ids), attention_mask=mask)[0])
+        for r, row in enumerate(rows):
+            start = 0
+            for length in row:
+                alone = ours.head(ours(ours.token_embedding(ids[r : r + 1, start : start + length]))[0])
+                torch.testing.assert_close(packed[r : r + 1, start : start + length], alone, atol=1e-5, rtol=0)
+                start += length
+    # Rotary attention sees only relative positions, so the logits cannot show where positions start: check them.
+    positions, _ = LanguageModel._positions_and_mask(mask, 0, 2, 15, 15, ids.device)
+    assert positions[0, :13].tolist() == [*range(4), *range(6), *range(3)] and positions[1, :14].tolist() == [*range(9), *range(5)]

@@ -13,9 +13,18 @@ from training.loss import target_weights
 
 def test_each_sample_weighs_one_or_each_token_does():
     targets = torch.tensor([[-100, 5, 6, 7, -100], [-100, -100, 8, -100, -100], [-100] * 5])
-    assert target_weights(targets, "token").tolist() == [[0, 1, 1, 1, 0], [0, 0, 1, 0, 0], [0] * 5]
-    torch.testing.assert_close(target_weights(targets, "sample").sum(-1), torch.tensor([1.0, 1.0, 0.0]))
-    assert target_weights(targets, "sample")[0].tolist() == pytest.approx([0, 1 / 3, 1 / 3, 1 / 3, 0])
+    rows = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 0, 0, 0]])
+    assert target_weights(targets, rows, "token").tolist() == [[0, 1, 1, 1, 0], [0, 0, 1, 0, 0], [0] * 5]
+    torch.testing.assert_close(target_weights(targets, rows, "sample").sum(-1), torch.tensor([1.0, 1.0, 0.0]))
+    assert target_weights(targets, rows, "sample")[0].tolist() == pytest.approx([0, 1 / 3, 1 / 3, 1 / 3, 0])
+
+
+def test_packed_samples_are_weighed_one_by_one():
+    """Two samples packed into one row (mask 1, 1, 1, 2, 2, 0) weigh as they do in rows of their own."""
+    targets = torch.tensor([[-100, 5, 6, -100, 7, -100]])
+    sequences = torch.tensor([[1, 1, 1, 2, 2, 0]])
+    assert target_weights(targets, sequences, "sample").tolist() == [[0, 0.5, 0.5, 0, 1, 0]]
+    assert target_weights(targets, sequences, "square")[0].tolist() == pytest.approx([0, 2 ** -0.5, 2 ** -0.5, 0, 1, 0])
 
 
 @pytest.mark.parametrize("per", ["token", "sample"])

@@ -107,10 +107,11 @@ def test_length_grouped_batches_resume_and_split_across_ranks():
         assert batch == [i for rank in ranks for i in next(rank)]
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 @pytest.mark.parametrize("loss_weight", ["token", "sample"])
-def test_a_step_descends_the_mean_answer_loss(loss_weight):
+def test_a_step_descends_the_mean_answer_loss(loss_weight, packed):
     """train_step against a float64 reference: the gradient of the mean over every answer token of the batch, or of
-    the mean over samples of each sample's mean answer-token loss."""
+    the mean over samples of each sample's mean answer-token loss; the same when the samples are packed into rows."""
     model = tiny_vlm()
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 90, (3, 16), generator=generator)
@@ -119,6 +120,11 @@ def test_a_step_descends_the_mean_answer_loss(loss_weight):
     targets = torch.full_like(ids, -100)
     targets[0, 5:13], targets[1, 9], targets[2, 11:13] = ids[0, 6:14], ids[1, 10], ids[2, 12:14]  # 8, 1 and 2 answer tokens
     batch = {"input_ids": ids, "images": images, "attention_mask": torch.ones_like(ids), "targets": targets}
+    if packed:  # two rows: [sample 0, padding] and [sample 1, sample 2]; the mask numbers a row's samples 1, 2
+        batch = {"input_ids": torch.stack([torch.cat([ids[0], torch.zeros_like(ids[0])]), ids[1:].flatten()]),
+                 "attention_mask": torch.tensor([[1] * 16 + [0] * 16, [1] * 16 + [2] * 16]),
+                 "targets": torch.stack([torch.cat([targets[0], torch.full_like(targets[0], -100)]), targets[1:].flatten()]),
+                 "images": images}
 
     reference = copy.deepcopy(model).double()
     logits, _ = reference(ids, images.double())
@@ -134,7 +140,7 @@ def test_a_step_descends_the_mean_answer_loss(loss_weight):
     config = TrainConfig(grad_clip=0, loss_weight=loss_weight)
     loss, tokens, finite = train_step(model, model, iter([batch]), optimizer, scheduler, config, contextlib.nullcontext(),
                                       torch.device("cpu"))
-    assert finite and tokens == ids.numel()
+    assert finite and tokens == ids.numel()  # real tokens only
     assert loss == pytest.approx(expected.item(), rel=1e-5)
     for (name, after), old, ref in zip(model.named_parameters(), before.parameters(), reference.parameters()):
         torch.testing.assert_close(old - after, ref.grad.float(), rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
