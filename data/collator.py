@@ -39,12 +39,14 @@ class VQACollator:
 
     input_ids, attention_mask, targets: LongTensor [B, T]; images: FloatTensor [N, 3, H, W], in the order their
     placeholders appear (row by row). With `pack`, a row holds several records (see `data.packing`) and the attention
-    mask numbers them 1, 2, ... (0 for padding); otherwise a row is one record and the mask is 1 or 0. A record whose ids exceed `max_length` is dropped, never truncated, and counted
-    in `num_too_long` (per process: DataLoader workers each keep their own count); None records (bad ones that
-    `CheckedRecords` skipped) are left out. A batch that loses every record holds one padding row with no targets,
-    so that training still runs its forward and backward. With `ensure_image`, a batch without any image gets a
-    placeholder row (one black image, no targets), so the vision tower runs too: every rank of a DDP / FSDP2 job
-    must use the same parameters at every step.
+    mask numbers them 1, 2, ... (0 for padding); otherwise a row is one record and the mask is 1 or 0.
+
+    A record whose ids exceed `max_length` is dropped, never truncated, and counted in `num_too_long` (per process:
+    DataLoader workers each keep their own count); None records (bad ones that `CheckedRecords` skipped) are left
+    out. A batch that loses every record holds one padding row with no targets, so that training still runs its
+    forward and backward. With `ensure_image`, a batch without any image gets a placeholder row (one black image, no
+    targets), so the vision tower runs too: every rank of a DDP / FSDP2 job must use the same parameters at every
+    step.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, processor: ImageProcessor, tokens_per_image: int,

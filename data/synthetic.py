@@ -160,8 +160,11 @@ def ask(scene: Scene, question_type: str, rng: random.Random) -> tuple[str, str]
 
 
 def make_shapes_dataset(split: Split, num_samples: int, seed: int, image_size: int = 64, noise: int = 0,
-                        turns: int = 1, validation_fraction: float = 0.1) -> Dataset:
+                        turns: int = 1, validation_fraction: float = 0.1,
+                        question_types: tuple[str, ...] = QUESTION_TYPES) -> Dataset:
     """`num_samples` records of `split`, each one image and `turns` question/answer turns; same arguments, same data.
+
+    Single-turn records cycle through `question_types`: a type listed twice is asked twice as often.
 
     With `noise`, images are stored clean and each record's fixed noise is added when it is read (noisy PNGs barely
     compress, and encoding them would triple the generation time).
@@ -169,12 +172,13 @@ def make_shapes_dataset(split: Split, num_samples: int, seed: int, image_size: i
     check(split in ("train", "validation"), f"split must be 'train' or 'validation', got {split!r}")
     check(1 <= turns <= len(QUESTION_TYPES), f"turns must lie in [1, {len(QUESTION_TYPES)}], got {turns}")
     check(0 < validation_fraction < 1, f"validation_fraction must lie in (0, 1), got {validation_fraction}")
+    check_question_types(question_types)
     rng = random.Random(f"shapes:{split}:{seed}")
     rows: dict[str, list] = {"images": [], "texts": [], "question_type": [], "noise_seed": []}
     while len(rows["texts"]) < num_samples:
         scene = sample_scene_of(split, rng, validation_fraction)
         if turns == 1:
-            kinds = [QUESTION_TYPES[len(rows["texts"]) % len(QUESTION_TYPES)]]
+            kinds = [question_types[len(rows["texts"]) % len(question_types)]]
         else:
             kinds = sorted(rng.sample(QUESTION_TYPES, turns), key=lambda kind: kind == "caption")
         rows["texts"].append([dict(zip(("user", "assistant"), ask(scene, kind, rng))) for kind in kinds])
@@ -191,6 +195,13 @@ def make_shapes_dataset(split: Split, num_samples: int, seed: int, image_size: i
     if not noise:
         return dataset.remove_columns("noise_seed")
     return dataset.with_transform(functools.partial(_add_noise_to_batch, amplitude=noise))
+
+
+def check_question_types(question_types: tuple[str, ...], name: str = "question_types") -> None:
+    """Fail with a clear message unless `question_types` is a non-empty list of known types."""
+    unknown = sorted(set(question_types) - set(QUESTION_TYPES))
+    check(bool(question_types) and not unknown,
+          f"{name} must list question types from {', '.join(QUESTION_TYPES)}; got {list(question_types)}")
 
 
 def _add_noise_to_batch(batch: dict[str, list], amplitude: int) -> dict[str, list]:
@@ -217,6 +228,7 @@ class ShapesConfig(Config):
     seed: int = 0
     noise: int = 0  # uniform per-pixel noise amplitude on the 0-255 scale; 0 = clean images
     train_turns: int = 3  # question/answer turns per training record (validation records always hold one)
+    train_question_types: tuple[str, ...] = QUESTION_TYPES  # the cycle of single-turn training records' types
     validation_fraction: float = 0.1  # share of all possible scenes reserved for validation
 
     def __post_init__(self) -> None:
@@ -226,6 +238,7 @@ class ShapesConfig(Config):
         check(0 <= self.noise <= 32, f"data.shapes.noise must lie in [0, 32] so colours stay recognisable, got {self.noise}")
         check(1 <= self.train_turns <= len(QUESTION_TYPES),
               f"data.shapes.train_turns must lie in [1, {len(QUESTION_TYPES)}], got {self.train_turns}")
+        check_question_types(self.train_question_types, "data.shapes.train_question_types")
         check(0 < self.validation_fraction <= 0.5,
               f"data.shapes.validation_fraction must lie in (0, 0.5], got {self.validation_fraction}")
 
@@ -234,5 +247,6 @@ def shapes_datasets(config: ShapesConfig) -> tuple[Dataset, Dataset]:
     """(train, validation) as the config describes; validation records are single-turn."""
     common = dict(seed=config.seed, image_size=config.image_size, noise=config.noise,
                   validation_fraction=config.validation_fraction)
-    return (make_shapes_dataset("train", config.num_train, turns=config.train_turns, **common),
+    return (make_shapes_dataset("train", config.num_train, turns=config.train_turns,
+                                question_types=config.train_question_types, **common),
             make_shapes_dataset("validation", config.num_validation, turns=1, **common))

@@ -170,6 +170,13 @@ def test_validation_is_single_turn_and_balanced():
     assert set(presence) == {"yes", "no"} and 0.4 < presence.count("yes") / len(presence) < 0.6
 
 
+def test_training_records_cycle_through_the_chosen_question_types():
+    train = make_shapes_dataset("train", 30, seed=0, question_types=("color", "caption", "caption"))
+    assert train["question_type"] == ["color", "caption", "caption"] * 10
+    assert all(texts[0]["user"] == "Describe the image." for texts, kind in zip(train["texts"], train["question_type"])
+               if kind == "caption")
+
+
 def test_answers_are_short_lowercase_strings():
     for texts in make_shapes_dataset("train", 300, seed=0, turns=5)["texts"]:
         for turn in texts:
@@ -194,7 +201,9 @@ def test_colours_look_like_their_names():
 def test_shapes_config_validates():
     assert ShapesConfig.from_dict(ShapesConfig().to_dict()) == ShapesConfig()
     for values, field in [({"noise": 99}, "noise"), ({"image_size": 16}, "image_size"), ({"train_turns": 7}, "train_turns"),
-                          ({"validation_fraction": 0.0}, "validation_fraction"), ({"num_train": 0}, "num_train")]:
+                          ({"validation_fraction": 0.0}, "validation_fraction"), ({"num_train": 0}, "num_train"),
+                          ({"train_question_types": ["colour"]}, "train_question_types"),
+                          ({"train_question_types": []}, "train_question_types")]:
         with pytest.raises(ConfigError, match=field):
             ShapesConfig.from_dict(values)
     with pytest.raises(ConfigError, match="unknown key"):
