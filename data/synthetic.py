@@ -239,6 +239,8 @@ class ShapesConfig(Config):
         check(1 <= self.train_turns <= len(QUESTION_TYPES),
               f"data.shapes.train_turns must lie in [1, {len(QUESTION_TYPES)}], got {self.train_turns}")
         check_question_types(self.train_question_types, "data.shapes.train_question_types")
+        check(self.train_turns == 1 or tuple(self.train_question_types) == QUESTION_TYPES,
+              "data.shapes.train_question_types applies to single-turn records only: set data.shapes.train_turns to 1")
         check(0 < self.validation_fraction <= 0.5,
               f"data.shapes.validation_fraction must lie in (0, 0.5], got {self.validation_fraction}")
 

@@ -203,7 +203,8 @@ def test_shapes_config_validates():
     for values, field in [({"noise": 99}, "noise"), ({"image_size": 16}, "image_size"), ({"train_turns": 7}, "train_turns"),
                           ({"validation_fraction": 0.0}, "validation_fraction"), ({"num_train": 0}, "num_train"),
                           ({"train_question_types": ["colour"]}, "train_question_types"),
-                          ({"train_question_types": []}, "train_question_types")]:
+                          ({"train_question_types": []}, "train_question_types"),
+                          ({"train_turns": 3, "train_question_types": ["caption"]}, "train_question_types")]:
         with pytest.raises(ConfigError, match=field):
             ShapesConfig.from_dict(values)
     with pytest.raises(ConfigError, match="unknown key"):
