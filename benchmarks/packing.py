@@ -1,0 +1,117 @@
+"""Training with and without packing, side by side in one run, on real batches of a run config's data.
+
+    python benchmarks/packing.py                               # tiny default (shapes data) on CPU
+    python benchmarks/packing.py --batches 40 --rounds 5 --threads 1
+
+The same records are collated twice: one record per row (padded to the batch's longest), or packed several to a row
+(`train.packing`, first-fit decreasing). Both run `train.train_step` (forward, backward, AdamW) from the same
+weights; the two modes alternate in rounds and each reports its median round, so drift in machine speed hits both.
+Random weights: the shapes of the batches are what matter. Writes benchmarks/results/packing-<device>.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train  # noqa: E402
+from data import CheckedRecords, ImageProcessor, VQACollator, build_datasets  # noqa: E402
+from training.config import load_run_config  # noqa: E402
+from training.optim import build_optimizer, build_scheduler, freeze_parts  # noqa: E402
+
+MODES = {"one record per row": False, "packed": True}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/tiny.yaml", help="a YAML run config (its data, model and batch size)")
+    parser.add_argument("--batches", type=int, default=30, help="distinct batches each round steps through")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    device = torch.device(args.device)
+    config = load_run_config(args.config, {"train.vision_pretrain_steps": "0"})
+    tc = config.train
+    if config.data.source == "synthetic":  # generate only the records the benchmark reads
+        config = config.replace({"data.shapes.num_train": str(args.batches * tc.batch_size)})
+    train_data, _ = build_datasets(config.data)
+    tokenizer = train.build_tokenizer(config, train_data)
+    model = train.build_model(config, tokenizer)
+    freeze_parts(model, tc)
+    model.to(device)
+    processor = ImageProcessor.from_config(model.config.vision)
+    records = CheckedRecords(train_data, "skip", "train")
+    batch_records = [[records[i] for i in range(k * tc.batch_size, (k + 1) * tc.batch_size)] for k in range(args.batches)]
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and tc.bf16 else contextlib.nullcontext()
+
+    runs = {}
+    for mode, pack in MODES.items():
+        collator = VQACollator(tokenizer, processor, model.config.tokens_per_image, tc.max_length,
+                               image_position=model.config.image_position, pack=pack)
+        batches = [collator(group) for group in batch_records]
+        runs[mode] = {"batches": batches, "model": copy.deepcopy(model), "ms": []}
+        runs[mode]["optimizer"] = build_optimizer(runs[mode]["model"], tc, device)
+        runs[mode]["scheduler"] = build_scheduler(runs[mode]["optimizer"], tc)
+
+    def one_pass(run: dict) -> float:
+        iterator = iter(run["batches"])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in run["batches"]:
+            train.train_step(run["model"], run["model"], iterator, run["optimizer"], run["scheduler"], tc, autocast, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / len(run["batches"])
+
+    for run in runs.values():  # warm-up
+        one_pass(run)
+    for _ in range(args.rounds):
+        for run in runs.values():
+            run["ms"].append(1000 * one_pass(run))
+
+    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"{platform.processor() or 'CPU'}, {torch.get_num_threads()} threads"
+    rows, baseline = [], None
+    for mode, run in runs.items():
+        batches = run["batches"]
+        positions = statistics.mean(b["input_ids"].numel() for b in batches)
+        real = statistics.mean(int((b["attention_mask"] > 0).sum()) for b in batches)
+        ms = statistics.median(run["ms"])
+        baseline = baseline or ms
+        rows.append(dict(mode=mode, rows=statistics.mean(b["input_ids"].shape[0] for b in batches),
+                         length=statistics.mean(b["input_ids"].shape[1] for b in batches), positions=positions,
+                         real_tokens=real, padding=1 - real / positions, ms_per_step=ms, real_tokens_per_s=1000 * real / ms,
+                         speedup=baseline / ms))
+    table = [f"{args.config}: {tc.batch_size} records a step, {args.batches} batches x {args.rounds} rounds, {hardware}", "",
+             "| mode | rows x length (mean) | positions | real tokens | padding | ms/step (median) | real tokens/s | speed-up |",
+             "|---|---|---|---|---|---|---|---|"]
+    table += [f"| {r['mode']} | {r['rows']:.1f} x {r['length']:.1f} | {r['positions']:,.0f} | {r['real_tokens']:,.0f} | "
+              f"{100 * r['padding']:.0f}% | {r['ms_per_step']:.1f} | {r['real_tokens_per_s']:,.0f} | {r['speedup']:.2f}x |"
+              for r in rows]
+    print("\n".join(table))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"packing-{device.type}"
+    stem.with_suffix(".md").write_text("\n".join(table) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(dict(config=args.config, hardware=hardware, rounds=args.rounds,
+                                                         results=rows), indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
