@@ -18,8 +18,7 @@ import torch
 
 from data import CAPTION_PROMPT, ImageLoadError, ImageProcessor, PromptError, encode_prompt, load_image
 from models import CheckpointError, ConfigError, GenerationError, VisionLanguageModel, kv_cache_bytes
-from training.checkpoint import SHARDED, find_checkpoint, newest_checkpoint
-from training.config import pick_device
+from models.checkpoints import SHARDED, find_checkpoint, newest_checkpoint, pick_device
 
 RUNS = Path("runs")
 

@@ -30,14 +30,14 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 from tqdm import tqdm
 
-from data import (IMAGE_TOKEN, BadRecordError, CheckedRecords, DataSourceError, ImageLoadError, ImageProcessor,
-                  PromptError, VQACollator, build_datasets, build_shapes_tokenizer, conversation_texts, prepare_tokenizer, text_lengths,
-                  token_id)
-from models import CheckpointError, ConfigError, GenerationError, VisionLanguageModel, VLMConfig
+from data import (IMAGE_TOKEN, CheckedRecords, ImageProcessor, VQACollator, build_datasets, build_shapes_tokenizer,
+                  conversation_texts, prepare_tokenizer, stop_token_ids, text_lengths, token_id)
+from models import TinyVLMError, VisionLanguageModel, VLMConfig
 from models.config import one_line
 from models.loading import resolve
 from training import distributed
-from training.checkpoint import RUN_CONFIG, SHARDED, find_checkpoint, load_training_state, save_checkpoint
+from models.checkpoints import SHARDED, find_checkpoint
+from training.checkpoint import RUN_CONFIG, load_training_state, save_checkpoint
 from training.config import RunConfig, load_run_config, parse_overrides
 from training.distributed import all_reduce, gradient_sync
 from training.evaluate import answer, exact_match, save_loss_curve, save_prediction_grid, validation_loss
@@ -99,7 +99,7 @@ class ResumableBatchSampler(Sampler[list[int]]):
         return indices
 
 
-class TrainingError(RuntimeError):
+class TrainingError(TinyVLMError, RuntimeError):
     """Training cannot go on (for example a non-finite loss with train.on_nonfinite=stop)."""
 
 
@@ -178,7 +178,8 @@ def build_tokenizer(config: RunConfig, train_dataset):
 
 def build_model(config: RunConfig, tokenizer) -> VisionLanguageModel:
     """The VLM with its backbones loaded (where configured) and its vocabulary sized to the tokenizer."""
-    settings = {"image_token_id": token_id(tokenizer, IMAGE_TOKEN), "language.eos_token_id": tokenizer.eos_token_id}
+    settings = {"image_token_id": token_id(tokenizer, IMAGE_TOKEN), "language.eos_token_id": tokenizer.eos_token_id,
+                "stop_token_ids": stop_token_ids(tokenizer)}
     if not config.model.language.pretrained:
         settings["language.vocab_size"] = len(tokenizer)
     model = VisionLanguageModel.from_backbones(config.model.replace(settings), config.train.allow_pickle)
@@ -358,8 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             config_path = args.config or (Path(__file__).parent / "configs" / "tiny.yaml")
             train(load_run_config(config_path, overrides))
-    except (BadRecordError, ConfigError, CheckpointError, DataSourceError, GenerationError, ImageLoadError, PromptError,
-            TrainingError) as e:
+    except TinyVLMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except torch.distributed.DistError as e:  # another rank died or hung: torchrun reports which

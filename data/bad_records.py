@@ -10,6 +10,7 @@ from torch.utils.data import Dataset
 
 from data.processors import to_rgb
 from models.config import one_line
+from models.errors import TinyVLMError
 
 Policy = Literal["skip", "fail"]
 MAX_REPORTS = 10  # bad records reported one by one; any further ones are only counted
@@ -17,7 +18,7 @@ MAX_BAD_SHARE = 0.5  # past this share of the records read (after MIN_READ), the
 MIN_READ = 20
 
 
-class BadRecordError(ValueError):
+class BadRecordError(TinyVLMError, ValueError):
     """A record that cannot be read or is malformed, met with `data.on_bad_record=fail`."""
 
 

@@ -14,12 +14,13 @@ from PIL import Image, UnidentifiedImageError
 from torchvision.transforms import v2
 
 from models.config import VisionConfig, one_line
+from models.errors import TinyVLMError
 
 MAX_IMAGE_PIXELS = 8192 * 8192  # larger images are refused as likely decompression bombs
 _WIDE_GREY_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # 16-bit greyscale as PIL reads it
 
 
-class ImageLoadError(ValueError):
+class ImageLoadError(TinyVLMError, ValueError):
     """A missing, empty, unreadable, corrupt or oversized image file."""
 
 

@@ -6,12 +6,13 @@ from transformers import PreTrainedTokenizerBase
 
 from data.tokenizer import IM_END, IM_START, IMAGE_TOKEN, token_id
 from models.config import ImagePosition
+from models.errors import TinyVLMError
 
 CAPTION_PROMPT = "Describe the image."  # the user turn of caption samples; generate.py's default prompt
 IGNORE_INDEX = -100  # targets at positions that carry no loss
 
 
-class PromptError(ValueError):
+class PromptError(TinyVLMError, ValueError):
     """Text that cannot be encoded: not a string, or not valid Unicode (e.g. invalid UTF-8 bytes from a command line)."""
 
 

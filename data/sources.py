@@ -13,11 +13,12 @@ from data.processors import ImageLoadError, load_image
 from data.prompts import CAPTION_PROMPT
 from data.synthetic import ShapesConfig, shapes_datasets
 from models.config import Config, check
+from models.errors import TinyVLMError
 
 _TEXTS = List({"user": Value("string"), "assistant": Value("string")})
 
 
-class DataSourceError(ValueError):
+class DataSourceError(TinyVLMError, ValueError):
     """A data file or folder that is missing or does not describe records."""
 
 

@@ -8,9 +8,16 @@ from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from models.errors import TinyVLMError
+
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 IMAGE_TOKEN = "<|image|>"  # one per image embedding; the VLM splices image features in at these positions
 PAD_TOKEN = "<|pad|>"
+
+
+class TokenizerError(TinyVLMError, ValueError):
+    """A tokenizer that lacks a token tinyvlm needs."""
+
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -64,8 +71,15 @@ def has_token(tokenizer: PreTrainedTokenizerBase, token: str) -> bool:
 def token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
     """The id of a special token such as `IMAGE_TOKEN`; ValueError if the tokenizer lacks it."""
     if not has_token(tokenizer, token):
-        raise ValueError(f"the tokenizer has no {token} token; call data.prepare_tokenizer(tokenizer) first")
+        raise TokenizerError(f"the tokenizer has no {token} token; call data.prepare_tokenizer(tokenizer) first")
     return tokenizer.convert_tokens_to_ids(token)
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """The tokens that end an answer: `<|im_end|>` (training closes every answer with it) and the tokenizer's EOS,
+    which a base tokenizer sets to another token (`<|endoftext|>`, `</s>`)."""
+    ids = [token_id(tokenizer, IM_END), tokenizer.eos_token_id]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
 def conversation_texts(dataset: Iterable[dict]) -> Iterator[str]:

@@ -1,5 +1,6 @@
 """tinyvlm's model package: import the VLM and its parts from here."""
 
+from models.errors import InputError, TinyVLMError
 from models.config import ConfigError, LanguageConfig, ProjectorConfig, VisionConfig, VLMConfig
 from models.kv_cache import kv_cache_bytes
 from models.language_model import LanguageModel
@@ -10,7 +11,7 @@ from models.vision_language_model import GenerationError, VisionLanguageModel
 from models.vision_transformer import VisionTransformer
 
 __all__ = [
-    "CheckpointError", "ConfigError", "GenerationError", "LanguageConfig", "LanguageModel", "ModalityProjector",
+    "CheckpointError", "ConfigError", "GenerationError", "InputError", "TinyVLMError", "LanguageConfig", "LanguageModel", "ModalityProjector",
     "ProjectorConfig", "SamplingParams", "VLMConfig", "VisionConfig", "VisionLanguageModel", "VisionTransformer",
     "kv_cache_bytes",
 ]

@@ -14,10 +14,12 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
+from models.errors import TinyVLMError
+
 T = TypeVar("T", bound="Config")
 
 
-class ConfigError(ValueError):
+class ConfigError(TinyVLMError, ValueError):
     """An unknown key, a value of the wrong type, or values that do not fit together."""
 
 
@@ -229,6 +231,9 @@ class VLMConfig(Config):
     # before_text: image tokens open the user turn (nanoVLM, Idefics3). after_text: they close it, so that in a causal
     # LM each image token can attend to the question and the image is read with the question in mind.
     image_position: ImagePosition = "before_text"
+    # Tokens that end an answer (the chat format's end of turn and the tokenizer's EOS); empty in configs written
+    # before this field, where the language model's eos_token_id is used (see `stop_ids`).
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         grid, factor = self.vision.grid_size, self.projector.pixel_shuffle_factor
@@ -237,6 +242,15 @@ class VLMConfig(Config):
         vocab = self.language.vocab_size
         check(self.image_token_id is None or 0 <= self.image_token_id < vocab,
               f"image_token_id ({self.image_token_id}) must lie in [0, language.vocab_size={vocab})")
+        check(all(0 <= i < vocab for i in self.stop_token_ids),
+              f"stop_token_ids {list(self.stop_token_ids)} must lie in [0, language.vocab_size={vocab})")
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """The token ids generation stops at: `stop_token_ids`, else the language model's EOS (if any)."""
+        if self.stop_token_ids:
+            return list(self.stop_token_ids)
+        return [] if self.language.eos_token_id is None else [self.language.eos_token_id]
 
     @property
     def tokens_per_image(self) -> int:

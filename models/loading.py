@@ -16,12 +16,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from models.errors import TinyVLMError
+
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 PICKLE_REFUSED = ("pickle files can run code and are refused; convert to safetensors, or opt in with allow_pickle=True "
                   "(--allow-pickle) to read them with torch.load(weights_only=True)")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(TinyVLMError, ValueError):
     """A checkpoint that is missing, incomplete, unsafe, or does not fit the model."""
 
 

@@ -18,6 +18,7 @@ from huggingface_hub import PyTorchModelHubMixin
 from torch import Tensor, nn
 
 from models.config import VLMConfig
+from models.errors import InputError, TinyVLMError
 from models.kv_cache import repeat_rows
 from models.language_model import LanguageModel
 from models.loading import CheckpointError, atomic_write, load_checked, read_weights, resolve, save_weights, weight_patterns
@@ -29,7 +30,7 @@ STOP_CHECK_INTERVAL = 8  # decode steps between host-side "has every row finishe
 COMPILED_CACHE_BUCKET = 256  # the compiled step's cache capacity is rounded up to this, so lengths share one graph
 
 
-class GenerationError(ValueError):
+class GenerationError(TinyVLMError, ValueError):
     """Generation settings or inputs that cannot work (for example a prompt longer than the context)."""
 
 
@@ -75,7 +76,7 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         num_slots = int(slots.sum())
         num_images = 0 if images is None else images.shape[0]
         if num_slots != num_images * self.config.tokens_per_image:
-            raise ValueError(f"the prompts hold {num_slots} image tokens but {num_images} image(s) need "
+            raise InputError(f"the prompts hold {num_slots} image tokens but {num_images} image(s) need "
                              f"{num_images * self.config.tokens_per_image} ({self.config.tokens_per_image} each)")
         if num_images == 0:
             return embeddings

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.config import VisionConfig
+from models.errors import InputError
 from models.loading import CheckpointError, load_checked, read_json, read_weights, rename_keys, resolve, weight_patterns
 
 
@@ -99,7 +100,7 @@ class VisionTransformer(nn.Module):
         """Patch features [N, num_patches, hidden] for normalised images [N, channels, image_size, image_size]."""
         expected = (self.config.num_channels, self.config.image_size, self.config.image_size)
         if tuple(images.shape[1:]) != expected:
-            raise ValueError(f"images must be [N, {', '.join(map(str, expected))}], got {list(images.shape)}")
+            raise InputError(f"images must be [N, {', '.join(map(str, expected))}], got {list(images.shape)}")
         x = self.patch_embedding(images).flatten(2).transpose(1, 2) + self.position_embedding
         for block in self.blocks:
             x = block(x)

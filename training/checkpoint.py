@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -20,15 +19,13 @@ from safetensors import SafetensorError
 from torch.distributed.checkpoint import CheckpointException
 from safetensors.torch import load_file, save_file
 
+from models.checkpoints import SHARDED, STATE_JSON, checkpoints
 from models.config import one_line
 from models.loading import CheckpointError, atomic_write
 from training.distributed import Ranks, barrier, is_sharded, load_sharded, save_sharded, unwrap
 
 STATE_TENSORS = "training_state.safetensors"
-STATE_JSON = "training_state.json"
 RUN_CONFIG = "run_config.json"
-SHARDED = "sharded"  # an FSDP2 checkpoint's weights and optimizer state (torch.distributed.checkpoint), one file per rank
-STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def _fsync(path: Path) -> None:
@@ -123,32 +120,6 @@ def _write(staging: Path, step: int, model, tokenizer, optimizer, scheduler, run
     (staging / STATE_JSON).write_text(json.dumps(state))
     for path in [*staging.rglob("*"), staging]:
         _fsync(path)
-
-
-def checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints under `run_dir`, oldest first."""
-    if not run_dir.is_dir():
-        return []
-    found = [p for p in run_dir.iterdir() if STEP_DIR.match(p.name) and (p / STATE_JSON).is_file()]
-    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
-
-
-def find_checkpoint(path: Path) -> Path:
-    """`path` if it is a model directory, else its newest complete checkpoint."""
-    if (path / "config.json").is_file():
-        return path
-    found = checkpoints(path)
-    if not found:
-        raise CheckpointError(f"{path}: no checkpoint here (expected config.json or step_* directories)")
-    return found[-1]
-
-
-def newest_checkpoint(root: Path) -> Path:
-    """The most recently written complete checkpoint of any run under `root` (e.g. runs/)."""
-    found = [c for run in (root.iterdir() if root.is_dir() else []) if run.is_dir() for c in checkpoints(run)]
-    if not found:
-        raise CheckpointError(f"no checkpoint under {root}/: train one with `python train.py`, or pass --checkpoint DIR")
-    return max(found, key=lambda p: (p / STATE_JSON).stat().st_mtime)
 
 
 def load_training_state(directory: Path, model, optimizer: torch.optim.Optimizer, scheduler, ranks: Ranks = Ranks()) -> dict[str, Any]:

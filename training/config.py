@@ -6,7 +6,6 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
-import torch
 import yaml
 
 from data import DataConfig
@@ -128,10 +127,3 @@ def load_run_config(path: str | Path | None, overrides: dict[str, str]) -> RunCo
     """Defaults, then the YAML file, then the overrides; every step validated."""
     config = RunConfig.from_dict(load_yaml(path)) if path else RunConfig()
     return config.replace(overrides)
-
-
-def pick_device(name: str) -> torch.device:
-    """`auto` is the GPU when there is one, else the CPU; anything else is taken as a torch device name."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)

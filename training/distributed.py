@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from training.config import pick_device
+from models.checkpoints import pick_device
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,7 +46,7 @@ def answer(model: VisionLanguageModel, tokenizer, processor: ImageProcessor, rec
         images = torch.stack(pixels).to(device) if pixels else None
         room = model.config.language.max_position_embeddings - ids.shape[1]
         tokens = model.generate(ids.to(device), images, mask.to(device), max_new_tokens=min(max_new_tokens, room),
-                                greedy=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                                greedy=True, eos_token_id=model.config.stop_ids, pad_token_id=tokenizer.pad_token_id)
         answers += tokenizer.batch_decode(tokens.tolist(), skip_special_tokens=True)
     return answers
 

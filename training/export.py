@@ -14,7 +14,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from models import CheckpointError, ConfigError, VisionLanguageModel, VLMConfig
 from models.config import one_line
-from training.checkpoint import SHARDED
+from models.checkpoints import SHARDED
 from training.distributed import read_sharded_weights
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from models import CheckpointError, VisionLanguageModel
 from training import checkpoint
-from training.checkpoint import find_checkpoint
+from models.checkpoints import find_checkpoint
 from tests.training.helpers import SMALL, small_config
 from data import ImageLoadError, build_datasets, make_shapes_dataset
 from train import TrainingError, main, train

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from models import VisionLanguageModel
 from tests.training.helpers import SMALL, small_config
-from training.checkpoint import STATE_JSON, STATE_TENSORS, checkpoints
+from models.checkpoints import STATE_JSON, checkpoints
+from training.checkpoint import STATE_TENSORS
 from train import train
 
 STEPS = 60

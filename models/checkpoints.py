@@ -1,0 +1,52 @@
+"""Finding checkpoints in run directories (`runs/NAME/step_NNNNNN/`), and choosing a device: what inference needs to
+locate a trained model, without the training code."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from models.loading import CheckpointError
+
+STATE_JSON = "training_state.json"  # written last into a checkpoint: its presence marks the checkpoint complete
+SHARDED = "sharded"  # an FSDP2 checkpoint's weights and optimizer state (torch.distributed.checkpoint), one file per rank
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints under `run_dir`, lowest step first."""
+    if not run_dir.is_dir():
+        return []
+    found = [p for p in run_dir.iterdir() if STEP_DIR.match(p.name) and (p / STATE_JSON).is_file()]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def find_checkpoint(path: Path) -> Path:
+    """`path` if it is a model directory, else its complete checkpoint with the highest step."""
+    if (path / "config.json").is_file():
+        return path
+    found = checkpoints(path)
+    if not found:
+        raise CheckpointError(f"{path}: no checkpoint here (expected config.json or step_* directories)")
+    return found[-1]
+
+
+def newest_checkpoint(root: Path) -> Path:
+    """The highest-step checkpoint of the most recently written run under `root` (e.g. runs/).
+
+    Runs are ordered by the newest file time among their checkpoints; within a run the step decides, since a copied
+    run (`cp -r`) gets file times in copy order, not in step order."""
+    runs = [found for run in (root.iterdir() if root.is_dir() else []) if run.is_dir() and (found := checkpoints(run))]
+    if not runs:
+        raise CheckpointError(f"no checkpoint under {root}/: train one with `python train.py`, or pass --checkpoint DIR")
+    newest_run = max(runs, key=lambda found: max((c / STATE_JSON).stat().st_mtime for c in found))
+    return newest_run[-1]
+
+
+def pick_device(name: str) -> torch.device:
+    """`auto` is the GPU when there is one, else the CPU; anything else is taken as a torch device name."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
