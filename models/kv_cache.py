@@ -1,5 +1,19 @@
 """The per-block KV cache: a dict {"key", "value"} of [batch, kv_heads, capacity, head_dim] tensors written in place.
 
+A block runs in one of three modes, chosen by what it is given; this module is the one place that says what each
+mode writes and what the attention then spans (`write` and `attended_slots`):
+
+| kv_cache          | start_pos       | writes                                       | attention spans             |
+|-------------------|-----------------|----------------------------------------------|-----------------------------|
+| None              | 0               | nothing; returns {"key", "value"} of the call | the call's own tokens       |
+| preallocated      | int             | slots start_pos .. start_pos + T, in place    | slots 0 .. start_pos + T    |
+| preallocated      | 0-dim tensor    | the same slots, with index_copy_ (no sync)    | the whole capacity, masked  |
+
+The tensor mode keeps every shape static (the compiled decode step). A preallocated cache never grows: writing past
+its capacity raises `CacheCapacityError` (int positions; tensor positions are the caller's to check, once, before
+decoding, since checking a device tensor would stall the step). A paged cache (pool tensors plus a block table) is
+meant to plug in here as a fourth layout of the same dict, so that blocks and attention stay one implementation.
+
 Memory (the formula from the KV-cache articles, with grouped-query attention's fewer kv heads):
     bytes = 2 (K and V) x layers x kv_heads x head_dim x tokens x batch x bytes_per_element
 """
@@ -10,8 +24,13 @@ import torch
 from torch import Tensor
 
 from models.config import LanguageConfig
+from models.errors import TinyVLMError
 
 KVCache = dict[str, Tensor]
+
+
+class CacheCapacityError(TinyVLMError, IndexError):
+    """A write past the end of a preallocated KV cache."""
 
 
 def allocate(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> KVCache:
@@ -19,18 +38,28 @@ def allocate(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: tor
     return {"key": torch.zeros(shape, dtype=dtype, device=device), "value": torch.zeros(shape, dtype=dtype, device=device)}
 
 
-def write(cache: KVCache, key: Tensor, value: Tensor, start_pos: int | Tensor) -> tuple[KVCache, Tensor, Tensor]:
-    """Write `key`/`value` [B, H, T, D] at slots start_pos .. start_pos + T, in place.
+def capacity(cache: KVCache) -> int:
+    return cache["key"].shape[2]
 
-    Returns the cache and the keys/values to attend over: slots 0 .. start_pos + T for an int `start_pos`; the whole
-    capacity for a tensor `start_pos` (shape-static decoding, where the mask hides unwritten slots). A cache too
-    small for an int `start_pos` (one returned by a cache-less call) grows by doubling, so appends stay amortised O(1).
-    """
+
+def attended_slots(cache: KVCache | None, start_pos: int | Tensor, num_new: int) -> int:
+    """How many cache slots the attention of a call writing `num_new` tokens at `start_pos` spans (see the table)."""
+    if cache is None:
+        return num_new
+    if isinstance(start_pos, int):
+        return start_pos + num_new
+    return capacity(cache)
+
+
+def write(cache: KVCache | None, key: Tensor, value: Tensor, start_pos: int | Tensor) -> tuple[KVCache, Tensor, Tensor]:
+    """Store `key`/`value` [B, H, T, D] as the table above says; return the cache and the keys/values to attend over."""
+    if cache is None:
+        return {"key": key, "value": value}, key, value
     end = start_pos + key.shape[2]
     if isinstance(start_pos, int):
-        capacity = cache["key"].shape[2]
-        if end > capacity:
-            cache = {name: _grown(tensor, max(end, 2 * capacity)) for name, tensor in cache.items()}
+        if end > capacity(cache):
+            raise CacheCapacityError(f"writing KV slots {start_pos}..{end - 1} into a cache of {capacity(cache)} slots; "
+                                     f"allocate one that holds every token (allocate_kv_cache(batch, capacity))")
         cache["key"][:, :, start_pos:end] = key
         cache["value"][:, :, start_pos:end] = value
         return cache, cache["key"][:, :, :end], cache["value"][:, :, :end]
@@ -39,12 +68,6 @@ def write(cache: KVCache, key: Tensor, value: Tensor, start_pos: int | Tensor) -
     cache["key"].index_copy_(2, slots, key.to(cache["key"].dtype))
     cache["value"].index_copy_(2, slots, value.to(cache["value"].dtype))
     return cache, cache["key"], cache["value"]
-
-
-def _grown(tensor: Tensor, capacity: int) -> Tensor:
-    grown = tensor.new_zeros(*tensor.shape[:2], capacity, tensor.shape[3])
-    grown[:, :, : tensor.shape[2]] = tensor
-    return grown
 
 
 def repeat_rows(caches: list[KVCache], repeats: int) -> list[KVCache]:

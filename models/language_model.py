@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.config import LanguageConfig
-from models.kv_cache import KVCache, allocate, write
+from models.kv_cache import KVCache, allocate, attended_slots, write
 from models.loading import CheckpointError, load_checked, read_json, read_weights, rename_keys, resolve, weight_patterns
 
 
@@ -33,17 +33,19 @@ class RMSNorm(nn.Module):
 
 # Rotary position embeddings (RoFormer, Su et al. 2021) in Hugging Face Llama's half-rotation layout.
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+    """cos/sin computed in float32 for each call's positions, as transformers' Llama does: no stored table, so no
+    `model.to(bfloat16)` can round it for good."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        angles = torch.outer(torch.arange(max_positions).float(), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.head_dim, self.theta = head_dim, theta
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sin for `positions` [batch, seq], shaped [batch, 1, seq, head_dim] to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        exponents = torch.arange(0, self.head_dim, 2, device=positions.device).float() / self.head_dim
+        angles = positions.float()[..., None] * (1.0 / self.theta**exponents)
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -74,10 +76,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if kv_cache is None:
-            kv_cache = {"key": k, "value": v}
-        else:
-            kv_cache, k, v = write(kv_cache, k, v, start_pos)
+        kv_cache, k, v = write(kv_cache, k, v, start_pos)
         if mask is None and k.shape[2] == seq:  # plain causal self-attention: the fastest kernels
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
@@ -178,7 +177,7 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.config = config
         self.token_embedding = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -201,17 +200,13 @@ class LanguageModel(nn.Module):
         attention_mask: [B, L] with 1 for real tokens and 0 for padding over slots 0 .. L-1 (L >= the slots
         attended), or, for rows that pack several sequences, 1, 2, ... for the tokens of each (in order; see
         data/packing.py); None means no padding. kv_cache: one dict per block (see `allocate_kv_cache`), or None for a
-        plain pass. start_pos: an int, or a 0-dim tensor for shape-static decoding over the whole cache.
+        plain pass. start_pos: an int, or a 0-dim tensor for shape-static decoding over the whole cache (the modes are
+        listed in models/kv_cache.py).
         Returns the final-normed hidden states and the cache; logits are `head(hidden)`.
         """
         batch, seq, _ = embeddings.shape
         caches = kv_cache if kv_cache is not None else [None] * len(self.blocks)
-        if kv_cache is None:
-            num_keys = seq
-        elif isinstance(start_pos, int):
-            num_keys = start_pos + seq
-        else:
-            num_keys = kv_cache[0]["key"].shape[2]
+        num_keys = attended_slots(caches[0], start_pos, seq)
         positions, mask = self._positions_and_mask(attention_mask, start_pos, batch, seq, num_keys, embeddings.device)
         cos, sin = self.rotary(positions)
         x, new_caches = embeddings, []

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from huggingface_hub import PyTorchModelHubMixin
 from torch import Tensor, nn
 
+from models.compiled_decode import CompiledDecodeStep, bucket_capacity, bucket_rows, pad_rows
 from models.config import VLMConfig
 from models.errors import InputError, TinyVLMError
 from models.kv_cache import repeat_rows
@@ -27,7 +28,6 @@ from models.sampling import SamplingParams, sample
 from models.vision_transformer import VisionTransformer
 
 STOP_CHECK_INTERVAL = 8  # decode steps between host-side "has every row finished?" checks
-COMPILED_CACHE_BUCKET = 256  # the compiled step's cache capacity is rounded up to this, so lengths share one graph
 
 
 class GenerationError(TinyVLMError, ValueError):
@@ -42,7 +42,7 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         self.vision = VisionTransformer(config.vision)
         self.projector = ModalityProjector(config)
         self.language = LanguageModel(config.language)
-        self._compiled_steps: dict[str, Callable] = {}  # device type -> compiled decode_step (see _compiled_decode_step)
+        self._compiled_steps: dict[str, CompiledDecodeStep] = {}  # device type -> compiled decode_step
 
     @classmethod
     def from_backbones(cls, config: VLMConfig, allow_pickle: bool = False) -> VisionLanguageModel:
@@ -120,7 +120,7 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         if capacity > context:
             raise GenerationError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context of {context} tokens")
         if compile and use_cache:
-            capacity = min(context, -(-capacity // COMPILED_CACHE_BUCKET) * COMPILED_CACHE_BUCKET)
+            capacity = bucket_capacity(capacity, context)
         eos_ids = torch.tensor([] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id,
                                device=input_ids.device, dtype=torch.long)
         pad_token_id = pad_token_id if pad_token_id is not None else (int(eos_ids[0]) if len(eos_ids) else 0)
@@ -138,10 +138,16 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
             mask = None if mask is None else mask.repeat_interleave(num_samples, 0)
             cache = repeat_rows(cache, num_samples) if use_cache else None
 
+        rows = logits.shape[0]
         step_fn, position = self.decode_step, prompt_len
-        if compile and use_cache:
-            step_fn, position = self._compiled_decode_step(cache), torch.tensor(prompt_len, device=input_ids.device)
-        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        if compile and use_cache:  # shape-static: rows padded to a bucket (masked out), the position a device tensor
+            step_fn, position = self._compiled_decode_step(), torch.tensor(prompt_len, device=input_ids.device)
+            bucket = bucket_rows(rows)
+            mask = pad_rows(torch.ones(rows, capacity, dtype=torch.long, device=input_ids.device) if mask is None else mask,
+                            bucket)
+            cache = [{name: pad_rows(t, bucket) for name, t in block_cache.items()} for block_cache in cache]
+            CompiledDecodeStep.mark_static(cache)
+        done = torch.zeros(rows, dtype=torch.bool, device=logits.device)
         for step in range(max_new_tokens):
             token = sample(logits, params, generator).masked_fill(done, pad_token_id)
             yield token
@@ -149,7 +155,7 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
             if step == max_new_tokens - 1 or (step % STOP_CHECK_INTERVAL == STOP_CHECK_INTERVAL - 1 and bool(done.all())):
                 return
             if use_cache:
-                logits = step_fn(token, mask, cache, position)
+                logits = step_fn(pad_rows(token, cache[0]["key"].shape[0], pad_token_id), mask, cache, position)[:rows]
                 position += 1
             else:
                 embeddings = torch.cat([embeddings, self.language.token_embedding(token[:, None])], dim=1)
@@ -162,17 +168,18 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         hidden, _ = self.language(self.language.token_embedding(token[:, None]), mask, cache, start_pos=position)
         return self.language.head(hidden[:, -1])
 
-    def _compiled_decode_step(self, cache: list[dict[str, Tensor]]):
-        """`decode_step` through torch.compile (CUDA graphs on GPU), built once per device type and reused across
-        calls (a model compiled on the CPU and then moved to a GPU gets its CUDA-graph version)."""
-        for block_cache in cache:  # lets CUDA graphs write the cache in place instead of copying it each step
-            for tensor in block_cache.values():
-                torch._dynamo.mark_static_address(tensor)
-        compiled, device_type = self._compiled_steps, next(self.parameters()).device.type
-        if device_type not in compiled:
-            mode = "reduce-overhead" if device_type == "cuda" else None
-            compiled[device_type] = torch.compile(self.decode_step, mode=mode, fullgraph=True, dynamic=False)
-        return compiled[device_type]
+    def _compiled_decode_step(self) -> CompiledDecodeStep:
+        """`decode_step` through torch.compile (see models/compiled_decode.py), built once per device type and reused
+        across calls (a model compiled on the CPU and then moved to a GPU gets its CUDA-graph version)."""
+        device_type = next(self.parameters()).device.type
+        if device_type not in self._compiled_steps:
+            self._compiled_steps[device_type] = CompiledDecodeStep(self.decode_step, device_type)
+        return self._compiled_steps[device_type]
+
+    def __getstate__(self) -> dict:
+        """Copies (copy.deepcopy, pickle) leave the compiled steps behind: they call this model's `decode_step`, so a
+        copy that kept them would decode with the original's weights."""
+        return {**super().__getstate__(), "_compiled_steps": {}}
 
     def generate(self, input_ids: Tensor, images: Tensor | None = None, attention_mask: Tensor | None = None,
                  **settings) -> Tensor:

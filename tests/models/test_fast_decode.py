@@ -1,8 +1,11 @@
 """The compiled, shape-static decode path gives the eager path's tokens, and compiles once per generate call."""
 
+from copy import deepcopy
+
 import pytest
 import torch
 
+from models.kv_cache import CacheCapacityError
 from tests.models.generation_helpers import left_padded_batch
 from tests.models.helpers import tiny_vlm
 
@@ -76,3 +79,61 @@ def test_compiled_decode_reuses_its_graph_across_lengths(model):
         assert torch.equal(compiled, eager)
     # batch 3 reuses the first graph; batch 2 needs its own, once (lengths never force a recompile)
     assert counters["stats"]["unique_graphs"] <= 1, dict(counters)
+
+
+@pytest.mark.slow
+def test_compiled_decode_serves_more_batch_sizes_than_the_recompile_limit(model):
+    """Regression: one graph per batch size hit dynamo's recompile limit (8) at the 9th size and raised. Batches are
+    now padded to powers of two: sizes 1..11 take 5 graphs, and each size gives the eager tokens."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    ids, mask, images = left_padded_batch()
+    counters.clear()
+    for samples in range(1, 12):
+        settings = dict(max_new_tokens=5, temperature=0.9, num_samples=samples)
+        eager = model.generate(ids[:1], images[:1], mask[:1], generator=torch.Generator().manual_seed(samples), **settings)
+        compiled = model.generate(ids[:1], images[:1], mask[:1], compile=True,
+                                  generator=torch.Generator().manual_seed(samples), **settings)
+        assert torch.equal(compiled, eager), samples
+    assert counters["stats"]["unique_graphs"] == 5, dict(counters["stats"])
+
+
+@pytest.mark.slow
+def test_compiled_decode_falls_back_to_eager_past_the_recompile_limit(model):
+    torch._dynamo.reset()
+    ids, mask, images = left_padded_batch()
+    eager = model.generate(ids, images, mask, max_new_tokens=6, greedy=True)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        model.generate(ids[:1], images[:1], mask[:1], max_new_tokens=3, greedy=True, compile=True)
+        with pytest.warns(UserWarning, match="recompile limit"):
+            compiled = model.generate(ids, images, mask, max_new_tokens=6, greedy=True, compile=True)
+    assert torch.equal(compiled, eager)
+
+
+@pytest.mark.slow
+def test_copies_and_reloaded_weights_decode_with_their_own_weights(model):
+    """Regression: the compiled step was a bound method of the model it was built on, so a deep copy of a model that
+    had decoded compiled kept decoding with the original's weights."""
+    ids, mask, images = left_padded_batch()
+    original = tiny_vlm(seed=3)
+    original.generate(ids, images, mask, max_new_tokens=6, greedy=True, compile=True)
+    other = tiny_vlm(seed=4)
+    copy = deepcopy(original)
+    copy.load_state_dict(other.state_dict())
+    expected = other.generate(ids, images, mask, max_new_tokens=6, greedy=True)
+    assert not torch.equal(expected, original.generate(ids, images, mask, max_new_tokens=6, greedy=True))
+    assert torch.equal(copy.generate(ids, images, mask, max_new_tokens=6, greedy=True, compile=True), expected)
+    original.load_state_dict(other.state_dict())  # new weights into a model that has compiled
+    assert torch.equal(original.generate(ids, images, mask, max_new_tokens=6, greedy=True, compile=True), expected)
+
+
+def test_decode_step_on_a_full_cache_is_an_error(model):
+    """Regression: decode_step on a cache with no free slot silently attended to zeros (the write grew a private
+    copy of the cache, which the step threw away)."""
+    ids, _, images = left_padded_batch()
+    with torch.inference_mode():
+        cache = model.language.allocate_kv_cache(3, ids.shape[1])
+        hidden, cache = model.language(model.embed(ids, images), None, cache)
+        with pytest.raises(CacheCapacityError):
+            model.decode_step(hidden[:, -1].argmax(-1), None, cache, ids.shape[1])

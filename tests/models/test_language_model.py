@@ -1,9 +1,12 @@
 """The language model against transformers' Llama, and the contracts of its blocks and KV cache."""
 
+from copy import deepcopy
+
 import pytest
 import torch
 
 from models import CheckpointError, LanguageModel
+from models.kv_cache import CacheCapacityError, allocate
 from models.language_model import causal_mask
 from tests.models.helpers import save_tiny_llama
 
@@ -45,20 +48,33 @@ def test_tied_head_shares_the_embedding(llama_pair):
 
 
 def test_block_contract_split_equals_one_pass(llama_pair):
-    """A block called without a cache on the first part, then with the returned dict and start_pos on the rest,
-    equals one pass over the whole sequence."""
+    """A block called on the first part, then with the returned dict and start_pos on the rest, equals one pass over
+    the whole sequence; without a cache it returns the dict of the call's own K/V."""
     _, model = llama_pair
     block = model.blocks[0]
     x = torch.randn(2, 11, model.config.hidden_size)
     positions = torch.arange(11).expand(2, 11)
     cos, sin = model.rotary(positions)
     with torch.no_grad():
-        whole, _ = block(x, cos, sin)
-        first, cache = block(x[:, :7], cos[:, :, :7], sin[:, :, :7])
-        assert set(cache) >= {"key", "value"} and cache["key"].shape == (2, 2, 7, 8)
+        whole, own = block(x, cos, sin)
+        assert set(own) == {"key", "value"} and own["key"].shape == (2, 2, 11, 8)
+        cache = allocate(2, 2, 11, 8, torch.float32, torch.device("cpu"))
+        first, cache = block(x[:, :7], cos[:, :, :7], sin[:, :, :7], kv_cache=cache)
         second, cache = block(x[:, 7:], cos[:, :, 7:], sin[:, :, 7:], kv_cache=cache, start_pos=7)
     torch.testing.assert_close(torch.cat([first, second], 1), whole, atol=1e-5, rtol=0)
-    assert cache["key"].shape[2] >= 11
+    torch.testing.assert_close(cache["key"], own["key"], atol=1e-6, rtol=0)
+
+
+def test_a_full_cache_refuses_more_tokens_instead_of_growing(llama_pair):
+    """Regression: a write past a preallocated cache's end grew a private copy that decode_step threw away, so the
+    step attended to zeros. Now it is a clear error, whoever keeps the returned cache."""
+    _, model = llama_pair
+    ids = torch.randint(0, 128, (2, 8))
+    with torch.no_grad():
+        cache = model.allocate_kv_cache(2, 8)
+        model(model.token_embedding(ids), kv_cache=cache)
+        with pytest.raises(CacheCapacityError, match="cache of 8 slots"):
+            model(model.token_embedding(ids[:, :1]), kv_cache=cache, start_pos=8)
 
 
 def test_prefill_equals_token_by_token(llama_pair):
@@ -138,3 +154,23 @@ def test_packed_sequences_equal_separate_passes(llama_pair):
     # Rotary attention sees only relative positions, so the logits cannot show where positions start: check them.
     positions, _ = LanguageModel._positions_and_mask(mask, 0, 2, 15, 15, ids.device)
     assert positions[0, :13].tolist() == [*range(4), *range(6), *range(3)] and positions[1, :14].tolist() == [*range(9), *range(5)]
+
+
+def test_rotary_keeps_float32_precision_after_a_bfloat16_round_trip(llama_pair):
+    """Regression: the cos/sin tables were buffers, so `model.to(bfloat16).float()` rounded them for good. Now they
+    are computed in float32 from the positions (checked against float64) and the round trip changes nothing."""
+    _, model = llama_pair
+    positions = torch.tensor([[0, 1, 2, 250]])
+    cos, sin = model.rotary(positions)
+    dim = model.config.head_dim
+    inv_freq = 1.0 / model.config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = positions[0, :, None].double() * inv_freq
+    torch.testing.assert_close(cos[0, 0].double(), torch.cat([angles, angles], -1).cos(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(sin[0, 0].double(), torch.cat([angles, angles], -1).sin(), atol=1e-6, rtol=0)
+    round_trip = deepcopy(model).to(torch.bfloat16).float()
+    round_trip.load_state_dict(model.state_dict())  # the weights at full precision again
+    ids = torch.randint(0, 128, (2, 30))
+    with torch.no_grad():
+        expected = model.head(model(model.token_embedding(ids))[0])
+        actual = round_trip.head(round_trip(round_trip.token_embedding(ids))[0])
+    assert torch.equal(actual, expected)
