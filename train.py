@@ -42,7 +42,7 @@ from training.config import RunConfig, load_run_config, parse_overrides
 from training.distributed import all_reduce, gradient_sync
 from training.evaluate import answer, exact_match, save_loss_curve, save_prediction_grid, validation_loss
 from training.loss import target_weights
-from training.optim import build_optimizer, build_scheduler, freeze_parts
+from training.optim import build_optimizer, build_scheduler, check_same_parts, freeze_parts
 from training.vision_pretraining import pretrain_vision
 
 GRID_EXAMPLES = 16
@@ -209,6 +209,8 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     model, tokenizer = load_for_resume(resume) if resume else (None, build_tokenizer(config, train_data))
     model = model or build_model(config, tokenizer)
     config = RunConfig(model.config, config.data, config.train, config.tokenizer)
+    if resume:
+        check_same_parts(RunConfig.from_json(resume / RUN_CONFIG).train, tc)
     processor = ImageProcessor.from_config(config.model.vision)
     if tc.vision_pretrain_steps and not resume:
         say(f"vision pre-training: {tc.vision_pretrain_steps} steps of {tc.vision_pretrain_batch_size} scenes", flush=True)
@@ -218,8 +220,8 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     freeze_parts(model, tc)
     model = distributed.wrap(model.to(device), tc.parallel, ranks, device)
     optimizer = build_optimizer(distributed.unwrap(model), tc, device)
-    scheduler = build_scheduler(optimizer, tc)
-    state = load_training_state(resume, model, optimizer, scheduler, ranks) if resume else {"step": 0, "samples_seen": 0, "history": []}
+    state = load_training_state(resume, model, optimizer, ranks) if resume else {"step": 0, "samples_seen": 0, "history": []}
+    scheduler = build_scheduler(optimizer, tc, state["step"])
     # Checkpoints from before multi-GPU training counted batches (data_position), not samples.
     samples_seen = state.get("samples_seen", state.get("data_position", 0) * tc.batch_size * tc.grad_accum_steps)
     step, history = state["step"], state["history"]
@@ -278,7 +280,7 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
                 if not distributed.all_finite(model):
                     raise TrainingError(f"the weights hold NaN/inf at step {step + 1}: not saved; the checkpoints in {output_dir} are intact")
                 bad_records = bad_before + int(all_reduce([train_records.num_bad], device=device)[0])
-                path = save_checkpoint(output_dir, step + 1, model, tokenizer, optimizer, scheduler, config, tc.keep_checkpoints,
+                path = save_checkpoint(output_dir, step + 1, model, tokenizer, optimizer, config, tc.keep_checkpoints,
                                        extra={"samples_seen": samples_seen, "history": history, "skipped_steps": skipped,
                                               "bad_records": bad_records,
                                               "validation": state.get("validation", [])}, ranks=ranks)

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from torch.distributed.checkpoint import CheckpointException
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import CheckpointException
 
 from models.checkpoints import SHARDED, STATE_JSON, checkpoints
 from models.config import one_line
@@ -59,8 +59,8 @@ def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> 
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer: torch.optim.Optimizer, scheduler,
-                    run_config, keep: int, extra: dict[str, Any] | None = None, ranks: Ranks = Ranks()) -> Path:
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer: torch.optim.Optimizer, run_config,
+                    keep: int, extra: dict[str, Any] | None = None, ranks: Ranks = Ranks()) -> Path:
     """Write `run_dir/step_NNNNNN` atomically; keep the newest `keep` checkpoints. Every rank calls it: under FSDP2
     each rank writes its shards; rank 0 writes everything else and renames the checkpoint into place.
 
@@ -70,7 +70,8 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer: torch
     final, staging = run_dir / f"step_{step:06d}", run_dir / f".staging_step_{step:06d}"
     if ranks.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        for leftover in [*run_dir.glob(".staging_step_*"), *run_dir.glob(".retired_step_*")]:  # from a run killed mid-save
+        # leftovers of a run killed mid-save
+        for leftover in [*run_dir.glob(".staging_step_*"), *run_dir.glob(".retired_step_*")]:
             shutil.rmtree(leftover)
     barrier()
     try:
@@ -78,12 +79,13 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer: torch
             save_sharded(model, optimizer, staging / SHARDED)
             barrier()
         if ranks.is_main:
-            _write(staging, step, unwrap(model), tokenizer, optimizer, scheduler, run_config,
+            _write(staging, step, unwrap(model), tokenizer, optimizer, run_config,
                    {**(extra or {}), "sharded_world_size": ranks.world_size if is_sharded(model) else 0})
     except (OSError, SafetensorError, CheckpointException) as e:
         shutil.rmtree(staging, ignore_errors=True)
         previous = checkpoints(run_dir)
-        kept = f"the newest complete checkpoint, {previous[-1]}, is intact" if previous else "no earlier checkpoint exists"
+        kept = (f"the newest complete checkpoint, {previous[-1]}, is intact" if previous
+                else "no earlier checkpoint exists")
         raise CheckpointError(f"could not write checkpoint {final} ({one_line(e)}); {kept}") from None
     if ranks.is_main:
         # Old checkpoints leave by rename before they are deleted, so a step_* directory is never half deleted.
@@ -101,7 +103,7 @@ def _retire(checkpoint: Path) -> Path:
     return checkpoint.rename(checkpoint.with_name(f".retired_{checkpoint.name}"))
 
 
-def _write(staging: Path, step: int, model, tokenizer, optimizer, scheduler, run_config, extra: dict[str, Any]) -> None:
+def _write(staging: Path, step: int, model, tokenizer, optimizer, run_config, extra: dict[str, Any]) -> None:
     """Every file of a checkpoint into `staging`, each fsynced, and the directories themselves. A sharded model's
     weights and optimizer state are already in `staging/sharded`; here it gets just its config."""
     sharded = extra["sharded_world_size"] > 0
@@ -116,15 +118,17 @@ def _write(staging: Path, step: int, model, tokenizer, optimizer, scheduler, run
     if torch.cuda.is_available():
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
     save_file(tensors, staging / STATE_TENSORS)
-    state = {"step": step, "scheduler": scheduler.state_dict(), "optimizer": optimizer_meta, **extra}
+    state = {"step": step, "optimizer": optimizer_meta, **extra}
     (staging / STATE_JSON).write_text(json.dumps(state))
     for path in [*staging.rglob("*"), staging]:
         _fsync(path)
 
 
-def load_training_state(directory: Path, model, optimizer: torch.optim.Optimizer, scheduler, ranks: Ranks = Ranks()) -> dict[str, Any]:
-    """Restore optimizer, scheduler and RNG from a checkpoint (and, for a sharded one, the model's shards); return its
-    JSON state (step, samples seen, ...). Ordinary checkpoints resume at any world size, sharded ones at their own."""
+def load_training_state(directory: Path, model, optimizer: torch.optim.Optimizer,
+                        ranks: Ranks = Ranks()) -> dict[str, Any]:
+    """Restore optimizer and RNG from a checkpoint (and, for a sharded one, the model's shards); return its JSON state
+    (step, samples seen, ...). Ordinary checkpoints resume at any world size, sharded ones at their own. The learning
+    rate schedule is not restored: it follows the (possibly changed) config from the step (`build_scheduler`)."""
     state_file, tensor_file = directory / STATE_JSON, directory / STATE_TENSORS
     if not state_file.is_file() or not tensor_file.is_file():
         raise CheckpointError(f"{directory}: not a resumable checkpoint (missing {STATE_JSON} or {STATE_TENSORS})")
@@ -135,8 +139,9 @@ def load_training_state(directory: Path, model, optimizer: torch.optim.Optimizer
     sharded_world_size = state.get("sharded_world_size", 0)
     if sharded_world_size != (ranks.world_size if is_sharded(model) else 0):
         raise CheckpointError(f"{directory}: " + (
-            f"an FSDP2 checkpoint of {sharded_world_size} ranks resumes with train.parallel=fsdp on {sharded_world_size} "
-            f"ranks (or export its weights: python -m training.export {directory})" if sharded_world_size else
+            f"an FSDP2 checkpoint of {sharded_world_size} ranks resumes with train.parallel=fsdp on "
+            f"{sharded_world_size} ranks (or export its weights: python -m training.export {directory})"
+            if sharded_world_size else
             "an unsharded checkpoint resumes without FSDP2 (train.parallel=ddp), at any world size"))
     if sharded_world_size:
         try:
@@ -145,7 +150,6 @@ def load_training_state(directory: Path, model, optimizer: torch.optim.Optimizer
             raise CheckpointError(f"{directory}: unreadable shards ({one_line(e, 300)})") from None
     else:
         optimizer.load_state_dict(_optimizer_state(tensors, state["optimizer"]))
-    scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(tensors["rng.torch"])
     if "rng.cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["rng.cuda"])
