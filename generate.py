@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from data import CAPTION_PROMPT, ImageLoadError, ImageProcessor, PromptError, encode_prompt, load_image
-from models import CheckpointError, ConfigError, GenerationError, VisionLanguageModel, kv_cache_bytes
+from data import CAPTION_PROMPT, ImageProcessor, encode_prompt, load_image
+from models import CheckpointError, GenerationError, TinyVLMError, VisionLanguageModel, kv_cache_bytes
 from models.checkpoints import SHARDED, find_checkpoint, newest_checkpoint, pick_device
 
 RUNS = Path("runs")
@@ -64,12 +64,12 @@ def run(args: argparse.Namespace) -> None:
     settings = dict(max_new_tokens=args.max_new_tokens, greedy=args.greedy or sampling == [None] * 3,
                     temperature=1.0 if args.temperature is None else args.temperature, top_k=args.top_k or 0,
                     top_p=1.0 if args.top_p is None else args.top_p, num_samples=args.num_samples,
-                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=model.config.stop_ids, pad_token_id=tokenizer.pad_token_id,
                     compile=args.compile, generator=torch.Generator(device).manual_seed(args.seed))
     if args.num_samples == 1:  # stream: print what each new token adds to the decoded text
         generated, shown = [], ""
         for token in model.stream(ids, pixels, **settings):
-            if int(token) == tokenizer.eos_token_id:
+            if int(token) in model.config.stop_ids:
                 break
             generated.append(int(token))
             text = tokenizer.decode(generated, skip_special_tokens=True)
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         run(args)
-    except (ConfigError, CheckpointError, GenerationError, ImageLoadError, PromptError) as e:
+    except TinyVLMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

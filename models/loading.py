@@ -148,7 +148,8 @@ def load_checked(module: nn.Module, state_dict: dict[str, torch.Tensor], source:
 
 
 def atomic_write(path: Path, write: callable) -> None:
-    """Call `write(tmp_path)`, fsync, and rename over `path`: readers see the old file or the new one, never half."""
+    """Call `write(tmp_path)`, fsync, and rename over `path`: readers see the old file or the new one, never half.
+    The file gets the permissions any new file gets under the umask (mkstemp's own are owner-only)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
@@ -156,10 +157,17 @@ def atomic_write(path: Path, write: callable) -> None:
         write(Path(tmp))
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    return mask
 
 
 def save_weights(module: nn.Module, path: Path) -> None:

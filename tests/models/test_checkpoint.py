@@ -99,3 +99,24 @@ def test_missing_config_and_invalid_config(saved, tmp_path):
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=r"num_heads \(4\) must be divisible by language.num_kv_heads \(3\)"):
         VisionLanguageModel.from_pretrained(directory)
+
+
+def test_files_follow_the_umask_so_a_shared_run_directory_is_readable(tmp_path):
+    """Regression: mkstemp's owner-only mode (0600) reached every checkpoint file, whatever the umask."""
+    previous = os.umask(0o022)
+    try:
+        tiny_vlm().save_pretrained(tmp_path)
+    finally:
+        os.umask(previous)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert {"config.json", "model.safetensors"} <= set(modes) and set(modes.values()) == {0o644}, modes
+
+
+def test_stop_token_ids_round_trip_and_default_to_the_eos(tmp_path):
+    model = tiny_vlm()
+    assert model.config.stop_ids == [2]  # a config from before stop_token_ids: the language model's EOS
+    model.config = model.config.replace({"stop_token_ids": [7, 2]})
+    model.save_pretrained(tmp_path)
+    assert VisionLanguageModel.from_pretrained(tmp_path).config.stop_ids == [7, 2]
+    with pytest.raises(ConfigError, match="stop_token_ids"):
+        model.config.replace({"stop_token_ids": [96]})

@@ -1,0 +1,47 @@
+"""Finding checkpoints in run directories: the highest step of a run, the newest run under runs/."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from models import CheckpointError
+from models.checkpoints import STATE_JSON, find_checkpoint, newest_checkpoint
+
+
+def _checkpoint(run, step: int, mtime: float):
+    directory = run / f"step_{step:06d}"
+    directory.mkdir(parents=True)
+    (directory / STATE_JSON).write_text(json.dumps({"step": step}))
+    os.utime(directory / STATE_JSON, (mtime, mtime))
+    return directory
+
+
+def test_a_copied_run_answers_from_its_highest_step(tmp_path):
+    """Regression: the newest checkpoint was picked by file time alone, and `cp -r` gives a copied run's files times
+    in copy order, so a copy could resume or answer from an older step."""
+    old = tmp_path / "runs" / "old"
+    _checkpoint(old, 100, mtime=1_000)
+    _checkpoint(old, 200, mtime=2_000)
+    copy = tmp_path / "runs" / "copy"
+    shutil.copytree(old, copy)
+    os.utime(copy / "step_000200" / STATE_JSON, (5_000, 5_000))  # copied first,
+    os.utime(copy / "step_000100" / STATE_JSON, (6_000, 6_000))  # then this one
+    assert newest_checkpoint(tmp_path / "runs") == copy / "step_000200"
+    assert find_checkpoint(copy) == copy / "step_000200"
+
+
+def test_the_newest_run_wins_and_incomplete_checkpoints_are_ignored(tmp_path):
+    runs = tmp_path / "runs"
+    _checkpoint(runs / "a", 900, mtime=1_000)
+    _checkpoint(runs / "b", 10, mtime=3_000)
+    (runs / "b" / "step_000020").mkdir()  # no training state yet: still being written
+    assert newest_checkpoint(runs) == runs / "b" / "step_000010"
+
+
+def test_no_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="train one"):
+        newest_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="no checkpoint here"):
+        find_checkpoint(tmp_path)
