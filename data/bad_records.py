@@ -22,6 +22,12 @@ class BadRecordError(TinyVLMError, ValueError):
     """A record that cannot be read or is malformed, met with `data.on_bad_record=fail`."""
 
 
+def record_images(record: dict[str, Any]) -> list:
+    """A record's images; "images": null (or no "images" at all) is a text-only record."""
+    images = record.get("images")
+    return [] if images is None else images
+
+
 def checked_record(record: dict[str, Any]) -> dict[str, Any]:
     """The record with its images fully decoded to RGB (corrupt image data fails here, not inside a batch) and its
     texts checked to be user/assistant pairs of valid Unicode strings; anything else raises."""
@@ -31,7 +37,7 @@ def checked_record(record: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("'texts' must be a non-empty list of user/assistant string pairs")
     for turn in texts:
         (turn["user"] + turn["assistant"]).encode("utf-8")  # a lone surrogate (JSON allows "\ud800") raises here
-    return {**record, "images": [to_rgb(image) for image in record["images"]]}
+    return {**record, "images": [to_rgb(image) for image in record_images(record)]}
 
 
 class CheckedRecords(Dataset):

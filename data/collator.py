@@ -8,6 +8,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from data.bad_records import record_images
 from data.packing import pack_rows
 from data.processors import ImageProcessor
 from data.prompts import IGNORE_INDEX, encode_conversation
@@ -64,12 +65,13 @@ class VQACollator:
     def __call__(self, records: list[dict | None]) -> dict[str, torch.Tensor]:
         samples = []  # (ids, targets, images) per record
         for record in filter(None, records):
-            ids, targets = encode_conversation(self.tokenizer, record["texts"], len(record["images"]), self.tokens_per_image,
+            images = record_images(record)
+            ids, targets = encode_conversation(self.tokenizer, record["texts"], len(images), self.tokens_per_image,
                                                self.image_position)
             if len(ids) > self.max_length:
                 self.num_too_long += 1
                 continue
-            samples.append((ids, targets, [self.processor(image) for image in record["images"]]))
+            samples.append((ids, targets, [self.processor(image) for image in images]))
         size = self.processor.image_size
         if self.ensure_image and not any(images for _, _, images in samples):
             image_ids = [token_id(self.tokenizer, IMAGE_TOKEN)] * self.tokens_per_image

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from datasets import Dataset, Features, List, Value, concatenate_datasets, load_dataset
 
+from data.bad_records import record_images
 from data.processors import ImageLoadError, load_image
 from data.prompts import CAPTION_PROMPT
 from data.synthetic import ShapesConfig, shapes_datasets
@@ -31,7 +32,8 @@ def load_jsonl(path: str | Path) -> Dataset:
     """Records from a JSONL file, a line each; images (paths relative to the file) are opened when a record is read.
 
     A line is {"images": ["a.png", ...], "texts": [{"user": ..., "assistant": ...}, ...]}, or has
-    "conversations": [{"role": "user" | "assistant", "content": ...}, ...] in place of "texts".
+    "conversations": [{"role": "user" | "assistant", "content": ...}, ...] in place of "texts"; a text-only record
+    has no "images", or "images": [] or null.
     """
     path = Path(path)
     try:
@@ -52,7 +54,7 @@ def _parse_line(line: str, where: str, root: Path) -> dict[str, Any]:
         raise DataSourceError(f"{where}: not valid JSON ({e.msg})") from None
     if not isinstance(row, dict):
         raise DataSourceError(f"{where}: expected a JSON object")
-    return {"images": _image_paths(row.get("images", []), where, root), "texts": _turns(row, where)}
+    return {"images": _image_paths(record_images(row), where, root), "texts": _turns(row, where)}
 
 
 def _image_paths(images: Any, where: str, root: Path) -> list[str]:

@@ -67,3 +67,10 @@ def test_a_dataset_that_is_mostly_bad_stops_even_when_skipping():
     records = CheckedRecords([{"images": [], "texts": None}] * 30, "skip", report=lambda message: None)
     with pytest.raises(BadRecordError, match=r"^20 of the 20 train records read so far are bad, the latest: train record 19 is bad"):
         [records[i] for i in range(30)]
+
+
+def test_null_images_mean_a_text_only_record():
+    """"images": null (as JSON and Arrow write a missing list) is a record without images, not a bad one."""
+    text_only = {"images": None, "texts": [{"user": "hi", "assistant": "ok"}]}
+    records = CheckedRecords([text_only], "fail")
+    assert records[0] == {"images": [], "texts": [{"user": "hi", "assistant": "ok"}]} and records.num_bad == 0

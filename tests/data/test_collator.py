@@ -6,8 +6,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from data import (IGNORE_INDEX, IMAGE_TOKEN, ImageProcessor, VQACollator, encode_conversation, left_pad, make_shapes_dataset,
-                  token_id)
+from data import (
+    IGNORE_INDEX,
+    IMAGE_TOKEN,
+    ImageProcessor,
+    VQACollator,
+    encode_conversation,
+    left_pad,
+    make_shapes_dataset,
+    token_id,
+)
 
 TOKENS_PER_IMAGE = 4
 
@@ -159,3 +167,10 @@ def test_packing_keeps_every_record_whole_with_its_images(shapes_tokenizer):
     assert sorted(found) == list(range(len(records)))
     torch.testing.assert_close(packed["images"], torch.stack([processor(image) for image in images]))
     assert int((packed["attention_mask"] > 0).sum()) == int(plain["attention_mask"].sum())
+
+
+def test_null_images_collate_like_no_images(collator):
+    """A record with "images": None is batched exactly like the same record with an empty list."""
+    texts = [{"user": "question?", "assistant": "answer"}]
+    batch, expected = collator([{"images": None, "texts": texts}]), collator([{"images": [], "texts": texts}])
+    assert batch.keys() == expected.keys() and all(torch.equal(batch[k], expected[k]) for k in expected)

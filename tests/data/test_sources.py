@@ -7,8 +7,17 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from data import (CAPTION_PROMPT, DataConfig, DataSourceError, ImageLoadError, ImageProcessor, VQACollator, build_datasets,
-                  load_imagefolder, load_jsonl)
+from data import (
+    CAPTION_PROMPT,
+    DataConfig,
+    DataSourceError,
+    ImageLoadError,
+    ImageProcessor,
+    VQACollator,
+    build_datasets,
+    load_imagefolder,
+    load_jsonl,
+)
 from models.config import ConfigError
 
 RED, BLUE = (255, 0, 0), (0, 0, 255)
@@ -141,3 +150,8 @@ def test_build_datasets_synthetic_and_jsonl(images, shapes_tokenizer):
     assert batch["images"].shape == (3, 3, 16, 16)
     with pytest.raises(ConfigError, match="holdout"):
         build_datasets(DataConfig(source="jsonl", path=str(images / "data.jsonl"), holdout=10))
+
+
+def test_jsonl_null_images_mean_no_images(images):
+    write_jsonl(images / "data.jsonl", [{"images": None, "texts": [{"user": "No image.", "assistant": "ok"}]}])
+    assert load_jsonl(images / "data.jsonl")[0] == {"images": [], "texts": [{"user": "No image.", "assistant": "ok"}]}
