@@ -63,3 +63,44 @@ def test_seeded_sampling_is_reproducible():
 def test_invalid_params(settings, message):
     with pytest.raises(ConfigError, match=message):
         SamplingParams(**settings)
+
+
+# 99.9% quantiles of the chi-square distribution by degrees of freedom: a fixed seed makes the test deterministic,
+# and a distribution that ignores a setting lands far beyond them.
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0])
+
+
+def _filtered_softmax(temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The reference in float64, token by token: temperature, then the k best, then the smallest nucleus >= top_p."""
+    probs = (LOGITS.double() / temperature).softmax(-1)
+    order = probs.argsort(descending=True).tolist()
+    kept = order[:top_k] if top_k else order
+    kept_probs = probs[kept] / probs[kept].sum()
+    nucleus, mass = [], 0.0
+    for token, p in zip(kept, kept_probs.tolist()):
+        if mass >= top_p:
+            break
+        nucleus.append(token)
+        mass += p
+    expected = torch.zeros_like(probs)
+    expected[nucleus] = probs[nucleus] / probs[nucleus].sum()
+    return expected
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [
+    (1.0, 0, 1.0), (0.5, 0, 1.0), (2.0, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.7), (0.7, 5, 0.9), (1.5, 6, 0.8),
+])
+def test_sampled_frequencies_fit_the_filtered_softmax(temperature, top_k, top_p):
+    """A chi-square goodness-of-fit test over 4,000 draws against the float64 reference: fails if temperature, top-k
+    or top-p were ignored or applied in another order."""
+    expected = _filtered_softmax(temperature, top_k, top_p)
+    draws = 4_000
+    picks = sample(LOGITS.expand(draws, -1), SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+                   torch.Generator().manual_seed(0))
+    counts = torch.bincount(picks, minlength=len(LOGITS)).double()
+    support = expected > 0
+    assert counts[~support].sum() == 0, "drew a token the filters remove"
+    expected_counts = expected[support] * draws
+    chi2 = float(((counts[support] - expected_counts) ** 2 / expected_counts).sum())
+    assert chi2 < CHI2_999[int(support.sum()) - 1], (chi2, counts.tolist(), expected_counts.tolist())
