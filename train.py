@@ -33,7 +33,7 @@ from tqdm import tqdm
 from data import (IMAGE_TOKEN, CheckedRecords, ImageProcessor, VQACollator, build_datasets, build_shapes_tokenizer,
                   conversation_texts, prepare_tokenizer, stop_token_ids, text_lengths, token_id)
 from models import TinyVLMError, VisionLanguageModel, VLMConfig
-from models.config import one_line
+from models.config import check, one_line
 from models.loading import resolve
 from training import distributed
 from models.checkpoints import SHARDED, find_checkpoint
@@ -209,6 +209,9 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     model, tokenizer = load_for_resume(resume) if resume else (None, build_tokenizer(config, train_data))
     model = model or build_model(config, tokenizer)
     config = RunConfig(model.config, config.data, config.train, config.tokenizer)
+    context = config.model.language.max_position_embeddings
+    check(tc.max_length <= context, f"train.max_length ({tc.max_length}) exceeds the language model's context "
+          f"(model.language.max_position_embeddings = {context})")
     if resume:
         check_same_parts(RunConfig.from_json(resume / RUN_CONFIG).train, tc)
     processor = ImageProcessor.from_config(config.model.vision)

@@ -87,3 +87,17 @@ def test_invalid_utf8_bytes_on_the_real_command_line(checkpoint):
                              "--prompt", b"caf\xc3 au lait"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == "error: the text is not valid UTF-8 (undecodable bytes at character 3)"
+
+
+def test_max_length_beyond_the_context_is_a_one_line_error(tmp_path, capsys):
+    """Samples longer than the LM's context would fail deep in a batch (rotary tables, position ids): refuse at start."""
+    from tests.training.helpers import SMALL
+    from train import main
+
+    overrides = {**SMALL, "train.output_dir": str(tmp_path), "train.max_steps": "2",
+                 "train.max_length": "257"}  # tiny.yaml's context: 256
+    assert main([arg for key, value in overrides.items() for arg in (f"--{key}", value)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: train.max_length (257) exceeds the language model's context "
+                   "(model.language.max_position_embeddings = 256)"], err
+    assert not list(tmp_path.glob("step_*"))
