@@ -109,9 +109,9 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         input_ids [B, T] are left-padded prompts with `attention_mask` [B, T] (1 real, 0 pad); each row's rotary
         positions start at 0 at its first real token, so a row gives what it would give alone.
 
-        compile=True runs the same decode step shape-static (the position lives in a device tensor, attention spans
-        the whole preallocated cache under a mask) through torch.compile, once per batch shape: no recompilation and
-        no host sync between steps (CUDA graphs on GPU)."""
+        compile=True runs the same decode step shape-static through torch.compile (models/compiled_decode.py: the
+        position in a device tensor, attention over the whole preallocated cache under a mask, the batch and the cache
+        rounded up to buckets): no recompilation and no host sync between steps (CUDA graphs on GPU)."""
         params = SamplingParams(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
         batch, prompt_len = input_ids.shape
         capacity, context = prompt_len + max_new_tokens, self.config.language.max_position_embeddings

@@ -1,0 +1,143 @@
+"""generate.py's normal output against the model it loads: streamed text, captions, samples, compile, stop tokens."""
+
+import pytest
+import torch
+from PIL import Image
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+import generate
+from data import CAPTION_PROMPT, IM_END, IMAGE_TOKEN, ImageProcessor, encode_prompt, prepare_tokenizer, stop_token_ids
+from data.prompts import encode_text
+from data.tokenizer import token_id
+from models import VisionLanguageModel
+from tests.models.helpers import tiny_vlm, tiny_vlm_config
+
+
+@pytest.fixture(scope="module")
+def base_tokenizer():
+    """A base-model tokenizer: its EOS is `</s>`, and prepare_tokenizer adds ChatML, image and pad tokens."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(["what colour is the sky? blue, the sky is blue"] * 10, trainer)
+    return prepare_tokenizer(PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="</s>"))
+
+
+def _config(tokenizer, **language):
+    config = tiny_vlm_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, max_position_embeddings=512,
+                             **language)
+    return config.replace({"image_token_id": token_id(tokenizer, IMAGE_TOKEN), "stop_token_ids": stop_token_ids(tokenizer)})
+
+
+def _save(model, tokenizer, directory):
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    path = tmp_path_factory.mktemp("image") / "photo.png"
+    Image.new("RGB", (40, 30), "skyblue").save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def random_checkpoint(tmp_path_factory, base_tokenizer):
+    model = tiny_vlm(seed=5, vocab_size=len(base_tokenizer), max_position_embeddings=512)
+    model.config = _config(base_tokenizer)
+    return _save(model, base_tokenizer, tmp_path_factory.mktemp("random"))
+
+
+def _run(capsys, *argv) -> tuple[int, str, str]:
+    code = generate.main([*map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _expected(directory, image, prompt, **settings) -> list[str]:
+    """What the checkpoint's model answers, decoded: the reference the CLI's output is checked against."""
+    model = VisionLanguageModel.from_pretrained(directory).eval()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(directory)
+    ids = torch.tensor([encode_prompt(tokenizer, prompt, 1, model.config.tokens_per_image)])
+    pixels = ImageProcessor.from_config(model.config.vision)(Image.open(image))[None]
+    tokens = model.generate(ids, pixels, eos_token_id=model.config.stop_ids, pad_token_id=tokenizer.pad_token_id,
+                            **settings)
+    return [tokenizer.decode(row, skip_special_tokens=True).strip() for row in tokens.tolist()]
+
+
+@pytest.mark.parametrize("prompt", ["what colour is the sky?", None, "<|image|> " * 20])
+def test_streamed_answer_equals_the_models_greedy_answer(random_checkpoint, image, capsys, prompt):
+    """Streaming prints what the model generates (the default with no prompt is a caption; typed placeholders are
+    text, so the answer is the one for that text, not an image splice error)."""
+    argv = ["--checkpoint", random_checkpoint, "--image", image, "--max-new-tokens", 12]
+    code, out, err = _run(capsys, *argv, *(["--prompt", prompt] if prompt else []))
+    expected = _expected(random_checkpoint, image, prompt or CAPTION_PROMPT, max_new_tokens=12, greedy=True)
+    assert code == 0, err
+    assert out.strip() == expected[0] and expected[0]
+
+
+def test_num_samples_prints_each_sample_from_one_prefill(random_checkpoint, image, capsys, monkeypatch):
+    prefills = []
+    embed = VisionLanguageModel.embed
+    monkeypatch.setattr(VisionLanguageModel, "embed", lambda self, *args: prefills.append(1) or embed(self, *args))
+    code, out, err = _run(capsys, "--checkpoint", random_checkpoint, "--image", image, "--prompt", "the sky",
+                          "--num-samples", 3, "--temperature", 1.5, "--seed", 7, "--max-new-tokens", 10)
+    assert code == 0, err and len(prefills) == 1
+    monkeypatch.undo()
+    expected = _expected(random_checkpoint, image, "the sky", max_new_tokens=10, temperature=1.5, num_samples=3,
+                         generator=torch.Generator().manual_seed(7))
+    assert out.strip().splitlines() == [f"[{i + 1}] {text}" for i, text in enumerate(expected)]
+    assert len(set(expected)) > 1  # the samples differ, so each row is printed from its own tokens
+
+
+@pytest.mark.slow
+def test_compile_prints_the_same_greedy_answer(random_checkpoint, image, capsys):
+    argv = ["--checkpoint", random_checkpoint, "--image", image, "--prompt", "blue", "--max-new-tokens", 12]
+    plain, compiled = _run(capsys, *argv), _run(capsys, *argv, "--compile")
+    assert plain[0] == compiled[0] == 0 and compiled[1] == plain[1] and plain[1].strip()
+
+
+def successor_model(tokenizer, successor: dict[int, int], default: int) -> VisionLanguageModel:
+    """A VLM whose next token depends only on the current one: `successor[t]`, else `default`. One-hot embeddings,
+    blocks whose output projections are zero (each block passes its input through), and a head that maps each
+    one-hot to its successor, so what greedy decoding says is known in advance."""
+    vocab = len(tokenizer)
+    hidden = -(-vocab // 8) * 8
+    model = VisionLanguageModel(_config(tokenizer, hidden_size=hidden, num_heads=4, num_kv_heads=2, num_layers=1,
+                                        tie_word_embeddings=False))
+    with torch.no_grad():
+        model.language.token_embedding.weight.copy_(torch.eye(vocab, hidden))
+        for block in model.language.blocks:
+            block.attn.o_proj.weight.zero_()
+            block.mlp.down_proj.weight.zero_()
+        head = torch.zeros(vocab, hidden)
+        head[default, :vocab] = 0.5
+        for token, following in successor.items():
+            head[following, token] = 1.0
+        model.language.head.weight.copy_(head)
+    return model.eval()
+
+
+def test_answers_stop_at_the_end_of_turn_when_the_eos_is_another_token(base_tokenizer, image, capsys, tmp_path):
+    """Regression: training ends answers with <|im_end|>, but generate.py stopped only at the tokenizer's EOS; with a
+    base tokenizer (EOS `</s>`) every answer ran on to max_new_tokens."""
+    prompt = encode_prompt(base_tokenizer, "what colour is the sky?", 1, tiny_vlm_config().tokens_per_image)
+    answer, after = encode_text(base_tokenizer, "blue"), encode_text(base_tokenizer, " the sky")
+    chain = [prompt[-1], *answer, token_id(base_tokenizer, IM_END), *after]
+    assert len(set(chain)) == len(chain)
+    model = successor_model(base_tokenizer, dict(zip(chain, chain[1:])), default=after[-1])
+    checkpoint = _save(model, base_tokenizer, tmp_path / "chain")
+    code, out, err = _run(capsys, "--checkpoint", checkpoint, "--image", image, "--prompt", "what colour is the sky?")
+    assert code == 0, err
+    assert out.strip() == "blue"
+
+
+def test_a_missing_checkpoint_is_reported_for_a_readable_image(image, capsys, tmp_path, monkeypatch):
+    code, _, err = _run(capsys, "--checkpoint", tmp_path / "nowhere", "--image", image)
+    assert code == 2 and err.strip().splitlines()[-1].startswith(f"error: {tmp_path / 'nowhere'}: no checkpoint here")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run(capsys, "--image", image)
+    assert code == 2 and err.strip().splitlines()[-1].startswith("error: no checkpoint under runs/")
