@@ -251,8 +251,10 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
         f"{len(train_data)} train / {len(validation_data)} validation samples; device {device}"
         + (f"; {ranks.world_size} ranks ({tc.parallel})" if ranks.distributed else ""), flush=True)
 
+    # A progress bar on a terminal; plain lines where the output goes to a file (a bar would fill it with '\r').
+    bar = ranks.is_main and sys.stdout.isatty() and sys.stderr.isatty()
     progress = tqdm(range(step, tc.max_steps), initial=step, total=tc.max_steps, desc="train", dynamic_ncols=True,
-                    disable=not ranks.is_main)
+                    disable=not bar)
     started, tokens_seen, skipped = time.perf_counter(), 0, state.get("skipped_steps", 0)
     with GracefulStop(escalate=not ranks.distributed) as stop:
         for step in progress:
@@ -270,6 +272,8 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
             if (step + 1) % tc.log_every == 0 or done:
                 rate = tokens_seen / (time.perf_counter() - started)
                 progress.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{rate:,.0f}")
+                if not bar:
+                    say(f"step {step + 1}/{tc.max_steps}: loss {step_loss:.4f}, {rate:,.0f} tokens/s", flush=True)
                 if run:
                     run.log({"train/loss": step_loss, "train/tokens_per_s": rate, "lr": scheduler.get_last_lr()[-1]}, step=step + 1)
             if (step + 1) % tc.eval_every == 0 or done:

@@ -144,3 +144,16 @@ def test_a_step_descends_the_mean_answer_loss(loss_weight, packed):
     assert loss == pytest.approx(expected.item(), rel=1e-5)
     for (name, after), old, ref in zip(model.named_parameters(), before.parameters(), reference.parameters()):
         torch.testing.assert_close(old - after, ref.grad.float(), rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_progress_to_a_file_is_plain_lines(tmp_path, capsys):
+    """Output that is not a terminal (a log file) gets a line every log_every steps, never a progress bar's '\\r'."""
+    train(small_config(tmp_path, **{"train.max_steps": "5", "train.log_every": "2", "train.save_every": "5",
+                                    "train.eval_every": "5"}))
+    out, err = capsys.readouterr()
+    assert "\r" not in out + err
+    history, _ = _history(tmp_path)
+    lines = [line for line in out.splitlines() if line.startswith("step ") and "tokens/s" in line]
+    assert [line.split(":")[0] for line in lines] == ["step 2/5", "step 4/5", "step 5/5"]
+    for line, (_, loss) in zip(lines, [history[1], history[3], history[4]]):
+        assert f"loss {loss:.4f}, " in line
