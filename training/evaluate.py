@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -11,6 +12,11 @@ import torch
 from data import ImageProcessor, encode_prompt, left_pad
 from models import VisionLanguageModel
 from training.loss import LossWeight, target_weights
+
+CELL_INCHES = 3.2  # width of a grid cell, and height of its image
+TITLE_POINTS = 7
+TITLE_CHARS = 48  # a title line's characters: fits CELL_INCHES at TITLE_POINTS
+TITLE_LINE_INCHES = 1.4 * TITLE_POINTS / 72
 
 
 def normalize(answer: str) -> str:
@@ -82,23 +88,31 @@ def save_loss_curve(train: list[tuple[int, float]], validation: list[tuple[int, 
 
 
 def save_prediction_grid(records: list[dict], predictions: list[str], path: Path, columns: int = 4) -> None:
-    """Held-out images with question, expected answer and prediction (green when right, red when wrong)."""
+    """Held-out images with question, expected answer and prediction (green when right, red when wrong). Titles are
+    wrapped to their column, and each row of the figure is as tall as its longest title needs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = (len(records) + columns - 1) // columns
-    figure, axes = plt.subplots(rows, columns, figsize=(3.2 * columns, 3.6 * rows), squeeze=False)
+    titles = [_title(record["texts"][0], prediction) for record, prediction in zip(records, predictions)]
+    rows = (len(titles) + columns - 1) // columns
+    heights = [CELL_INCHES + TITLE_LINE_INCHES * max(t.count("\n") + 1 for t in titles[r * columns : (r + 1) * columns])
+               for r in range(rows)]
+    figure, axes = plt.subplots(rows, columns, figsize=(CELL_INCHES * columns, sum(heights)), dpi=110, squeeze=False,
+                                gridspec_kw={"height_ratios": heights})
+    figure.set_layout_engine("constrained", h_pad=0.1)  # room for every title above its own image, none overlapping
     for ax in axes.flat:
         ax.axis("off")
-    for ax, record, prediction in zip(axes.flat, records, predictions):
-        turn = record["texts"][0]
+    for ax, record, prediction, title in zip(axes.flat, records, predictions, titles):
         if record["images"]:
             ax.imshow(record["images"][0])
-        right = normalize(prediction) == normalize(turn["assistant"])
-        ax.set_title(f"Q: {turn['user']}\nexpected: {turn['assistant']}\npredicted: {prediction}", fontsize=7,
-                     color="green" if right else "red", wrap=True)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+        right = normalize(prediction) == normalize(record["texts"][0]["assistant"])
+        ax.set_title(title, fontsize=TITLE_POINTS, color="green" if right else "red")
+    figure.savefig(path)
     plt.close(figure)
+
+
+def _title(turn: dict[str, str], prediction: str) -> str:
+    parts = (f"Q: {turn['user']}", f"expected: {turn['assistant']}", f"predicted: {prediction}")
+    return "\n".join(textwrap.fill(part, TITLE_CHARS) for part in parts)

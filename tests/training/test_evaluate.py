@@ -1,4 +1,5 @@
-"""Held-out answers are asked the way the model was trained: prompts with the image tokens where its config puts them."""
+"""Held-out answers are asked the way the model was trained: prompts with the image tokens where its config puts them;
+the prediction grid keeps every title readable."""
 
 import pytest
 import torch
@@ -7,7 +8,8 @@ from PIL import Image
 from data import IMAGE_TOKEN, ImageProcessor, build_shapes_tokenizer, encode_prompt, token_id
 from models import VisionLanguageModel
 from tests.models.helpers import tiny_vlm_config
-from training.evaluate import answer
+from data import make_shapes_dataset
+from training.evaluate import answer, save_prediction_grid
 
 
 @pytest.mark.parametrize("image_position", ["before_text", "after_text"])
@@ -30,3 +32,29 @@ def test_answer_prompts_with_the_models_image_position(image_position, monkeypat
                        for r in records]
     assert prompts != [encode_prompt(tokenizer, r["texts"][0]["user"], 1, config.tokens_per_image,
                                      "after_text" if image_position == "before_text" else "before_text") for r in records]
+
+
+def test_prediction_grid_titles_never_overlap(tmp_path, monkeypatch):
+    """Captions (~150 characters) and long wrong predictions: every title stays inside the figure and clear of the
+    other cells' titles and images."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    records = list(make_shapes_dataset("validation", 12, seed=0, image_size=48, question_types=("caption", "color")))
+    predictions = [r["texts"][0]["assistant"] if i % 3 else "a large purple diamond " * (1 + i % 4)
+                   for i, r in enumerate(records)]
+    figures, savefig = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *args, **kwargs: (figures.append(self), savefig(self, *args, **kwargs)))
+    save_prediction_grid(records, predictions, tmp_path / "predictions.png")
+    assert (tmp_path / "predictions.png").is_file() and len(figures) == 1
+    figure = figures[0]
+    canvas = FigureCanvasAgg(figure)  # the closed figure, drawn again as it was saved
+    canvas.draw()
+    renderer, page = canvas.get_renderer(), figure.bbox
+    cells = [(ax.title.get_window_extent(renderer), ax.get_window_extent(renderer)) for ax in figure.axes if ax.images]
+    assert len(cells) == len(records)
+    apart = lambda a, b: a.x1 <= b.x0 or b.x1 <= a.x0 or a.y1 <= b.y0 or b.y1 <= a.y0
+    for i, (title, _) in enumerate(cells):
+        assert page.x0 <= title.x0 and title.x1 <= page.x1 and page.y0 <= title.y0 and title.y1 <= page.y1, i
+        for j, (other_title, other_image) in enumerate(cells):
+            assert i == j or (apart(title, other_title) and apart(title, other_image)), (i, j)
