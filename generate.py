@@ -33,7 +33,8 @@ def load(checkpoint: Path | None, device: torch.device, allow_pickle: bool = Fal
     else:
         path = find_checkpoint(checkpoint)
     if (path / SHARDED).is_dir() and not (path / "model.safetensors").is_file():
-        raise CheckpointError(f"{path}: a sharded (FSDP2) checkpoint; export it first: python -m training.export {path}")
+        raise CheckpointError(f"{path}: a sharded (FSDP2) checkpoint; export it first: "
+                              f"python -m training.export {path}")
     model = VisionLanguageModel.from_pretrained(path, map_location=device, allow_pickle=allow_pickle).eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -54,8 +55,8 @@ def run(args: argparse.Namespace) -> None:
     image = load_image(args.image)
     model, tokenizer = load(args.checkpoint, device, args.allow_pickle)
     pixels = ImageProcessor.from_config(model.config.vision)(image)[None].to(device)
-    ids = torch.tensor([encode_prompt(tokenizer, prompt, 1, model.config.tokens_per_image, model.config.image_position)],
-                       device=device)
+    ids = torch.tensor([encode_prompt(tokenizer, prompt, 1, model.config.tokens_per_image,
+                                      model.config.image_position)], device=device)
     rows, tokens = args.num_samples, ids.shape[1] + args.max_new_tokens
     dtype = next(model.parameters()).dtype
     print(f"KV cache: {kv_cache_bytes(model.config.language, rows, tokens, dtype) / 2**20:.2f} MiB "
@@ -87,16 +88,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image", required=True, help="image file to ask about")
     parser.add_argument("--prompt", help=f"question (default: caption the image with {CAPTION_PROMPT!r})")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--greedy", action="store_true", help="pick the most likely token (the default without sampling options)")
+    parser.add_argument("--greedy", action="store_true",
+                        help="pick the most likely token (the default without sampling options)")
     parser.add_argument("--temperature", type=float)
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--top-p", type=float)
     parser.add_argument("--num-samples", type=int, default=1, help="answers per prompt, sharing one prefill")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    parser.add_argument("--compile", action="store_true", help="compiled, shape-static decode step (CUDA graphs on GPU)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compiled, shape-static decode step (CUDA graphs on GPU)")
     parser.add_argument("--allow-pickle", action="store_true",
-                        help="accept pytorch_model.bin weights (read with torch.load(weights_only=True)); only for files you trust")
+                        help="accept pytorch_model.bin weights (read with torch.load(weights_only=True)); "
+                             "only for files you trust")
     args = parser.parse_args(argv)
     try:
         run(args)

@@ -55,7 +55,8 @@ def build_models(device: torch.device, dtype: torch.dtype):
 def make_runner(method: str, reference, ours):
     """A function (ids, new_tokens) -> generated ids [B, new_tokens] for one method."""
     if method.startswith("tinyvlm"):
-        settings = {"tinyvlm fast": dict(compile=True), "tinyvlm eager": {}, "tinyvlm no cache": dict(use_cache=False)}[method]
+        settings = {"tinyvlm fast": dict(compile=True), "tinyvlm eager": {},
+                    "tinyvlm no cache": dict(use_cache=False)}[method]
         return lambda ids, n: ours.generate(ids, None, max_new_tokens=n, greedy=True, **settings)
     from transformers import CompileConfig
 
@@ -87,7 +88,8 @@ def timed(run, ids, new_tokens: int, repeats: int, device: torch.device) -> tupl
 def decode_table(reference, ours, args, device) -> list[dict]:
     rows = []
     for batch in args.batch_sizes:
-        ids = torch.randint(100, 49000, (batch, args.prompt_len), generator=torch.Generator().manual_seed(batch)).to(device)
+        ids = torch.randint(100, 49000, (batch, args.prompt_len),
+                            generator=torch.Generator().manual_seed(batch)).to(device)
         baseline_tokens = None
         for method in args.methods:
             run = make_runner(method, reference, ours)
@@ -146,32 +148,38 @@ def cache_curve(ours, args, device) -> list[dict]:
         cached, _ = timed(make_runner("tinyvlm eager", None, ours), ids, n, 1, device)
         uncached, _ = timed(make_runner("tinyvlm no cache", None, ours), ids, n, 1, device)
         points.append(dict(new_tokens=n, cached_s=cached, uncached_s=uncached))
-        print(f"{n:>5} new tokens: cached {cached:7.2f} s, uncached {uncached:7.2f} s ({uncached / cached:.1f}x)", flush=True)
+        print(f"{n:>5} new tokens: cached {cached:7.2f} s, uncached {uncached:7.2f} s "
+              f"({uncached / cached:.1f}x)", flush=True)
     return points
 
 
 def write_results(rows, ttft_ms, curve, floor, args, device, out: Path) -> None:
-    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or 'CPU'}, {torch.get_num_threads()} threads"
+    hardware = (torch.cuda.get_device_name(device) if device.type == "cuda"
+                else f"{platform.processor() or 'CPU'}, {torch.get_num_threads()} threads")
     title = (f"Decode, SmolLM2-135M shape, random weights, {args.dtype}, greedy, {args.prompt_len}-token prompt, "
              f"{args.new_tokens} new tokens; {hardware}; torch {torch.__version__}")
-    lines = [f"**{title}**", "", "| batch | method | ms/step | tok/s | x transformers dynamic | same tokens |", "|---|---|---|---|---|---|"]
+    lines = [f"**{title}**", "", "| batch | method | ms/step | tok/s | x transformers dynamic | same tokens |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['speedup_vs_transformers_dynamic']:.2f}" if r["speedup_vs_transformers_dynamic"] else "–"
         lines.append(f"| {r['batch']} | {r['method']} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:.1f} | {ratio} | "
                      f"{r['same_tokens_as_first_method']:.3f} |")
     gb_per_s, floor_ms = floor
-    lines += ["", f"Bandwidth floor, batch 1 (reading every weight once per step at the {gb_per_s:.1f} GB/s this device "
-                  f"reads a buffer of the same size): {floor_ms:.2f} ms/step"]
+    lines += ["", f"Bandwidth floor, batch 1 (reading every weight once per step at the {gb_per_s:.1f} GB/s "
+                  f"this device reads a buffer of the same size): {floor_ms:.2f} ms/step"]
     if ttft_ms is not None:
-        lines += ["", f"Time to first token, image + 64-token prompt (nanovlm-222m shape, tinyvlm eager): {ttft_ms:.1f} ms"]
+        lines += ["", f"Time to first token, image + 64-token prompt (nanovlm-222m shape, tinyvlm eager): "
+                      f"{ttft_ms:.1f} ms"]
     if curve:
         lines += ["", "| new tokens | cached s | uncached s | uncached / cached |", "|---|---|---|---|"]
-        lines += [f"| {p['new_tokens']} | {p['cached_s']:.2f} | {p['uncached_s']:.2f} | {p['uncached_s'] / p['cached_s']:.1f} |" for p in curve]
+        lines += [f"| {p['new_tokens']} | {p['cached_s']:.2f} | {p['uncached_s']:.2f} | "
+                  f"{p['uncached_s'] / p['cached_s']:.1f} |" for p in curve]
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"decode-{device.type}-{args.dtype}"
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     stem.with_suffix(".json").write_text(json.dumps(dict(title=title, rows=rows, ttft_ms=ttft_ms, curve=curve,
-                                                                bandwidth_gb_per_s=gb_per_s, floor_ms_per_step=floor_ms), indent=2))
+                                                         bandwidth_gb_per_s=gb_per_s, floor_ms_per_step=floor_ms),
+                                                    indent=2))
     plot(rows, curve, stem.with_suffix(".png"), title)
     print("\n".join(lines))
 
@@ -203,7 +211,8 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
-    parser.add_argument("--dtype", default="bfloat16" if cuda else "float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="bfloat16" if cuda else "float32",
+                        choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32] if cuda else [1])
     parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--new-tokens", type=int, default=256 if cuda else 64)

@@ -1,7 +1,7 @@
 """tinyvlm's model package: import the VLM and its parts from here."""
 
-from models.errors import InputError, TinyVLMError
 from models.config import ConfigError, LanguageConfig, ProjectorConfig, VisionConfig, VLMConfig
+from models.errors import InputError, TinyVLMError
 from models.kv_cache import kv_cache_bytes
 from models.language_model import LanguageModel
 from models.loading import CheckpointError
@@ -11,7 +11,7 @@ from models.vision_language_model import GenerationError, VisionLanguageModel
 from models.vision_transformer import VisionTransformer
 
 __all__ = [
-    "CheckpointError", "ConfigError", "GenerationError", "InputError", "TinyVLMError", "LanguageConfig", "LanguageModel", "ModalityProjector",
-    "ProjectorConfig", "SamplingParams", "VLMConfig", "VisionConfig", "VisionLanguageModel", "VisionTransformer",
-    "kv_cache_bytes",
+    "CheckpointError", "ConfigError", "GenerationError", "InputError", "TinyVLMError", "LanguageConfig",
+    "LanguageModel", "ModalityProjector", "ProjectorConfig", "SamplingParams", "VLMConfig", "VisionConfig",
+    "VisionLanguageModel", "VisionTransformer", "kv_cache_bytes",
 ]

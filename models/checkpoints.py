@@ -11,7 +11,8 @@ import torch
 from models.loading import CheckpointError
 
 STATE_JSON = "training_state.json"  # written last into a checkpoint: its presence marks the checkpoint complete
-SHARDED = "sharded"  # an FSDP2 checkpoint's weights and optimizer state (torch.distributed.checkpoint), one file per rank
+SHARDED = "sharded"  # an FSDP2 checkpoint's weights and optimizer state (torch.distributed.checkpoint),
+                     # one file per rank
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -40,7 +41,8 @@ def newest_checkpoint(root: Path) -> Path:
     run (`cp -r`) gets file times in copy order, not in step order."""
     runs = [found for run in (root.iterdir() if root.is_dir() else []) if run.is_dir() and (found := checkpoints(run))]
     if not runs:
-        raise CheckpointError(f"no checkpoint under {root}/: train one with `python train.py`, or pass --checkpoint DIR")
+        raise CheckpointError(f"no checkpoint under {root}/: train one with `python train.py`, "
+                              f"or pass --checkpoint DIR")
     newest_run = max(runs, key=lambda found: max((c / STATE_JSON).stat().st_mtime for c in found))
     return newest_run[-1]
 

@@ -79,7 +79,8 @@ def coerce(value: Any, annotation: Any, name: str) -> Any:
             except ValueError:
                 raise ConfigError(f"{name}: expected {annotation.__name__}, got {value!r}") from None
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        check(ok and (annotation is float or float(value).is_integer()), f"{name}: expected {annotation.__name__}, got {value!r}")
+        check(ok and (annotation is float or float(value).is_integer()),
+              f"{name}: expected {annotation.__name__}, got {value!r}")
         return annotation(value)
     if annotation is str:
         check(isinstance(value, str), f"{name}: expected a string, got {value!r}")
@@ -103,7 +104,8 @@ class Config:
         """ConfigError unless every named field is >= minimum (minimum 1 for counts means "positive")."""
         for name in names:
             value = getattr(self, name)
-            check(value >= minimum, f"{section}.{name} must be {'positive' if minimum == 1 else f'>= {minimum}'}, got {value}")
+            check(value >= minimum,
+                  f"{section}.{name} must be {'positive' if minimum == 1 else f'>= {minimum}'}, got {value}")
 
     def to_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(dataclasses.asdict(self)))  # tuples -> lists, as JSON holds them
@@ -182,7 +184,8 @@ class ProjectorConfig(Config):
     position_embedding: bool = False
 
     def __post_init__(self) -> None:
-        check(self.pixel_shuffle_factor >= 1, f"projector.pixel_shuffle_factor must be >= 1, got {self.pixel_shuffle_factor}")
+        check(self.pixel_shuffle_factor >= 1,
+              f"projector.pixel_shuffle_factor must be >= 1, got {self.pixel_shuffle_factor}")
 
 
 @dataclasses.dataclass
@@ -210,7 +213,8 @@ class LanguageConfig(Config):
         check(self.num_heads % self.num_kv_heads == 0,
               f"language.num_heads ({self.num_heads}) must be divisible by language.num_kv_heads ({self.num_kv_heads})")
         check(self.head_dim % 2 == 0, f"language head_dim ({self.head_dim}) must be even for rotary embeddings")
-        check(self.rope_theta > 0 and self.rms_norm_eps > 0, "language.rope_theta and language.rms_norm_eps must be positive")
+        check(self.rope_theta > 0 and self.rms_norm_eps > 0,
+              "language.rope_theta and language.rms_norm_eps must be positive")
         check(self.eos_token_id is None or 0 <= self.eos_token_id < self.vocab_size,
               f"language.eos_token_id ({self.eos_token_id}) must lie in [0, vocab_size={self.vocab_size})")
 

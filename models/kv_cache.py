@@ -33,9 +33,11 @@ class CacheCapacityError(TinyVLMError, IndexError):
     """A write past the end of a preallocated KV cache."""
 
 
-def allocate(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> KVCache:
+def allocate(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
+             device: torch.device) -> KVCache:
     shape = (batch, kv_heads, capacity, head_dim)
-    return {"key": torch.zeros(shape, dtype=dtype, device=device), "value": torch.zeros(shape, dtype=dtype, device=device)}
+    return {"key": torch.zeros(shape, dtype=dtype, device=device),
+            "value": torch.zeros(shape, dtype=dtype, device=device)}
 
 
 def capacity(cache: KVCache) -> int:
@@ -58,8 +60,8 @@ def write(cache: KVCache | None, key: Tensor, value: Tensor, start_pos: int | Te
     end = start_pos + key.shape[2]
     if isinstance(start_pos, int):
         if end > capacity(cache):
-            raise CacheCapacityError(f"writing KV slots {start_pos}..{end - 1} into a cache of {capacity(cache)} slots; "
-                                     f"allocate one that holds every token (allocate_kv_cache(batch, capacity))")
+            raise CacheCapacityError(f"writing KV slots {start_pos}..{end - 1} into a cache of {capacity(cache)} "
+                                     f"slots; allocate one that holds every token (allocate_kv_cache(batch, capacity))")
         cache["key"][:, :, start_pos:end] = key
         cache["value"][:, :, start_pos:end] = value
         return cache, cache["key"][:, :, :end], cache["value"][:, :, :end]

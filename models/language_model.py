@@ -147,7 +147,8 @@ def config_from_hf(hf: dict) -> LanguageConfig:
         "attention_bias": bool(hf.get("attention_bias")),
         "mlp_bias": bool(hf.get("mlp_bias")),
         "rope scaling": rope.get("rope_type", rope.get("type", "default")) != "default",
-        "head_dim": hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"]) * hf["num_attention_heads"] != hf["hidden_size"],
+        "head_dim": (hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"]) * hf["num_attention_heads"]
+                     != hf["hidden_size"]),
     }
     if bad := [name for name, flag in unsupported.items() if flag]:
         raise CheckpointError(f"unsupported Llama variant: {', '.join(bad)}")
@@ -158,7 +159,8 @@ def config_from_hf(hf: dict) -> LanguageConfig:
         num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
     )
 
@@ -229,8 +231,10 @@ class LanguageModel(nn.Module):
             return slots.expand(batch, seq), mask
         sequence = attention_mask[:, :num_keys].long()
         real = sequence > 0
-        # Real tokens of the earlier sequences of the row, for each sequence number (never above num_keys): no host sync.
-        per_sequence = torch.zeros(batch, num_keys + 1, dtype=torch.long, device=device).scatter_add_(1, sequence, real.long())
+        # Real tokens of the earlier sequences of the row, for each sequence number (never above num_keys):
+        # no host sync.
+        per_sequence = torch.zeros(batch, num_keys + 1, dtype=torch.long,
+                                   device=device).scatter_add_(1, sequence, real.long())
         earlier = (per_sequence.cumsum(-1) - per_sequence).gather(1, sequence)
         positions = (real.long().cumsum(-1) - 1 - earlier).clamp(min=0).gather(1, slots.expand(batch, seq))
         query_sequence = sequence.gather(1, slots.expand(batch, seq))

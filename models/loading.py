@@ -49,7 +49,8 @@ def resolve(source: str | Path, allow_patterns: list[str] | None = None) -> Path
     try:
         return Path(snapshot_download(source, allow_patterns=allow_patterns))
     except Exception as e:  # offline, unknown repo, gated repo, ...
-        raise CheckpointError(f"{source}: not a local path, and the hub could not provide it ({type(e).__name__})") from None
+        raise CheckpointError(f"{source}: not a local path, and the hub could not provide it "
+                              f"({type(e).__name__})") from None
 
 
 def weight_patterns(allow_pickle: bool) -> list[str]:
@@ -101,7 +102,8 @@ def _read_pickle(path: Path) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:  # weights_only met an object that is not a tensor or a plain container
-        culprit = next((line for line in str(e).splitlines() if "GLOBAL" in line), "it holds objects other than tensors")
+        culprit = next((line for line in str(e).splitlines() if "GLOBAL" in line),
+                       "it holds objects other than tensors")
         raise CheckpointError(f"{path}: refused by torch.load(weights_only=True): {culprit.strip()}") from None
     except (RuntimeError, OSError, EOFError, ValueError) as e:
         raise CheckpointError(f"{path}: unreadable or truncated pickle file ({type(e).__name__})") from None
@@ -110,7 +112,8 @@ def _read_pickle(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def rename_keys(state_dict: dict[str, torch.Tensor], rules: list[tuple[str, str]], ignore: str = r"$^") -> dict[str, torch.Tensor]:
+def rename_keys(state_dict: dict[str, torch.Tensor], rules: list[tuple[str, str]],
+                ignore: str = r"$^") -> dict[str, torch.Tensor]:
     """Apply the first matching regex rule to each key; keys matching `ignore` are dropped, others kept as they are."""
     renamed = {}
     for key, value in state_dict.items():
@@ -130,7 +133,8 @@ def _listing(names: list[str], limit: int = 5) -> str:
 
 
 def load_checked(module: nn.Module, state_dict: dict[str, torch.Tensor], source: str | Path = "checkpoint") -> None:
-    """Copy weights into `module`, or raise CheckpointError naming every key that is missing, unexpected or misshapen."""
+    """Copy weights into `module`, or raise CheckpointError naming every key that is missing, unexpected
+    or misshapen."""
     expected = {name: p.shape for name, p in module.state_dict().items()}
     for tied in getattr(module, "tied_weight_keys", lambda: [])():
         expected.pop(tied, None)
@@ -140,7 +144,8 @@ def load_checked(module: nn.Module, state_dict: dict[str, torch.Tensor], source:
         problems.append(f"missing keys: {_listing(missing)}")
     if unexpected := sorted(set(state_dict) - set(expected)):
         problems.append(f"unexpected keys: {_listing(unexpected)}")
-    if misshapen := [f"{k} {tuple(state_dict[k].shape)} vs {tuple(s)}" for k, s in expected.items() if k in state_dict and state_dict[k].shape != s]:
+    if misshapen := [f"{k} {tuple(state_dict[k].shape)} vs {tuple(s)}" for k, s in expected.items()
+                     if k in state_dict and state_dict[k].shape != s]:
         problems.append(f"shape mismatch (checkpoint vs model): {_listing(misshapen)}")
     if problems:
         raise CheckpointError(f"{source}: weights do not fit the config; " + "; ".join(problems))

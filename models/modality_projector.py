@@ -9,7 +9,8 @@ from torch import Tensor, nn
 from models.config import VLMConfig
 
 
-# Pixel shuffle (Shi et al. 2016) trades spatial tokens for width: factor f turns f*f neighbouring patches into one token.
+# Pixel shuffle (Shi et al. 2016) trades spatial tokens for width: factor f turns f*f neighbouring patches
+# into one token.
 class ModalityProjector(nn.Module):
     def __init__(self, config: VLMConfig) -> None:
         super().__init__()

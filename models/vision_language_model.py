@@ -22,7 +22,15 @@ from models.config import VLMConfig
 from models.errors import InputError, TinyVLMError
 from models.kv_cache import repeat_rows
 from models.language_model import LanguageModel
-from models.loading import CheckpointError, atomic_write, load_checked, read_weights, resolve, save_weights, weight_patterns
+from models.loading import (
+    CheckpointError,
+    atomic_write,
+    load_checked,
+    read_weights,
+    resolve,
+    save_weights,
+    weight_patterns,
+)
 from models.modality_projector import ModalityProjector
 from models.sampling import SamplingParams, sample
 from models.vision_transformer import VisionTransformer
@@ -48,8 +56,10 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
     def from_backbones(cls, config: VLMConfig, allow_pickle: bool = False) -> VisionLanguageModel:
         """A new VLM whose vision tower and/or language model are loaded from `config`'s `pretrained` sources
         (their architecture fields are then taken from those checkpoints)."""
-        vision = VisionTransformer.from_pretrained(config.vision.pretrained, allow_pickle) if config.vision.pretrained else None
-        language = LanguageModel.from_pretrained(config.language.pretrained, allow_pickle) if config.language.pretrained else None
+        vision = (VisionTransformer.from_pretrained(config.vision.pretrained, allow_pickle)
+                  if config.vision.pretrained else None)
+        language = (LanguageModel.from_pretrained(config.language.pretrained, allow_pickle)
+                    if config.language.pretrained else None)
         config = dataclasses.replace(config, vision=vision.config if vision else config.vision,
                                      language=language.config if language else config.language)
         model = cls(config)
@@ -85,7 +95,8 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         return embeddings.masked_scatter(slots.unsqueeze(-1), features.to(embeddings.dtype))
 
     def forward(self, input_ids: Tensor, images: Tensor | None = None, attention_mask: Tensor | None = None,
-                targets: Tensor | None = None, reduction: Literal["mean", "sum", "none"] = "mean") -> tuple[Tensor, Tensor | None]:
+                targets: Tensor | None = None,
+                reduction: Literal["mean", "sum", "none"] = "mean") -> tuple[Tensor, Tensor | None]:
         """Logits [B, T, V] and, given `targets` [B, T] (the token to predict at each position, -100 to skip),
         the cross-entropy over the positions that have one: their mean, their sum (0 when there are none), or
         (reduction="none") each position's own, [B, T] with 0 where there is no target."""
@@ -116,12 +127,15 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         batch, prompt_len = input_ids.shape
         capacity, context = prompt_len + max_new_tokens, self.config.language.max_position_embeddings
         if max_new_tokens < 1 or num_samples < 1:
-            raise GenerationError(f"max_new_tokens and num_samples must be >= 1, got {max_new_tokens} and {num_samples}")
+            raise GenerationError(f"max_new_tokens and num_samples must be >= 1, "
+                                  f"got {max_new_tokens} and {num_samples}")
         if capacity > context:
-            raise GenerationError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context of {context} tokens")
+            raise GenerationError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) "
+                                  f"exceeds the context of {context} tokens")
         if compile and use_cache:
             capacity = bucket_capacity(capacity, context)
-        eos_ids = torch.tensor([] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id,
+        eos_ids = torch.tensor(([] if eos_token_id is None
+                                else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id),
                                device=input_ids.device, dtype=torch.long)
         pad_token_id = pad_token_id if pad_token_id is not None else (int(eos_ids[0]) if len(eos_ids) else 0)
 
@@ -143,8 +157,8 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         if compile and use_cache:  # shape-static: rows padded to a bucket (masked out), the position a device tensor
             step_fn, position = self._compiled_decode_step(), torch.tensor(prompt_len, device=input_ids.device)
             bucket = bucket_rows(rows)
-            mask = pad_rows(torch.ones(rows, capacity, dtype=torch.long, device=input_ids.device) if mask is None else mask,
-                            bucket)
+            mask = pad_rows((torch.ones(rows, capacity, dtype=torch.long, device=input_ids.device)
+                             if mask is None else mask), bucket)
             cache = [{name: pad_rows(t, bucket) for name, t in block_cache.items()} for block_cache in cache]
             CompiledDecodeStep.mark_static(cache)
         done = torch.zeros(rows, dtype=torch.bool, device=logits.device)
@@ -152,7 +166,8 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
             token = sample(logits, params, generator).masked_fill(done, pad_token_id)
             yield token
             done |= torch.isin(token, eos_ids)
-            if step == max_new_tokens - 1 or (step % STOP_CHECK_INTERVAL == STOP_CHECK_INTERVAL - 1 and bool(done.all())):
+            if step == max_new_tokens - 1 or (step % STOP_CHECK_INTERVAL == STOP_CHECK_INTERVAL - 1
+                                              and bool(done.all())):
                 return
             if use_cache:
                 logits = step_fn(pad_rows(token, cache[0]["key"].shape[0], pad_token_id), mask, cache, position)[:rows]

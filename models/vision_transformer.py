@@ -25,7 +25,8 @@ class VisionAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         batch, seq, width = x.shape
-        q, k, v = (proj(x).view(batch, seq, self.num_heads, -1).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (proj(x).view(batch, seq, self.num_heads, -1).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
         out = F.scaled_dot_product_attention(q, k, v)
         return self.out_proj(out.transpose(1, 2).reshape(batch, seq, width))
 
@@ -80,8 +81,10 @@ class VisionTransformer(nn.Module):
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
         self.config = config
-        self.patch_embedding = nn.Conv2d(config.num_channels, config.hidden_size, config.patch_size, stride=config.patch_size)
-        self.position_embedding = nn.Parameter(torch.randn(config.num_patches, config.hidden_size) / config.hidden_size**0.5)
+        self.patch_embedding = nn.Conv2d(config.num_channels, config.hidden_size, config.patch_size,
+                                         stride=config.patch_size)
+        self.position_embedding = nn.Parameter(torch.randn(config.num_patches, config.hidden_size)
+                                               / config.hidden_size**0.5)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.num_layers))
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.apply(self._init_weights)
@@ -112,7 +115,9 @@ class VisionTransformer(nn.Module):
         `allow_pickle` also reads `.bin` weights, with `torch.load(weights_only=True)`."""
         path = resolve(source, allow_patterns=weight_patterns(allow_pickle))
         preprocessor = path / "preprocessor_config.json"
-        config = config_from_hf(read_json(path / "config.json"), read_json(preprocessor) if preprocessor.is_file() else None)
+        config = config_from_hf(read_json(path / "config.json"),
+                                read_json(preprocessor) if preprocessor.is_file() else None)
         model = cls(VisionConfig.from_dict({**config.to_dict(), "pretrained": str(source)}))
-        load_checked(model, rename_keys(read_weights(path, allow_pickle), HF_SIGLIP_KEYS, ignore=HF_SIGLIP_UNUSED), source)
+        load_checked(model, rename_keys(read_weights(path, allow_pickle), HF_SIGLIP_KEYS, ignore=HF_SIGLIP_UNUSED),
+                     source)
         return model

@@ -26,9 +26,10 @@ def base_tokenizer():
 
 
 def _config(tokenizer, **language):
-    config = tiny_vlm_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, max_position_embeddings=512,
-                             **language)
-    return config.replace({"image_token_id": token_id(tokenizer, IMAGE_TOKEN), "stop_token_ids": stop_token_ids(tokenizer)})
+    config = tiny_vlm_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                             max_position_embeddings=512, **language)
+    return config.replace({"image_token_id": token_id(tokenizer, IMAGE_TOKEN),
+                           "stop_token_ids": stop_token_ids(tokenizer)})
 
 
 def _save(model, tokenizer, directory):

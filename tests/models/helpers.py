@@ -30,7 +30,8 @@ def tiny_vlm_config(**language) -> VLMConfig:
     lang = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
                 max_position_embeddings=128, eos_token_id=2)
     return VLMConfig(
-        vision=VisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4),
+        vision=VisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_layers=2,
+                            num_heads=4),
         language=LanguageConfig(**{**lang, **language}),
         image_token_id=95,
     )

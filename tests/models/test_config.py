@@ -21,7 +21,8 @@ def test_overrides_parse_strings_by_field_type():
 
 
 @pytest.mark.parametrize("build, message", [
-    (lambda: LanguageConfig(num_heads=9, num_kv_heads=4), r"num_heads \(9\) must be divisible by language.num_kv_heads \(4\)"),
+    (lambda: LanguageConfig(num_heads=9, num_kv_heads=4),
+     r"num_heads \(9\) must be divisible by language.num_kv_heads \(4\)"),
     (lambda: LanguageConfig(hidden_size=100, num_heads=9, num_kv_heads=3), r"hidden_size \(100\) must be divisible"),
     (lambda: VisionConfig(image_size=100, patch_size=16), r"image_size \(100\) must be divisible by vision.patch_size"),
     (lambda: VLMConfig(vision=VisionConfig(image_size=48, patch_size=16)), r"patch grid \(3x3\) must be divisible"),

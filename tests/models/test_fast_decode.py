@@ -61,7 +61,8 @@ def test_compiled_decode_equals_eager_without_recompiling(model):
     frames = sum(counters["frames"].values())
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     again = model.generate(ids, images, mask, max_new_tokens=16, greedy=True, compile=True)
-    assert torch.equal(again, eager) and counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"], dict(counters)
+    assert (torch.equal(again, eager) and counters["stats"]["unique_graphs"] == 1
+            and not counters["recompiles"]), dict(counters)
     assert sum(counters["frames"].values()) >= frames
 
 
@@ -93,7 +94,8 @@ def test_compiled_decode_serves_more_batch_sizes_than_the_recompile_limit(model)
     counters.clear()
     for samples in range(1, 12):
         settings = dict(max_new_tokens=5, temperature=0.9, num_samples=samples)
-        eager = model.generate(ids[:1], images[:1], mask[:1], generator=torch.Generator().manual_seed(samples), **settings)
+        eager = model.generate(ids[:1], images[:1], mask[:1], generator=torch.Generator().manual_seed(samples),
+                               **settings)
         compiled = model.generate(ids[:1], images[:1], mask[:1], compile=True,
                                   generator=torch.Generator().manual_seed(samples), **settings)
         assert torch.equal(compiled, eager), samples

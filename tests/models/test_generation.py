@@ -7,6 +7,7 @@ from models import GenerationError
 from tests.models.generation_helpers import left_pad_prompts, make_prompt
 from tests.models.helpers import tiny_vlm
 
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_vlm()
@@ -64,7 +65,9 @@ def test_num_samples_reuse_one_prefill(model, batch, monkeypatch):
     monkeypatch.setattr(model.vision, "forward", lambda x: calls.append(x.shape[0]) or original(x))
     prefill_batches = []
     language_forward = model.language.forward
-    monkeypatch.setattr(model.language, "forward", lambda e, *a, **k: (prefill_batches.append(e.shape) if e.shape[1] > 1 else None) or language_forward(e, *a, **k))
+    monkeypatch.setattr(model.language, "forward",
+                        lambda e, *a, **k: (prefill_batches.append(e.shape) if e.shape[1] > 1 else None)
+                        or language_forward(e, *a, **k))
     greedy_three = model.generate(ids, images[:2], mask, max_new_tokens=12, greedy=True, num_samples=3)
     assert calls == [2] and prefill_batches == [torch.Size([2, ids.shape[1], 64])]
     assert torch.equal(greedy_three, greedy_one.repeat_interleave(3, 0))

@@ -142,7 +142,8 @@ def test_packed_sequences_equal_separate_passes(llama_pair):
     _, ours = llama_pair
     rows = [[4, 6, 3], [9, 5]]  # the sequences' lengths in each row
     ids = torch.randint(0, 128, (2, 15))
-    mask = torch.tensor([[n for n, length in enumerate(row, 1) for _ in range(length)] + [0] * (15 - sum(row)) for row in rows])
+    mask = torch.tensor([[n for n, length in enumerate(row, 1) for _ in range(length)] + [0] * (15 - sum(row))
+                         for row in rows])
     with torch.no_grad():
         packed = ours.head(ours(ours.token_embedding(ids), attention_mask=mask)[0])
         for r, row in enumerate(rows):
@@ -153,7 +154,8 @@ def test_packed_sequences_equal_separate_passes(llama_pair):
                 start += length
     # Rotary attention sees only relative positions, so the logits cannot show where positions start: check them.
     positions, _ = LanguageModel._positions_and_mask(mask, 0, 2, 15, 15, ids.device)
-    assert positions[0, :13].tolist() == [*range(4), *range(6), *range(3)] and positions[1, :14].tolist() == [*range(9), *range(5)]
+    assert (positions[0, :13].tolist() == [*range(4), *range(6), *range(3)]
+            and positions[1, :14].tolist() == [*range(9), *range(5)])
 
 
 def test_rotary_keeps_float32_precision_after_a_bfloat16_round_trip(llama_pair):

