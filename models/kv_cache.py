@@ -8,11 +8,17 @@ mode writes and what the attention then spans (`write` and `attended_slots`):
 | None              | 0               | nothing; returns {"key", "value"} of the call | the call's own tokens       |
 | preallocated      | int             | slots start_pos .. start_pos + T, in place    | slots 0 .. start_pos + T    |
 | preallocated      | 0-dim tensor    | the same slots, with index_copy_ (no sync)    | the whole capacity, masked  |
+| paged             | [B] tensor      | the pool slots `slot_mapping` names           | the row's blocks, masked    |
 
 The tensor mode keeps every shape static (the compiled decode step). A preallocated cache never grows: writing past
 its capacity raises `CacheCapacityError` (int positions; tensor positions are the caller's to check, once, before
-decoding, since checking a device tensor would stall the step). A paged cache (pool tensors plus a block table) is
-meant to plug in here as a fourth layout of the same dict, so that blocks and attention stay one implementation.
+decoding, since checking a device tensor would stall the step).
+
+The paged layout (PagedAttention, Kwon et al. 2023; built and managed by serving/) is the same dict with pool tensors:
+"key"/"value" [num_blocks, block_size, kv_heads, head_dim] shared by every sequence, "block_table" [B, blocks] (each
+row's blocks in order, padded with the null block 0) and "slot_mapping" [B, T] (the pool slot, block * block_size +
+offset, of each new token; padded tokens write to the null block). Each row has its own position (`start_pos` [B]),
+so rows of a batch may be at any point of their sequences: continuous batching, chunked prefill.
 
 Memory (the formula from the KV-cache articles, with grouped-query attention's fewer kv heads):
     bytes = 2 (K and V) x layers x kv_heads x head_dim x tokens x batch x bytes_per_element
@@ -48,6 +54,8 @@ def attended_slots(cache: KVCache | None, start_pos: int | Tensor, num_new: int)
     """How many cache slots the attention of a call writing `num_new` tokens at `start_pos` spans (see the table)."""
     if cache is None:
         return num_new
+    if "block_table" in cache:
+        return cache["block_table"].shape[1] * cache["key"].shape[1]
     if isinstance(start_pos, int):
         return start_pos + num_new
     return capacity(cache)
@@ -57,6 +65,8 @@ def write(cache: KVCache | None, key: Tensor, value: Tensor, start_pos: int | Te
     """Store `key`/`value` [B, H, T, D] as the table above says; return the cache and the keys/values to attend over."""
     if cache is None:
         return {"key": key, "value": value}, key, value
+    if "block_table" in cache:
+        return cache, *_write_paged(cache, key, value)
     end = start_pos + key.shape[2]
     if isinstance(start_pos, int):
         if end > capacity(cache):
@@ -70,6 +80,18 @@ def write(cache: KVCache | None, key: Tensor, value: Tensor, start_pos: int | Te
     cache["key"].index_copy_(2, slots, key.to(cache["key"].dtype))
     cache["value"].index_copy_(2, slots, value.to(cache["value"].dtype))
     return cache, cache["key"], cache["value"]
+
+
+def _write_paged(cache: KVCache, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+    """Scatter the new K/V into the pool at `slot_mapping`; gather each row's blocks as [B, H, blocks * size, D]."""
+    slots, table = cache["slot_mapping"].flatten(), cache["block_table"]
+    gathered = []
+    for pool, new in ((cache["key"], key), (cache["value"], value)):
+        num_blocks, size, heads, dim = pool.shape
+        pool.view(num_blocks * size, heads, dim).index_copy_(0, slots, new.transpose(1, 2).reshape(-1, heads, dim)
+                                                              .to(pool.dtype))
+        gathered.append(pool[table].flatten(1, 2).transpose(1, 2))
+    return gathered[0], gathered[1]
 
 
 def repeat_rows(caches: list[KVCache], repeats: int) -> list[KVCache]:

@@ -54,9 +54,10 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def causal_mask(start_pos: int | Tensor, num_queries: int, num_keys: int, device: torch.device) -> Tensor:
-    """[num_queries, num_keys] bool: the query at slot start_pos + i sees the keys in slots 0 .. start_pos + i."""
+    """[num_queries, num_keys] bool: the query at slot start_pos + i sees the keys in slots 0 .. start_pos + i
+    ([B, num_queries, num_keys] for a start_pos of shape [B, 1]: one per row)."""
     query_slots = torch.arange(num_queries, device=device) + start_pos
-    return torch.arange(num_keys, device=device) <= query_slots[:, None]
+    return torch.arange(num_keys, device=device) <= query_slots[..., None]
 
 
 # Grouped-query attention (Ainslie et al. 2023) through PyTorch's scaled_dot_product_attention.
@@ -202,8 +203,8 @@ class LanguageModel(nn.Module):
         attention_mask: [B, L] with 1 for real tokens and 0 for padding over slots 0 .. L-1 (L >= the slots
         attended), or, for rows that pack several sequences, 1, 2, ... for the tokens of each (in order; see
         data/packing.py); None means no padding. kv_cache: one dict per block (see `allocate_kv_cache`), or None for a
-        plain pass. start_pos: an int, or a 0-dim tensor for shape-static decoding over the whole cache (the modes are
-        listed in models/kv_cache.py).
+        plain pass. start_pos: an int, a 0-dim tensor for shape-static decoding over the whole cache, or, with a paged
+        cache, a [B] tensor of each row's first position (the modes are listed in models/kv_cache.py).
         Returns the final-normed hidden states and the cache; logits are `head(hidden)`.
         """
         batch, seq, _ = embeddings.shape
@@ -225,10 +226,17 @@ class LanguageModel(nn.Module):
         A token's position is the number of real tokens before it in its own sequence (a packed row's sequences are
         numbered 1, 2, ... in order); a token sees the earlier tokens of its sequence, and a pad sees only itself, so
         that no softmax row is empty."""
-        slots = torch.arange(seq, device=device) + start_pos
+        per_row = isinstance(start_pos, Tensor) and start_pos.dim() == 1  # the paged cache: a position per row
+        if per_row:
+            if attention_mask is not None:
+                raise ValueError("per-row positions (a paged cache) take no attention mask: padding is per row there")
+            start_pos = start_pos[:, None]
+        slots = torch.arange(seq, device=device) + start_pos  # [T], or [B, T] with a position per row
         if attention_mask is None:
-            mask = None if num_keys == seq else causal_mask(start_pos, seq, num_keys, device)[None, None]
-            return slots.expand(batch, seq), mask
+            if num_keys == seq and not per_row:
+                return slots.expand(batch, seq), None
+            mask = causal_mask(start_pos, seq, num_keys, device)
+            return slots.expand(batch, seq), mask[:, None] if per_row else mask[None, None]
         sequence = attention_mask[:, :num_keys].long()
         real = sequence > 0
         # Real tokens of the earlier sequences of the row, for each sequence number (never above num_keys):

@@ -78,19 +78,26 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         image_token_id = self.config.image_token_id if image_token_id is None else image_token_id
         self.config = dataclasses.replace(self.config, language=self.language.config, image_token_id=image_token_id)
 
-    def embed(self, input_ids: Tensor, images: Tensor | None = None) -> Tensor:
+    def image_features(self, images: Tensor) -> Tensor:
+        """The LM-space embeddings of `images` [N, C, H, W]: [N, tokens_per_image, hidden]."""
+        return self.projector(self.vision(images.to(self.language.token_embedding.weight.dtype)))
+
+    def embed(self, input_ids: Tensor, images: Tensor | None = None, features: Tensor | None = None) -> Tensor:
         """Token embeddings [B, T, C] with the projected image patches written at the image-token positions,
-        images in the row-major order of their placeholders."""
+        images in the row-major order of their placeholders. `features` (rows of `image_features`, in placeholder
+        order) may stand in for `images`: a chunk of a prompt then takes just its part of an image's features."""
         embeddings = self.language.token_embedding(input_ids)
         slots = input_ids == (-1 if self.config.image_token_id is None else self.config.image_token_id)
         num_slots = int(slots.sum())
-        num_images = 0 if images is None else images.shape[0]
-        if num_slots != num_images * self.config.tokens_per_image:
-            raise InputError(f"the prompts hold {num_slots} image tokens but {num_images} image(s) need "
-                             f"{num_images * self.config.tokens_per_image} ({self.config.tokens_per_image} each)")
-        if num_images == 0:
+        if features is None and images is not None:
+            features = self.image_features(images)
+        num_features = 0 if features is None else features.shape[:-1].numel()
+        if num_slots != num_features:
+            per_image = self.config.tokens_per_image
+            raise InputError(f"the prompts hold {num_slots} image tokens but the images give {num_features} "
+                             f"({num_features // per_image} image(s) of {per_image} tokens)")
+        if num_features == 0:
             return embeddings
-        features = self.projector(self.vision(images.to(embeddings.dtype)))
         # Under autocast the projector returns bfloat16 while embeddings stay float32: splice in the embeddings' dtype.
         return embeddings.masked_scatter(slots.unsqueeze(-1), features.to(embeddings.dtype))
 

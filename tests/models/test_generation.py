@@ -107,7 +107,7 @@ def test_bad_settings_are_clear_errors(model, batch, settings, message):
 
 def test_image_count_must_match_the_placeholders(model, batch):
     prompts, images = batch
-    with pytest.raises(ValueError, match="hold 4 image tokens but 2 image"):
+    with pytest.raises(ValueError, match="hold 4 image tokens but the images give 8"):
         model.generate(prompts[0][None], images[:2], max_new_tokens=2)
 
 

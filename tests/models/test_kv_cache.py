@@ -16,3 +16,44 @@ def test_formula_matches_allocated_tensors():
 def test_smollm2_figure():
     # 2 x 30 layers x 3 kv heads x 64 dims x 8192 tokens x 1 x 2 bytes = 180 MiB in bf16
     assert kv_cache_bytes(LanguageConfig(), batch=1, tokens=8192) == 180 * 2**20
+
+
+def test_paged_layout_equals_one_uncached_pass_per_sequence():
+    """Rows at different positions of their own sequences (chunks of 5, 3, then 1 token) write to scattered pool
+    blocks through their block tables and attend over them: each token's hidden state equals a plain pass over its
+    sequence alone. Padded tokens of short chunks write to the null block 0 and change nothing."""
+    torch.manual_seed(0)
+    config = LanguageConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6,
+                            num_kv_heads=2, max_position_embeddings=64)
+    model = LanguageModel(config).eval()
+    block_size, lengths = 4, [13, 6, 9]
+    sequences = [torch.randint(0, 64, (n,)) for n in lengths]
+    free = torch.randperm(30)[:15].add(1).tolist()  # scattered blocks, never the null block
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lengths]
+    pools = [{"key": torch.zeros(31, block_size, 2, 8), "value": torch.zeros(31, block_size, 2, 8)}
+             for _ in range(config.num_layers)]
+    done, outputs = [0, 0, 0], [[], [], []]
+    with torch.no_grad():
+        for chunk in (5, 3, 1, 5, 1, 1, 1):
+            rows = [(r, min(chunk, n - done[r])) for r, n in enumerate(lengths) if done[r] < n]
+            if not rows:
+                break
+            width = max(count for _, count in rows)
+            ids = torch.zeros(len(rows), width, dtype=torch.long)
+            slots = torch.zeros(len(rows), width, dtype=torch.long)  # padding: slot 0 of the null block
+            table = torch.zeros(len(rows), max(len(t) for t in tables), dtype=torch.long)
+            for i, (r, count) in enumerate(rows):
+                positions = torch.arange(done[r], done[r] + count)
+                ids[i, :count] = sequences[r][positions]
+                block = torch.tensor(tables[r])[positions // block_size]
+                slots[i, :count] = block * block_size + positions % block_size
+                table[i, : len(tables[r])] = torch.tensor(tables[r])
+            caches = [{**pool, "block_table": table, "slot_mapping": slots} for pool in pools]
+            start = torch.tensor([done[r] for r, _ in rows])
+            hidden, _ = model(model.token_embedding(ids), kv_cache=caches, start_pos=start)
+            for i, (r, count) in enumerate(rows):
+                outputs[r].append(hidden[i, :count])
+                done[r] += count
+        for r, ids in enumerate(sequences):
+            expected, _ = model(model.token_embedding(ids[None]))
+            torch.testing.assert_close(torch.cat(outputs[r])[None], expected, atol=1e-5, rtol=0)

@@ -70,7 +70,7 @@ def test_wrong_number_of_images():
     model = tiny_vlm()
     ids = torch.full((1, 6), 5)
     ids[0, :4] = IMAGE_ID
-    with pytest.raises(ValueError, match="hold 4 image tokens but 0 image"):
+    with pytest.raises(ValueError, match="hold 4 image tokens but the images give 0"):
         model(ids, None)
 
 
