@@ -82,12 +82,16 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         """The LM-space embeddings of `images` [N, C, H, W]: [N, tokens_per_image, hidden]."""
         return self.projector(self.vision(images.to(self.language.token_embedding.weight.dtype)))
 
-    def embed(self, input_ids: Tensor, images: Tensor | None = None, features: Tensor | None = None) -> Tensor:
+    def embed(self, input_ids: Tensor, images: Tensor | None = None, features: Tensor | None = None,
+              slots: Tensor | None = None) -> Tensor:
         """Token embeddings [B, T, C] with the projected image patches written at the image-token positions,
         images in the row-major order of their placeholders. `features` (rows of `image_features`, in placeholder
-        order) may stand in for `images`: a chunk of a prompt then takes just its part of an image's features."""
+        order) may stand in for `images`: a chunk of a prompt then takes just its part of an image's features.
+        `slots` [B, T] bool says where they go when not every image-token id is a placeholder (the model may
+        generate that id; in a generated token it is just a token)."""
         embeddings = self.language.token_embedding(input_ids)
-        slots = input_ids == (-1 if self.config.image_token_id is None else self.config.image_token_id)
+        if slots is None:
+            slots = input_ids == (-1 if self.config.image_token_id is None else self.config.image_token_id)
         num_slots = int(slots.sum())
         if features is None and images is not None:
             features = self.image_features(images)

@@ -38,7 +38,8 @@ def chain_hash(previous: int | None, keys: Sequence[TokenKey]) -> int:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 2 or block_size < 1:
-            raise ValueError(f"need at least 2 blocks (one is the null block) of >= 1 slot, got {num_blocks} x {block_size}")
+            raise ValueError(f"need at least 2 blocks (one is the null block) of >= 1 slot, "
+                             f"got {num_blocks} x {block_size}")
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: deque[int] = deque(range(1, num_blocks))
@@ -103,11 +104,11 @@ class BlockManager:
             self._reference(block_id)
         return list(table)
 
-    def append_slot(self, table: list[int], num_tokens: int) -> tuple[int, int] | None:
-        """Make room for the token at position `num_tokens` (0-based) of a sequence; returns a (source, destination)
-        block copy to perform first when its block was shared (copy-on-write), or None. The table is changed in place.
-        Raises MemoryError when no block is free (the caller preempts first: see `can_append`)."""
-        if num_tokens % self.block_size == 0:
+    def append_slot(self, table: list[int], position: int) -> tuple[int, int] | None:
+        """Make room for the token at `position` of a sequence whose table covers every earlier token; returns a
+        (source, destination) block copy to perform first when the token's block is shared (copy-on-write), or None.
+        The table is changed in place. Raises MemoryError when no block is free (check `can_append` first)."""
+        if position // self.block_size == len(table):
             table.append(self._take())
             return None
         last = table[-1]
@@ -118,8 +119,8 @@ class BlockManager:
         table[-1] = copy
         return last, copy
 
-    def can_append(self, table: list[int], num_tokens: int) -> bool:
-        needs_block = num_tokens % self.block_size == 0 or self.blocks[table[-1]].ref_count > 1
+    def can_append(self, table: list[int], position: int) -> bool:
+        needs_block = position // self.block_size == len(table) or self.blocks[table[-1]].ref_count > 1
         return not needs_block or self.num_free > 0
 
     def release(self, table: list[int]) -> None:

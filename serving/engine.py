@@ -1,0 +1,222 @@
+"""The serving engine: requests in, tokens out, many requests sharing each forward pass over a paged KV cache.
+
+    engine = Engine(model, tokenizer, processor, num_blocks=512)
+    outputs = engine.generate([Request("What color is the circle?", [image]), Request("Describe the image.")])
+
+or step by step (a server): `add_request`, then `step()` until `has_unfinished()` is False; `abort(request_id)` drops
+a request and frees its blocks. Each step schedules (serving/scheduler.py), runs one forward (serving/runner.py) and
+samples each request with its own settings and generator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterable
+
+import torch
+from PIL import Image
+from torch import Tensor
+
+from data import ImageProcessor, encode_prompt
+from models import VisionLanguageModel
+from models.errors import TinyVLMError
+from models.sampling import sample
+from serving.block_manager import BlockManager
+from serving.runner import ModelRunner
+from serving.scheduler import Scheduler
+from serving.sequence import Group, RequestParams, Sequence, token_keys
+
+
+class RequestError(TinyVLMError, ValueError):
+    """A request the engine cannot serve: longer than the context, larger than the whole KV cache, bad settings."""
+
+
+@dataclasses.dataclass
+class Request:
+    """A prompt (text, or token ids with image placeholders already in place) with its images (PIL images, or
+    processed pixels [N, C, H, W]) and settings."""
+
+    prompt: str | list[int]
+    images: list[Image.Image] | Tensor | None = None
+    params: RequestParams = dataclasses.field(default_factory=RequestParams)
+    request_id: str | None = None
+
+
+@dataclasses.dataclass
+class Output:
+    """What a step produced for one request: each sample's new tokens, and, once finished, each sample's reason
+    ("stop": a stop token, included in its tokens; "length": max_tokens or the context)."""
+
+    request_id: str
+    new_tokens: list[list[int]]
+    finished: bool = False
+    finish_reasons: list[str | None] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Result:
+    request_id: str
+    token_ids: list[list[int]]  # per sample
+    texts: list[str]
+    finish_reasons: list[str]
+    prompt_tokens: int
+
+
+class Engine:
+    def __init__(self, model: VisionLanguageModel, tokenizer=None, processor: ImageProcessor | None = None, *,
+                 num_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 64,
+                 max_batch_tokens: int = 512) -> None:
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.processor = processor or ImageProcessor.from_config(model.config.vision)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_batch_tokens)
+        self.runner = ModelRunner(model, num_blocks, block_size)
+        self.groups: dict[str, Group] = {}
+        self._arrivals = itertools.count()
+
+    # -- requests ------------------------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> str:
+        """Queue a request; returns its id. Raises RequestError for one that could never be served."""
+        request_id = request.request_id or f"req-{next(self._arrivals)}"
+        if request_id in self.groups:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        prompt, images = self._encode(request)
+        params, config = request.params, self.model.config
+        context = config.language.max_position_embeddings
+        if len(prompt) + params.max_tokens > context:
+            raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                               f"of {context} tokens")
+        blocks = self.blocks
+        prompt_blocks = blocks.blocks_for(len(prompt))
+        worst = prompt_blocks + params.n * (blocks.blocks_for(len(prompt) + params.max_tokens) - prompt_blocks + 1)
+        if worst > blocks.num_usable:
+            raise RequestError(f"the request needs up to {worst} KV-cache blocks, more than the {blocks.num_usable} "
+                               f"there are")
+        if params.n > self.scheduler.max_num_seqs:
+            raise RequestError(f"n ({params.n}) exceeds max_num_seqs ({self.scheduler.max_num_seqs})")
+        stop = set() if params.ignore_eos else {*config.stop_ids, *params.stop_token_ids}
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.runner.device).manual_seed(params.seed)
+        group = Group(request_id, prompt, images, params, frozenset(stop), next(self._arrivals), generator=generator)
+        group.sequences = [Sequence(group, 0, list(prompt), token_keys(prompt, images, config.image_token_id))]
+        self.groups[request_id] = group
+        self.scheduler.add(group)
+        return request_id
+
+    def _encode(self, request: Request) -> tuple[list[int], Tensor | None]:
+        images = request.images
+        if images is not None and not isinstance(images, Tensor):
+            images = torch.stack([self.processor(image) for image in images]) if images else None
+        if isinstance(request.prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("a text prompt needs the engine's tokenizer")
+            config = self.model.config
+            prompt = encode_prompt(self.tokenizer, request.prompt, 0 if images is None else len(images),
+                                   config.tokens_per_image, config.image_position)
+        else:
+            prompt = list(request.prompt)
+        num_image_tokens = sum(token == self.model.config.image_token_id for token in prompt)
+        expected = 0 if images is None else len(images) * self.model.config.tokens_per_image
+        if num_image_tokens != expected:
+            raise RequestError(f"the prompt holds {num_image_tokens} image tokens but the images need {expected}")
+        return prompt, images
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request (a client that went away) and free its blocks; unknown or finished ids are ignored."""
+        group = self.groups.pop(request_id, None)
+        if group is not None:
+            self.scheduler.remove(group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.groups)
+
+    # -- stepping ------------------------------------------------------------------------------------------------
+    def step(self) -> list[Output]:
+        """Run one forward over the scheduled work; return the new tokens of every request that got some."""
+        planned = self.scheduler.schedule()
+        if not planned.work:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("no request can be admitted with an empty KV cache: the admission check is wrong")
+            return []
+        self.runner.copy_blocks(planned.copies)
+        logits = self.runner.run(planned.work)
+        sampling: dict[Group, list[tuple[Sequence, Tensor]]] = {}
+        for (sequence, count), row in zip(planned.work, logits):
+            sequence.num_computed += count
+            self.blocks.commit(sequence.table, sequence.keys, sequence.hashes, sequence.num_computed)
+            if sequence.num_pending == 0:
+                sampling.setdefault(sequence.group, []).append((sequence, row))
+        outputs = []
+        for group, rows in sampling.items():
+            outputs.append(self._sample(group, rows))
+        return outputs
+
+    def _sample(self, group: Group, rows: list[tuple[Sequence, Tensor]]) -> Output:
+        params = group.params
+        if not group.forked:  # the prompt is done: its n samples start here, sharing its blocks
+            parent, logits = rows[0]
+            for index in range(1, params.n):
+                child = Sequence(group, index, list(parent.tokens), list(parent.keys),
+                                 table=self.blocks.fork(parent.table), hashes=list(parent.hashes),
+                                 num_computed=parent.num_computed)
+                group.sequences.append(child)
+            group.forked = True
+            rows = [(sequence, logits) for sequence in group.sequences]
+        # One draw for all n rows, as generate(num_samples=n) makes it, so seeded results agree.
+        logits = torch.stack([row for _, row in rows]) if len(rows) == params.n else None
+        if logits is None:
+            logits = torch.zeros(params.n, rows[0][1].shape[-1], device=rows[0][1].device)
+            for sequence, row in rows:
+                logits[sequence.index] = row
+        tokens = sample(logits, params, group.generator).tolist()
+        new_tokens = [[] for _ in range(params.n)]
+        context = self.model.config.language.max_position_embeddings
+        for sequence, _ in rows:
+            token = tokens[sequence.index]
+            sequence.append(token)
+            new_tokens[sequence.index].append(token)
+            if token in group.stop_ids:
+                sequence.finish_reason = "stop"
+            elif len(sequence.outputs) >= params.max_tokens or len(sequence.tokens) >= context:
+                sequence.finish_reason = "length"
+            if sequence.finish_reason:
+                self.blocks.release(sequence.table)
+        finished = group.finished
+        if finished:
+            self.scheduler.remove(group)
+            self.groups.pop(group.request_id, None)
+        return Output(group.request_id, new_tokens, finished, [s.finish_reason for s in group.sequences])
+
+    # -- offline -------------------------------------------------------------------------------------------------
+    def generate(self, requests: Iterable[Request], progress=None) -> list[Result]:
+        """Serve every request to the end; results in the order given. `progress(done)` is called as requests end."""
+        order, prompts = [], {}
+        for request in requests:
+            request_id = self.add_request(request)
+            order.append(request_id)
+            prompts[request_id] = self.groups[request_id]
+        tokens = {request_id: [[] for _ in range(prompts[request_id].params.n)] for request_id in order}
+        reasons: dict[str, list[str]] = {}
+        while self.has_unfinished():
+            for output in self.step():
+                for sample_tokens, new in zip(tokens[output.request_id], output.new_tokens):
+                    sample_tokens.extend(new)
+                if output.finished:
+                    reasons[output.request_id] = output.finish_reasons
+                    if progress:
+                        progress(len(reasons))
+        return [Result(request_id, tokens[request_id], [self.decode(t) for t in tokens[request_id]],
+                       reasons[request_id], prompts[request_id].num_prompt) for request_id in order]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True).strip()
+
+    def stats(self) -> dict[str, float]:
+        """Running and waiting requests, KV blocks in use, prefix-cache hit rate, preemptions so far."""
+        blocks = self.blocks
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "kv_blocks_used": blocks.num_usable - blocks.num_free, "kv_blocks_total": blocks.num_usable,
+                "prefix_hit_rate": blocks.hits / blocks.lookups if blocks.lookups else 0.0,
+                "preemptions": self.scheduler.num_preemptions}

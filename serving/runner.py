@@ -1,0 +1,81 @@
+"""One forward pass over a step's work: every scheduled sequence's tokens, in one padded batch over the paged cache.
+
+The pool holds, per layer, keys and values [num_blocks, block_size, kv_heads, head_dim]; each row of the batch is one
+sequence's chunk (a decode's single token, or part of a prompt), at its own position, with its block table and the
+pool slot of each new token (see models/kv_cache.py, "paged"). The model's own blocks and attention run it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from models import VisionLanguageModel
+from serving.block_manager import NULL_BLOCK
+from serving.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: VisionLanguageModel, num_blocks: int, block_size: int) -> None:
+        self.model, self.block_size = model, block_size
+        config, weight = model.config.language, model.language.token_embedding.weight
+        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.pools = [{"key": torch.zeros(shape, dtype=weight.dtype, device=weight.device),
+                       "value": torch.zeros(shape, dtype=weight.dtype, device=weight.device)}
+                      for _ in range(config.num_layers)]
+        image_token = model.config.image_token_id
+        self.image_token = -1 if image_token is None else image_token
+        self.filler = 1 if image_token == 0 else 0  # the id padded positions carry: never the image token
+        self.device = weight.device
+
+    @staticmethod
+    def bytes_per_block(model: VisionLanguageModel, block_size: int) -> int:
+        config, weight = model.config.language, model.language.token_embedding.weight
+        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * weight.element_size()
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            source, destination = (torch.tensor(ids, device=self.device) for ids in zip(*copies))
+            for pool in self.pools:
+                for tensor in pool.values():
+                    tensor[destination] = tensor[source]
+
+    @torch.inference_mode()
+    def run(self, work: list[tuple[Sequence, int]]) -> Tensor:
+        """Logits [len(work), vocab] at each row's last computed token."""
+        size, width = self.block_size, max(count for _, count in work)
+        num_blocks = max(len(sequence.table) for sequence, _ in work)
+        ids = torch.full((len(work), width), self.filler, dtype=torch.long)
+        image_slots = torch.zeros(len(work), width, dtype=torch.bool)
+        slots = torch.full((len(work), width), NULL_BLOCK * size, dtype=torch.long)
+        tables = torch.full((len(work), num_blocks), NULL_BLOCK, dtype=torch.long)
+        features = []
+        for row, (sequence, count) in enumerate(work):
+            start = sequence.num_computed
+            chunk = sequence.tokens[start : start + count]
+            ids[row, :count] = torch.tensor(chunk)
+            positions = torch.arange(start, start + count)
+            table = torch.tensor(sequence.table)
+            slots[row, :count] = table[positions // size] * size + positions % size
+            tables[row, : len(table)] = table
+            prompt = sequence.tokens[: sequence.num_prompt]  # only the prompt's image-token ids are placeholders
+            images_before = sum(token == self.image_token for token in prompt[:start])
+            here = torch.tensor([token == self.image_token for token in prompt[start : start + count]],
+                                dtype=torch.bool)
+            image_slots[row, : len(here)] = here
+            if here.any():
+                features.append(self._features(sequence)[images_before : images_before + int(here.sum())])
+        ids, slots, tables = ids.to(self.device), slots.to(self.device), tables.to(self.device)
+        embeddings = self.model.embed(ids, features=torch.cat(features) if features else None,
+                                      slots=image_slots.to(self.device))
+        caches = [{**pool, "block_table": tables, "slot_mapping": slots} for pool in self.pools]
+        starts = torch.tensor([sequence.num_computed for sequence, _ in work], device=self.device)
+        hidden, _ = self.model.language(embeddings, kv_cache=caches, start_pos=starts)
+        last = torch.tensor([count - 1 for _, count in work], device=self.device)
+        return self.model.language.head(hidden[torch.arange(len(work), device=self.device), last])
+
+    def _features(self, sequence: Sequence) -> Tensor:
+        group = sequence.group
+        if group.features is None:
+            group.features = self.model.image_features(group.images.to(self.device)).flatten(0, 1)
+        return group.features

@@ -1,0 +1,115 @@
+"""What the engine tracks per request: its settings, its samples (sequences) and their place in the KV cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+
+import torch
+from torch import Tensor
+
+from models.config import check
+from models.sampling import SamplingParams
+from serving.block_manager import TokenKey
+
+
+@dataclasses.dataclass
+class RequestParams(SamplingParams):
+    """Per-request settings (as vLLM's SamplingParams): sampling, `n` samples sharing one prefill, `max_tokens`,
+    a `seed` for reproducible sampling, extra `stop_token_ids` (the model's own stop tokens always apply, unless
+    `ignore_eos`, which benchmarks use to fix output lengths)."""
+
+    n: int = 1
+    max_tokens: int = 64
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.n >= 1, f"n must be >= 1, got {self.n}")
+        check(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not yet admitted, or preempted: its blocks are free, its tokens recomputed on admission
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One sample of a request: prompt + generated tokens, how many of them are in the KV cache, its block table."""
+
+    group: Group
+    index: int  # which of the request's n samples
+    tokens: list[int]
+    keys: list[TokenKey]  # what identifies each token's K/V for prefix reuse (see serving/block_manager.py)
+    table: list[int] = dataclasses.field(default_factory=list)
+    hashes: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    finish_reason: str | None = None
+
+    @property
+    def num_prompt(self) -> int:
+        return self.group.num_prompt
+
+    @property
+    def outputs(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return len(self.tokens) - self.num_computed
+
+    def append(self, token: int) -> None:
+        self.tokens.append(token)
+        self.keys.append(token)
+
+
+@dataclasses.dataclass(eq=False)
+class Group:
+    """A request: its prompt (token ids with image placeholders), images, settings and samples. Its prompt is
+    prefilled once; the n samples then fork from it and share its blocks (copy-on-write)."""
+
+    request_id: str
+    prompt: list[int]
+    images: Tensor | None  # [N, C, H, W] pixels, in placeholder order
+    params: RequestParams
+    stop_ids: frozenset[int]
+    arrival: int  # order of arrival: the newest running request is the one preempted
+    sequences: list[Sequence] = dataclasses.field(default_factory=list)
+    status: Status = Status.WAITING
+    features: Tensor | None = None  # the images' LM-space embeddings [image tokens, hidden], computed once
+    generator: torch.Generator | None = None
+    forked: bool = False
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def live(self) -> list[Sequence]:
+        return [s for s in self.sequences if s.finish_reason is None]
+
+    @property
+    def finished(self) -> bool:
+        return self.forked and not self.live
+
+
+def token_keys(prompt: list[int], images: Tensor | None, image_token_id: int | None) -> list[TokenKey]:
+    """Prefix-cache keys of a prompt: token ids, and (digest of the image's pixels, index) for image tokens, so that
+    two different images (or one image processed two ways) never share cached blocks."""
+    digests = [] if images is None else [hashlib.sha256(image.float().cpu().numpy().tobytes()).hexdigest()
+                                         for image in images]
+    keys, seen = [], 0
+    per_image = 0 if not digests else sum(t == image_token_id for t in prompt) // len(digests)
+    for token in prompt:
+        if token == image_token_id and digests:
+            keys.append((digests[seen // per_image], seen % per_image))
+            seen += 1
+        else:
+            keys.append(token)
+    return keys

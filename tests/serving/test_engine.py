@@ -1,0 +1,132 @@
+"""The engine against `VisionLanguageModel.generate` run on each request alone: same tokens under continuous
+batching, chunked prefill, preemption, prefix caching and n samples per request."""
+
+import pytest
+import torch
+
+from serving.engine import Engine, Request, RequestError
+from serving.sequence import RequestParams
+from tests.models.generation_helpers import IMAGE_ID, TOKENS_PER_IMAGE
+from tests.models.helpers import tiny_vlm
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_vlm(seed=1)
+
+
+def _prompt(length: int, seed: int, images: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 90, (length,), generator=g).tolist()
+    for i in range(images):  # placeholders after a little text, one token of text between images
+        start = 2 + i * (TOKENS_PER_IMAGE + 1)
+        ids[start : start + TOKENS_PER_IMAGE] = [IMAGE_ID] * TOKENS_PER_IMAGE
+    return ids
+
+
+def _images(count: int, seed: int) -> torch.Tensor | None:
+    return torch.randn(count, 3, 32, 32, generator=torch.Generator().manual_seed(100 + seed)) if count else None
+
+
+def _alone(model, prompt, images, params: RequestParams, generator=None) -> list[list[int]]:
+    """generate() on the request alone, each sample cut after its first stop token."""
+    rows = model.generate(torch.tensor([prompt]), images, max_new_tokens=params.max_tokens, greedy=params.greedy,
+                          temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                          num_samples=params.n, eos_token_id=model.config.stop_ids, generator=generator).tolist()
+    cut = []
+    for row in rows:
+        stops = [i for i, token in enumerate(row) if token in model.config.stop_ids]
+        cut.append(row[: stops[0] + 1] if stops else row)
+    return cut
+
+
+def _requests():
+    """Ten requests: prompts of 5-40 tokens, with 0, 1 or 2 images, 3-20 new tokens each."""
+    specs = [(12, 1, 8), (5, 0, 20), (40, 2, 6), (17, 1, 12), (9, 0, 3), (30, 1, 15), (22, 2, 9), (6, 0, 18),
+             (35, 1, 5), (14, 1, 10)]
+    return [(_prompt(length, seed, images), _images(images, seed), RequestParams(greedy=True, max_tokens=new))
+            for seed, (length, images, new) in enumerate(specs)]
+
+
+def _serve(engine: Engine, requests, arrivals) -> dict[str, list[int]]:
+    """Requests added at the given steps (arrival[i] for request i); returns each request's tokens."""
+    tokens, step = {}, 0
+    pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
+    while pending or engine.has_unfinished():
+        while pending and arrivals[pending[0]] <= step:
+            i = pending.pop(0)
+            prompt, images, params = requests[i]
+            engine.add_request(Request(prompt, images, params, request_id=str(i)))
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_tokens[0])
+        step += 1
+        assert step < 2_000
+    return tokens
+
+
+@pytest.mark.parametrize("num_blocks, block_size, budget", [(200, 16, 512), (14, 4, 16), (40, 8, 10)],
+                         ids=["roomy", "preempting", "chunked"])
+def test_continuous_batching_gives_each_request_its_greedy_tokens(model, num_blocks, block_size, budget):
+    requests = _requests()
+    engine = Engine(model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=8, max_batch_tokens=budget)
+    tokens = _serve(engine, requests, arrivals=[0, 0, 1, 3, 3, 4, 8, 9, 15, 15])
+    for i, (prompt, images, params) in enumerate(requests):
+        assert tokens[str(i)] == _alone(model, prompt, images, params)[0], i
+    assert engine.blocks.num_free == engine.blocks.num_usable  # every block back
+    engine.blocks.check()
+    if num_blocks == 14:
+        assert engine.scheduler.num_preemptions > 0
+    if budget == 10:
+        assert engine.stats()["preemptions"] == 0
+
+
+def test_n_samples_equal_generate_with_num_samples_under_the_same_seed(model):
+    prompt, images = _prompt(13, 7, 1), _images(1, 7)
+    params = RequestParams(temperature=1.3, top_k=40, max_tokens=12, n=3, seed=11)
+    engine = Engine(model, num_blocks=64, block_size=4)
+    (result,) = engine.generate([Request(prompt, images, params)])
+    expected = _alone(model, prompt, images, params, generator=torch.Generator().manual_seed(11))
+    assert result.token_ids == expected
+    assert len({tuple(t) for t in expected}) > 1
+    assert engine.blocks.num_free == engine.blocks.num_usable
+
+
+def test_a_repeated_image_and_prompt_reuse_blocks_and_another_image_does_not(model):
+    prompt = _prompt(30, 3, 1)  # image placeholders at positions 2-5: the text before them fits no full block of 4
+    engine = Engine(model, num_blocks=64, block_size=4)
+    first = engine.generate([Request(prompt, _images(1, 3), RequestParams(greedy=True, max_tokens=4))])
+    assert engine.blocks.hits == 0
+    again = engine.generate([Request(prompt, _images(1, 3), RequestParams(greedy=True, max_tokens=4))])
+    assert engine.blocks.hits == 7 and again[0].token_ids == first[0].token_ids  # blocks 0-6 of 8
+    hits = engine.blocks.hits
+    other = engine.generate([Request(prompt, _images(1, 4), RequestParams(greedy=True, max_tokens=4))])
+    assert engine.blocks.hits == hits  # block 0 holds image tokens: nothing is shared
+    assert other[0].token_ids[0] == _alone(model, prompt, _images(1, 4), RequestParams(greedy=True, max_tokens=4))[0]
+    text_first = [7, 8, 9, 10, *prompt]  # one full block of text before the image: the only block two images share
+    engine.generate([Request(text_first, _images(1, 3), RequestParams(greedy=True, max_tokens=2))])
+    hits = engine.blocks.hits
+    engine.generate([Request(text_first, _images(1, 4), RequestParams(greedy=True, max_tokens=2))])
+    assert engine.blocks.hits - hits == 1
+
+
+def test_abort_frees_every_block(model):
+    engine = Engine(model, num_blocks=64, block_size=4)
+    for i, (prompt, images, params) in enumerate(_requests()[:4]):
+        engine.add_request(Request(prompt, images, params, request_id=str(i)))
+    engine.step()
+    engine.step()
+    for i in range(4):
+        engine.abort(str(i))
+    assert not engine.has_unfinished() and engine.blocks.num_free == engine.blocks.num_usable
+    engine.blocks.check()
+
+
+def test_requests_that_can_never_be_served_are_refused_at_once(model):
+    engine = Engine(model, num_blocks=8, block_size=4)
+    with pytest.raises(RequestError, match="exceeds the context"):
+        engine.add_request(Request(_prompt(100, 0, 0), None, RequestParams(max_tokens=40)))
+    with pytest.raises(RequestError, match="KV-cache blocks"):
+        engine.add_request(Request(_prompt(30, 0, 0), None, RequestParams(max_tokens=20)))
+    with pytest.raises(RequestError, match="image tokens"):
+        engine.add_request(Request(_prompt(10, 0, 1), None, RequestParams(max_tokens=2)))
+    assert not engine.has_unfinished()
