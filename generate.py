@@ -4,43 +4,28 @@
     python generate.py --checkpoint runs/tiny --image photo.png                 # no prompt: a caption
     python generate.py --image photo.png --temperature 0.8 --top-k 50 --top-p 0.9 --num-samples 3
     python generate.py --image photo.png --compile                              # the fast decode path
+    python generate.py --batch requests.jsonl --output answers.jsonl            # many at once (serving engine)
 
-Decoding is greedy unless a sampling option (--temperature, --top-k, --top-p) is given.
+Decoding is greedy unless a sampling option (--temperature, --top-k, --top-p) is given. In batch mode each line of
+the input is {"image": path, "prompt": text} (either may be left out: no image, or a caption); the output has the
+same lines, in the same order, each with its "answer" added.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import torch
 
 from data import CAPTION_PROMPT, ImageProcessor, encode_prompt, load_image
-from models import CheckpointError, GenerationError, TinyVLMError, VisionLanguageModel, kv_cache_bytes
-from models.checkpoints import SHARDED, find_checkpoint, newest_checkpoint, pick_device
-
-RUNS = Path("runs")
-
-
-def load(checkpoint: Path | None, device: torch.device, allow_pickle: bool = False):
-    """Model and tokenizer from a checkpoint directory (or the newest one under runs/)."""
-    from transformers import AutoTokenizer
-
-    if checkpoint is None:
-        path = newest_checkpoint(RUNS)
-        print(f"using the newest checkpoint: {path}", file=sys.stderr)
-    else:
-        path = find_checkpoint(checkpoint)
-    if (path / SHARDED).is_dir() and not (path / "model.safetensors").is_file():
-        raise CheckpointError(f"{path}: a sharded (FSDP2) checkpoint; export it first: "
-                              f"python -m training.export {path}")
-    model = VisionLanguageModel.from_pretrained(path, map_location=device, allow_pickle=allow_pickle).eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: no usable tokenizer ({type(e).__name__})") from None
-    return model, tokenizer
+from models import GenerationError, TinyVLMError, kv_cache_bytes
+from models.checkpoints import load_for_inference, pick_device
+from models.loading import atomic_write
+from serving.engine import RequestError, engine_size
+from serving.sequence import RequestParams
 
 
 def check_prompt(prompt: str) -> str:
@@ -49,11 +34,19 @@ def check_prompt(prompt: str) -> str:
     return prompt
 
 
+def sampling_settings(args: argparse.Namespace) -> dict:
+    """The sampling settings of the command line: greedy unless a sampling option is given."""
+    sampling = [args.temperature, args.top_k, args.top_p]
+    return dict(greedy=args.greedy or sampling == [None] * 3, top_k=args.top_k or 0,
+                temperature=1.0 if args.temperature is None else args.temperature,
+                top_p=1.0 if args.top_p is None else args.top_p)
+
+
 def run(args: argparse.Namespace) -> None:
     device = pick_device(args.device)
     prompt = check_prompt(CAPTION_PROMPT if args.prompt is None else args.prompt)
     image = load_image(args.image)
-    model, tokenizer = load(args.checkpoint, device, args.allow_pickle)
+    model, tokenizer = load_for_inference(args.checkpoint, device, args.allow_pickle)
     pixels = ImageProcessor.from_config(model.config.vision)(image)[None].to(device)
     ids = torch.tensor([encode_prompt(tokenizer, prompt, 1, model.config.tokens_per_image,
                                       model.config.image_position)], device=device)
@@ -61,10 +54,7 @@ def run(args: argparse.Namespace) -> None:
     dtype = next(model.parameters()).dtype
     print(f"KV cache: {kv_cache_bytes(model.config.language, rows, tokens, dtype) / 2**20:.2f} MiB "
           f"({rows} x {tokens} tokens, {dtype})", file=sys.stderr)
-    sampling = [args.temperature, args.top_k, args.top_p]
-    settings = dict(max_new_tokens=args.max_new_tokens, greedy=args.greedy or sampling == [None] * 3,
-                    temperature=1.0 if args.temperature is None else args.temperature, top_k=args.top_k or 0,
-                    top_p=1.0 if args.top_p is None else args.top_p, num_samples=args.num_samples,
+    settings = dict(max_new_tokens=args.max_new_tokens, num_samples=args.num_samples, **sampling_settings(args),
                     eos_token_id=model.config.stop_ids, pad_token_id=tokenizer.pad_token_id,
                     compile=args.compile, generator=torch.Generator(device).manual_seed(args.seed))
     if args.num_samples == 1:  # stream: print what each new token adds to the decoded text
@@ -82,10 +72,57 @@ def run(args: argparse.Namespace) -> None:
             print(f"[{i + 1}] {tokenizer.decode(row, skip_special_tokens=True).strip()}")
 
 
+def read_requests(path: Path) -> list[dict]:
+    """The batch file's lines: JSON objects with an optional "image" (a path, relative to the file) and "prompt"."""
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise RequestError(f"{path}: unreadable ({type(e).__name__})") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise RequestError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict) or not all(isinstance(record.get(k, ""), str) for k in ("image", "prompt")):
+            raise RequestError(f"{path}:{number}: expected {{\"image\": path, \"prompt\": text}} with string values")
+        records.append(record)
+    return records
+
+
+def run_batch(args: argparse.Namespace, params: RequestParams) -> None:
+    """Answer every line of --batch with the serving engine (continuous batching over a paged KV cache); write the
+    lines with their answers to --output, in input order, once all are answered (atomically)."""
+    from tqdm import tqdm
+
+    from serving.engine import Engine, Request
+
+    batch = Path(args.batch)
+    records = read_requests(batch)
+    requests = []
+    for record in records:  # every image is checked before any work starts
+        image = load_image(batch.parent / record["image"]) if "image" in record else None
+        prompt = check_prompt(record.get("prompt", CAPTION_PROMPT if image else ""))
+        requests.append(Request(prompt, [image] if image else None, params))
+    model, tokenizer = load_for_inference(args.checkpoint, pick_device(args.device), args.allow_pickle)
+    engine = Engine(model, tokenizer, **engine_size(model, args.kv_cache_mib))
+    with tqdm(total=len(requests), desc="answers", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
+        results = engine.generate(requests, progress=lambda done: bar.update(done - bar.n))
+    answers = [{**record, **({"answer": result.texts[0]} if params.n == 1 else {"answers": result.texts})}
+               for record, result in zip(records, results)]
+    atomic_write(Path(args.output), lambda tmp: tmp.write_text("".join(json.dumps(a) + "\n" for a in answers)))
+    print(f"{len(answers)} answers written to {args.output}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", type=Path, help="run or checkpoint directory (default: newest under runs/)")
-    parser.add_argument("--image", required=True, help="image file to ask about")
+    parser.add_argument("--image", help="image file to ask about")
+    parser.add_argument("--batch", help="a JSONL file of requests ({\"image\": path, \"prompt\": text} per line)")
+    parser.add_argument("--output", help="with --batch: the JSONL file to write the answers to")
+    parser.add_argument("--kv-cache-mib", type=int, default=1024, help="with --batch: KV-cache memory (MiB)")
     parser.add_argument("--prompt", help=f"question (default: caption the image with {CAPTION_PROMPT!r})")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--greedy", action="store_true",
@@ -102,8 +139,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="accept pytorch_model.bin weights (read with torch.load(weights_only=True)); "
                              "only for files you trust")
     args = parser.parse_args(argv)
+    if (args.image is None) == (args.batch is None) or (args.batch is None) != (args.output is None):
+        parser.error("give --image (one answer), or --batch and --output (a file of requests)")
     try:
-        run(args)
+        if args.batch:
+            run_batch(args, RequestParams(**sampling_settings(args), n=args.num_samples,
+                                          max_tokens=args.max_new_tokens, seed=args.seed))
+        else:
+            run(args)
     except TinyVLMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

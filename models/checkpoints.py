@@ -4,6 +4,7 @@ locate a trained model, without the training code."""
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ STATE_JSON = "training_state.json"  # written last into a checkpoint: its presen
 SHARDED = "sharded"  # an FSDP2 checkpoint's weights and optimizer state (torch.distributed.checkpoint),
                      # one file per rank
 STEP_DIR = re.compile(r"^step_(\d+)$")
+RUNS = Path("runs")  # where train.py puts runs by default, and where inference looks for the newest
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
@@ -45,6 +47,29 @@ def newest_checkpoint(root: Path) -> Path:
                               f"or pass --checkpoint DIR")
     newest_run = max(runs, key=lambda found: max((c / STATE_JSON).stat().st_mtime for c in found))
     return newest_run[-1]
+
+
+def load_for_inference(checkpoint: Path | None, device: torch.device, allow_pickle: bool = False,
+                       runs: Path = RUNS):
+    """Model (in eval mode, on `device`) and tokenizer of a checkpoint directory, or of the newest under runs/."""
+    from transformers import AutoTokenizer
+
+    from models.vision_language_model import VisionLanguageModel
+
+    if checkpoint is None:
+        path = newest_checkpoint(runs)
+        print(f"using the newest checkpoint: {path}", file=sys.stderr)
+    else:
+        path = find_checkpoint(checkpoint)
+    if (path / SHARDED).is_dir() and not (path / "model.safetensors").is_file():
+        raise CheckpointError(f"{path}: a sharded (FSDP2) checkpoint; export it first: "
+                              f"python -m training.export {path}")
+    model = VisionLanguageModel.from_pretrained(path, map_location=device, allow_pickle=allow_pickle).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: no usable tokenizer ({type(e).__name__})") from None
+    return model, tokenizer
 
 
 def pick_device(name: str) -> torch.device:

@@ -63,6 +63,16 @@ class Result:
     prompt_tokens: int
 
 
+def engine_size(model: VisionLanguageModel, kv_cache_mib: int, block_size: int = 16,
+                max_num_seqs: int = 64) -> dict[str, int]:
+    """Engine settings for a KV-cache memory budget: as many blocks as fit, but no more than `max_num_seqs`
+    sequences of the full context need."""
+    per_block = ModelRunner.bytes_per_block(model, block_size)
+    per_sequence = -(-model.config.language.max_position_embeddings // block_size)
+    num_blocks = min(kv_cache_mib * 2**20 // per_block, max_num_seqs * per_sequence) + 1  # + the null block
+    return {"num_blocks": max(num_blocks, 2), "block_size": block_size, "max_num_seqs": max_num_seqs}
+
+
 class Engine:
     def __init__(self, model: VisionLanguageModel, tokenizer=None, processor: ImageProcessor | None = None, *,
                  num_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 64,

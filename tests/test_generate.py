@@ -1,5 +1,7 @@
 """generate.py's normal output against the model it loads: streamed text, captions, samples, compile, stop tokens."""
 
+import json
+
 import pytest
 import torch
 from PIL import Image
@@ -142,3 +144,34 @@ def test_a_missing_checkpoint_is_reported_for_a_readable_image(image, capsys, tm
     monkeypatch.chdir(tmp_path)
     code, _, err = _run(capsys, "--image", image)
     assert code == 2 and err.strip().splitlines()[-1].startswith("error: no checkpoint under runs/")
+
+
+def test_batch_mode_answers_every_line_in_order(random_checkpoint, image, tmp_path, capsys):
+    """--batch runs the serving engine: each line's answer equals the model's greedy answer to it alone."""
+    batch = tmp_path / "requests.jsonl"
+    lines = [{"image": str(image), "prompt": "what colour is the sky?"}, {"image": str(image)},
+             {"image": str(image), "prompt": "the sky", "id": 7}]
+    batch.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    output = tmp_path / "answers.jsonl"
+    code, _, err = _run(capsys, "--checkpoint", random_checkpoint, "--batch", batch, "--output", output,
+                        "--max-new-tokens", 10)
+    assert code == 0, err
+    answers = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [{k: v for k, v in a.items() if k != "answer"} for a in answers] == lines
+    for line, answer in zip(lines, answers):
+        expected = _expected(random_checkpoint, image, line.get("prompt", CAPTION_PROMPT), max_new_tokens=10,
+                             greedy=True)
+        assert answer["answer"] == expected[0]
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"prompt": "hi"}\nnot json\n', "requests.jsonl:2: not valid JSON"),
+    ('{"image": "missing.png"}\n', "missing.png: no such file"),
+    ('["a list"]\n', "requests.jsonl:1: expected"),
+])
+def test_bad_batch_files_are_one_line_errors_before_any_work(random_checkpoint, tmp_path, capsys, content, message):
+    batch = tmp_path / "requests.jsonl"
+    batch.write_text(content)
+    code, _, err = _run(capsys, "--checkpoint", random_checkpoint, "--batch", batch, "--output", tmp_path / "out.jsonl")
+    assert code == 2 and message in err.strip().splitlines()[-1], err
+    assert not (tmp_path / "out.jsonl").exists()
