@@ -88,9 +88,19 @@ class Engine:
     # -- requests ------------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> str:
         """Queue a request; returns its id. Raises RequestError for one that could never be served."""
+        return self.enqueue(self.prepare(request))
+
+    def enqueue(self, group: Group) -> str:
+        if group.request_id in self.groups:
+            raise RequestError(f"request id {group.request_id!r} is already in use")
+        self.groups[group.request_id] = group
+        self.scheduler.add(group)
+        return group.request_id
+
+    def prepare(self, request: Request) -> Group:
+        """The request checked and encoded, ready for `enqueue`; changes no engine state, so a server can call it
+        from its own threads and answer a bad request at once. Raises RequestError."""
         request_id = request.request_id or f"req-{next(self._arrivals)}"
-        if request_id in self.groups:
-            raise RequestError(f"request id {request_id!r} is already in use")
         prompt, images = self._encode(request)
         params, config = request.params, self.model.config
         context = config.language.max_position_embeddings
@@ -111,9 +121,7 @@ class Engine:
             generator = torch.Generator(self.runner.device).manual_seed(params.seed)
         group = Group(request_id, prompt, images, params, frozenset(stop), next(self._arrivals), generator=generator)
         group.sequences = [Sequence(group, 0, list(prompt), token_keys(prompt, images, config.image_token_id))]
-        self.groups[request_id] = group
-        self.scheduler.add(group)
-        return request_id
+        return group
 
     def _encode(self, request: Request) -> tuple[list[int], Tensor | None]:
         images = request.images

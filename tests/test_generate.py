@@ -5,26 +5,20 @@ import json
 import pytest
 import torch
 from PIL import Image
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 import generate
-from data import CAPTION_PROMPT, IM_END, IMAGE_TOKEN, ImageProcessor, encode_prompt, prepare_tokenizer, stop_token_ids
+from data import CAPTION_PROMPT, IM_END, IMAGE_TOKEN, ImageProcessor, encode_prompt, stop_token_ids
 from data.prompts import encode_text
 from data.tokenizer import token_id
 from models import VisionLanguageModel
-from tests.models.helpers import tiny_vlm, tiny_vlm_config
+from tests.models import helpers
+from tests.models.helpers import tiny_vlm_config
 
 
 @pytest.fixture(scope="module")
 def base_tokenizer():
-    """A base-model tokenizer: its EOS is `</s>`, and prepare_tokenizer adds ChatML, image and pad tokens."""
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(["what colour is the sky? blue, the sky is blue"] * 10, trainer)
-    return prepare_tokenizer(PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="</s>"))
+    return helpers.base_tokenizer()
 
 
 def _config(tokenizer, **language):
@@ -49,9 +43,7 @@ def image(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def random_checkpoint(tmp_path_factory, base_tokenizer):
-    model = tiny_vlm(seed=5, vocab_size=len(base_tokenizer), max_position_embeddings=512)
-    model.config = _config(base_tokenizer)
-    return _save(model, base_tokenizer, tmp_path_factory.mktemp("random"))
+    return _save(helpers.chat_vlm(base_tokenizer), base_tokenizer, tmp_path_factory.mktemp("random"))
 
 
 def _run(capsys, *argv) -> tuple[int, str, str]:

@@ -46,3 +46,28 @@ def tiny_vlm(seed: int = 0, **language) -> VisionLanguageModel:
             if p.dim() > 1:
                 p.normal_(0, 0.3)
     return model
+
+
+def base_tokenizer():
+    """A base-model tokenizer: its EOS is `</s>`; prepare_tokenizer adds the ChatML, image and pad tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from data import prepare_tokenizer
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(["what colour is the sky? blue, the sky is blue"] * 10, trainer)
+    return prepare_tokenizer(PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="</s>"))
+
+
+def chat_vlm(tokenizer, seed: int = 5, **language) -> VisionLanguageModel:
+    """A random tiny VLM for `tokenizer` (its image token, and stop tokens <|im_end|> and EOS), context 512."""
+    from data import IMAGE_TOKEN, stop_token_ids, token_id
+
+    model = tiny_vlm(seed=seed, vocab_size=len(tokenizer), max_position_embeddings=512, **language)
+    model.config = model.config.replace({"image_token_id": token_id(tokenizer, IMAGE_TOKEN),
+                                         "stop_token_ids": stop_token_ids(tokenizer)})
+    return model

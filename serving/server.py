@@ -1,0 +1,212 @@
+"""An OpenAI-compatible HTTP server for a tinyvlm checkpoint (FastAPI + uvicorn: `pip install -e .[serve]`).
+
+    python -m serving.server --checkpoint runs/tiny --host 127.0.0.1 --port 8000
+
+    from openai import OpenAI
+    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
+    client.chat.completions.create(model="tinyvlm", messages=[{"role": "user", "content": [
+        {"type": "text", "text": "What color is the circle?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}]}])
+
+Endpoints: POST /v1/chat/completions (streaming as server-sent events, `n`, `max_tokens`, `temperature`, `top_p`,
+`seed`, `stop`, `stream_options.include_usage`), GET /v1/models, /health and /metrics (running and waiting requests,
+KV blocks used, prefix-cache hit rate). A client that disconnects aborts its request; bad requests get a 4xx JSON
+error, and a full server answers 429.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from models.checkpoints import load_for_inference, pick_device
+from models.errors import TinyVLMError
+from serving.async_engine import AsyncEngine, EngineFailure, QueueFull
+from serving.engine import Engine, Output, engine_size
+from serving.protocol import ChatRequest, to_engine_request
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status)
+
+
+class Completion:
+    """One request's samples as text: incremental detokenization, stop strings, finish reasons."""
+
+    def __init__(self, tokenizer, n: int, stop_strings: list[str]) -> None:
+        self.tokenizer, self.stop_strings = tokenizer, stop_strings
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.texts = [""] * n  # text sent so far
+        self.finish_reasons: list[str | None] = [None] * n
+
+    def update(self, output: Output) -> list[str]:
+        """Each sample's new text from `output` (held back while it might end in a cut character or a stop string)."""
+        deltas = []
+        for i, new in enumerate(output.new_tokens):
+            if self.finish_reasons[i]:
+                deltas.append("")
+                continue
+            self.tokens[i] += new
+            text = self.tokenizer.decode(self.tokens[i], skip_special_tokens=True)
+            reason = output.finish_reasons[i]
+            for stop in self.stop_strings:
+                if stop in text:
+                    text, reason = text[: text.index(stop)], "stop"
+            if reason is None:  # hold back a partial character and what could be the start of a stop string
+                text = text.rstrip("\ufffd")
+                held = max((k for stop in self.stop_strings for k in range(1, len(stop)) if text.endswith(stop[:k])),
+                           default=0)
+                text = text[: len(text) - held]
+            self.finish_reasons[i] = reason
+            deltas.append(text[len(self.texts[i]) :])
+            self.texts[i] = text if len(text) >= len(self.texts[i]) else self.texts[i]
+        return deltas
+
+    @property
+    def done(self) -> bool:
+        return all(self.finish_reasons)
+
+
+def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_tokens: int = 256,
+               max_images: int = 4) -> FastAPI:
+    app = FastAPI(title="tinyvlm")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, exc: RequestValidationError) -> JSONResponse:
+        problem = exc.errors()[0] if exc.errors() else {}
+        if problem.get("type") == "json_invalid":
+            return error(400, "the request body is not valid JSON")
+        where = ".".join(str(p) for p in problem.get("loc", ()) if p != "body")
+        return error(400, f"{where + ': ' if where else ''}{problem.get('msg', 'invalid request')}")
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> dict:
+        return engine.stats()
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "tinyvlm"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(chat_request: ChatRequest, http: Request):
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        try:
+            request = await asyncio.to_thread(to_engine_request, chat_request, default_max_tokens, max_images,
+                                              request_id)
+            group, stream = engine.submit(request)
+        except QueueFull as e:
+            return error(429, str(e), "rate_limit_error")
+        except TinyVLMError as e:
+            return error(400, str(e))
+        completion = Completion(tokenizer, chat_request.n, chat_request.stop_strings)
+        created = int(time.time())
+        prompt_tokens = group.num_prompt
+        head = {"id": request_id, "created": created, "model": chat_request.model or model_name}
+        if chat_request.stream:
+            include_usage = bool(chat_request.stream_options and chat_request.stream_options.include_usage)
+            events = stream_events(stream, completion, request_id, head, include_usage, prompt_tokens)
+            return StreamingResponse(events, media_type="text/event-stream")
+        async for item in outputs(stream, completion, request_id, http):
+            if isinstance(item, EngineFailure):
+                return error(500, item.message, "server_error")
+        choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+                   for i, (text, reason) in enumerate(zip(completion.texts, completion.finish_reasons))]
+        return {**head, "object": "chat.completion", "choices": choices, "usage": usage(completion, prompt_tokens)}
+
+    def usage(completion: Completion, prompt_tokens: int) -> dict:
+        generated = sum(len(tokens) for tokens in completion.tokens)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
+                "total_tokens": prompt_tokens + generated}
+
+    async def stream_events(stream: asyncio.Queue, completion: Completion, request_id: str, head: dict,
+                            include_usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
+        def event(choices: list, **extra) -> str:
+            return f"data: {json.dumps({**head, 'object': 'chat.completion.chunk', 'choices': choices, **extra})}\n\n"
+
+        yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                     for i in range(len(completion.texts))])
+        async for item in outputs(stream, completion, request_id, None):
+            if isinstance(item, EngineFailure):
+                yield f"data: {json.dumps({'error': {'message': item.message, 'type': 'server_error'}})}\n\n"
+                return
+            deltas, reasons = item
+            choices = [{"index": i, "delta": {"content": delta} if delta else {}, "finish_reason": reason}
+                       for i, (delta, reason) in enumerate(zip(deltas, reasons)) if delta or reason]
+            if choices:
+                yield event(choices)
+        if include_usage:
+            yield event([], usage=usage(completion, prompt_tokens))
+        yield "data: [DONE]\n\n"
+
+    async def outputs(stream: asyncio.Queue, completion: Completion, request_id: str, http: Request | None):
+        """Each step's (deltas, newly final reasons) until every sample is done; a request whose client goes away
+        (or whose samples all hit stop strings) is aborted, which frees its blocks."""
+        finished = False
+        try:
+            while not completion.done:
+                try:
+                    item = await asyncio.wait_for(stream.get(), timeout=0.5)
+                except TimeoutError:
+                    if http is not None and await http.is_disconnected():
+                        return
+                    continue
+                if isinstance(item, EngineFailure):
+                    finished = True
+                    yield item
+                    return
+                before = list(completion.finish_reasons)
+                deltas = completion.update(item)
+                finished = item.finished
+                yield deltas, [r if r != b else None for r, b in zip(completion.finish_reasons, before)]
+        finally:
+            if not finished:  # the client went away, or stop strings ended every sample
+                engine.abort(request_id)
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", type=Path, help="run or checkpoint directory (default: newest under runs/)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--model-name", help="the model id clients use (default: the checkpoint's directory name)")
+    parser.add_argument("--kv-cache-mib", type=int, default=1024, help="KV-cache memory (MiB)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together")
+    parser.add_argument("--max-in-flight", type=int, default=256, help="requests admitted at once (then 429)")
+    args = parser.parse_args(argv)
+    try:
+        import uvicorn
+
+        model, tokenizer = load_for_inference(args.checkpoint, pick_device(args.device))
+    except ImportError:
+        print("error: the server needs FastAPI and uvicorn: pip install -e .[serve]", file=sys.stderr)
+        return 2
+    except TinyVLMError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    engine = Engine(model, tokenizer, **engine_size(model, args.kv_cache_mib, max_num_seqs=args.max_num_seqs))
+    name = args.model_name or (args.checkpoint.resolve().name if args.checkpoint else "tinyvlm")
+    async_engine = AsyncEngine(engine, args.max_in_flight, log=lambda line: print(line, file=sys.stderr, flush=True))
+    uvicorn.run(create_app(async_engine, tokenizer, name), host=args.host, port=args.port)
+    async_engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

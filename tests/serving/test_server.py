@@ -1,0 +1,258 @@
+"""The OpenAI-compatible server on 127.0.0.1, driven by the real `openai` client and by raw HTTP: answers equal
+`generate` on each request alone, streamed equals non-streamed, bad requests get 4xx, disconnects free their blocks."""
+
+import asyncio
+import base64
+import io
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from PIL import Image
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from data import ImageProcessor, encode_prompt  # noqa: E402
+from serving.async_engine import AsyncEngine  # noqa: E402
+from serving.engine import Engine  # noqa: E402
+from serving.server import create_app  # noqa: E402
+from tests.models.helpers import base_tokenizer, chat_vlm  # noqa: E402
+
+
+def _png(color: str = "skyblue", size=(40, 30)) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, color).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def _message(text: str, *images: bytes) -> list[dict]:
+    parts = [{"type": "text", "text": text}] + [{"type": "image_url", "image_url": {"url": _data_url(i)}} for i in images]
+    return [{"role": "user", "content": parts}]
+
+
+class Server:
+    """uvicorn serving the app on a free loopback port, in a thread of the test process."""
+
+    def __init__(self, app) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def served():
+    tokenizer = base_tokenizer()
+    model = chat_vlm(tokenizer)
+    engine = Engine(model, tokenizer, num_blocks=400, block_size=8, max_num_seqs=16, max_batch_tokens=256)
+    async_engine = AsyncEngine(engine, max_in_flight=300)
+    server = Server(create_app(async_engine, tokenizer, "tiny", default_max_tokens=12))
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=60, max_retries=0)
+    yield server, client, model, tokenizer, engine
+    server.stop()
+    async_engine.shutdown()
+
+
+def _alone(model, tokenizer, text: str, images: list[bytes], max_tokens: int, **settings) -> list[str]:
+    """What the model answers on its own (VisionLanguageModel.generate), decoded."""
+    ids = torch.tensor([encode_prompt(tokenizer, text, len(images), model.config.tokens_per_image)])
+    processor = ImageProcessor.from_config(model.config.vision)
+    pixels = torch.stack([processor(Image.open(io.BytesIO(i))) for i in images]) if images else None
+    rows = model.generate(ids, pixels, max_new_tokens=max_tokens, eos_token_id=model.config.stop_ids,
+                          pad_token_id=tokenizer.pad_token_id, **settings).tolist()
+    texts = []
+    for row in rows:
+        stops = [i for i, token in enumerate(row) if token in model.config.stop_ids]
+        texts.append(tokenizer.decode(row[: stops[0]] if stops else row, skip_special_tokens=True))
+    return texts
+
+
+def _idle(engine: Engine, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished() or engine.blocks.num_free != engine.blocks.num_usable:
+        assert time.monotonic() < deadline, engine.stats()
+        time.sleep(0.05)
+    engine.blocks.check()
+
+
+def test_answers_streamed_and_not_equal_generate(served):
+    server, client, model, tokenizer, engine = served
+    image = _png()
+    expected = _alone(model, tokenizer, "what colour is the sky?", [image], 10, greedy=True)[0]
+    reply = client.chat.completions.create(model="tiny", messages=_message("what colour is the sky?", image),
+                                           max_tokens=10, temperature=0)
+    assert reply.choices[0].message.content == expected
+    prompt = encode_prompt(tokenizer, "what colour is the sky?", 1, model.config.tokens_per_image)
+    assert reply.usage.prompt_tokens == len(prompt)
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model="tiny", messages=_message("what colour is the sky?", image),
+                                                 max_tokens=10, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == expected
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens and not chunks[-1].choices
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [reply.choices[0].finish_reason]
+    _idle(engine)
+
+
+def test_n_samples_with_a_seed_equal_generate_num_samples(served):
+    server, client, model, tokenizer, engine = served
+    image = _png("orange")
+    reply = client.chat.completions.create(model="tiny", messages=_message("the sky", image), n=3, seed=4,
+                                           temperature=1.4, max_tokens=8)
+    expected = _alone(model, tokenizer, "the sky", [image], 8, temperature=1.4, num_samples=3,
+                      generator=torch.Generator().manual_seed(4))
+    assert [c.message.content for c in sorted(reply.choices, key=lambda c: c.index)] == expected
+    _idle(engine)
+
+
+def test_a_stop_string_ends_the_answer_before_it(served):
+    server, client, model, tokenizer, engine = served
+    full = _alone(model, tokenizer, "blue", [], 12, greedy=True)[0]
+    assert len(full) > 4
+    stop = full[3:5]
+    reply = client.chat.completions.create(model="tiny", messages=_message("blue"), max_tokens=12, temperature=0,
+                                           stop=[stop])
+    assert reply.choices[0].message.content == full[: full.index(stop)]
+    assert reply.choices[0].finish_reason == "stop"
+    _idle(engine)
+
+
+def test_models_health_and_metrics(served):
+    server, client, *_ = served
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    metrics = httpx.get(f"{server.url}/metrics").json()
+    assert {"running", "waiting", "kv_blocks_used", "prefix_hit_rate"} <= set(metrics)
+
+
+def _bomb() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("1", (20_000, 20_000)).save(buffer, format="PNG")  # 400M pixels in a few kB
+    return buffer.getvalue()
+
+
+BAD = [
+    ("malformed JSON", b'{"messages": [', "not valid JSON"),
+    ("wrong type", {"messages": _message("hi"), "max_tokens": "ten"}, "max_tokens"),
+    ("n out of range", {"messages": _message("hi"), "n": 17}, "n"),
+    ("n zero", {"messages": _message("hi"), "n": 0}, "n"),
+    ("max_tokens zero", {"messages": _message("hi"), "max_tokens": 0}, "max_tokens"),
+    ("past the context", {"messages": _message("hi"), "max_tokens": 600}, "exceeds the context"),
+    ("prompt too long", {"messages": _message("sky " * 600)}, "exceeds the context"),
+    ("remote image", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]},
+     "remote image URLs"),
+    ("undecodable image", {"messages": _message("hi", b"not an image at all")}, "not an image"),
+    ("too many images", {"messages": _message("hi", *[_png()] * 5)}, "at most 4"),
+    ("no messages", {"messages": []}, "messages"),
+    ("assistant turn", {"messages": [{"role": "assistant", "content": "hi"}]}, "single user message"),
+]
+
+
+@pytest.mark.parametrize("body, fragment", [(body, fragment) for _, body, fragment in BAD],
+                         ids=[name for name, *_ in BAD])
+def test_bad_requests_get_a_4xx_json_error(served, body, fragment):
+    server, *_ = served
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(f"{server.url}/v1/chat/completions", content=content,
+                          headers={"content-type": "application/json"}, timeout=30)
+    assert 400 <= response.status_code < 500, response.text
+    assert fragment in response.json()["error"]["message"], response.json()
+
+
+def test_a_decompression_bomb_is_refused(served):
+    server, *_ = served
+    response = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": _message("hi", _bomb())}, timeout=60)
+    assert response.status_code == 400 and "decompression bomb" in response.json()["error"]["message"]
+
+
+def test_a_full_server_answers_429():
+    from fastapi.testclient import TestClient
+
+    tokenizer = base_tokenizer()
+    engine = AsyncEngine(Engine(chat_vlm(tokenizer), tokenizer, num_blocks=64, block_size=8), max_in_flight=0)
+    try:
+        response = TestClient(create_app(engine, tokenizer, "tiny")).post(
+            "/v1/chat/completions", json={"messages": _message("hi")})
+        assert response.status_code == 429 and response.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        engine.shutdown()
+
+
+def test_a_client_that_disconnects_frees_its_blocks(served):
+    server, client, model, tokenizer, engine = served
+    body = {"messages": _message("what colour is the sky?", _png()), "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=30) as response:
+        next(response.iter_lines())  # the first event: the request runs
+    _idle(engine)
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.slow
+def test_load_200_concurrent_streams_some_cancelled(served):
+    """200 concurrent streaming requests, one in five cancelled after its first words: every other one gets exactly
+    its answer, no block leaks, and a second round does not grow the server's memory."""
+    server, client, model, tokenizer, engine = served
+    images = [_png(color) for color in ("red", "green", "blue", "white")]
+    prompts = [("what colour is the sky?", images[i % 4]) for i in range(4)] + [("the sky", None)] * 2
+    expected = [_alone(model, tokenizer, text, [image] if image else [], 10, greedy=True)[0]
+                for text, image in prompts]
+
+    async def one(http: httpx.AsyncClient, i: int) -> tuple[int, str | None]:
+        text, image = prompts[i % len(prompts)]
+        body = {"messages": _message(text, *([image] if image else [])), "max_tokens": 10, "temperature": 0,
+                "stream": True}
+        answer = ""
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                delta = json.loads(line[6:])["choices"]
+                answer += (delta[0]["delta"].get("content") or "") if delta else ""
+                if i % 5 == 4 and answer:
+                    return i, None  # cancelled mid-stream: leaving the block closes the connection
+        return i, answer
+
+    async def round_of(count: int) -> list[tuple[int, str | None]]:
+        limits = httpx.Limits(max_connections=count, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as http:
+            return await asyncio.wait_for(asyncio.gather(*(one(http, i) for i in range(count))), timeout=300)
+
+    for round_number in range(2):
+        if round_number == 1:
+            before = _rss_mib()
+        results = asyncio.run(round_of(200))
+        _idle(engine, timeout=60)
+        for i, answer in results:
+            if answer is not None:
+                assert answer == expected[i % len(prompts)], i
+        assert sum(answer is None for _, answer in results) > 0
+    assert _rss_mib() - before < 50, (before, _rss_mib())
