@@ -36,7 +36,8 @@ def _data_url(data: bytes) -> str:
 
 
 def _message(text: str, *images: bytes) -> list[dict]:
-    parts = [{"type": "text", "text": text}] + [{"type": "image_url", "image_url": {"url": _data_url(i)}} for i in images]
+    parts = [{"type": "text", "text": text}]
+    parts += [{"type": "image_url", "image_url": {"url": _data_url(image)}} for image in images]
     return [{"role": "user", "content": parts}]
 
 
