@@ -4,7 +4,7 @@
     python benchmarks/packing.py --batches 40 --rounds 5 --threads 1
 
 The same records are collated twice: one record per row (padded to the batch's longest), or packed several to a row
-(`train.packing`, first-fit decreasing). Both run `train.train_step` (forward, backward, AdamW) from the same
+(`train.packing`, first-fit decreasing). Both run `training.loop.train_step` (forward, backward, AdamW) from the same
 weights; the two modes alternate in rounds and each reports its median round, so drift in machine speed hits both.
 Random weights: the shapes of the batches are what matter. Writes benchmarks/results/packing-<device>.{md,json}.
 """
@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import train  # noqa: E402
 from data import CheckedRecords, ImageProcessor, VQACollator, build_datasets  # noqa: E402
 from training.config import load_run_config  # noqa: E402
+from training.loop import train_step  # noqa: E402
 from training.optim import build_optimizer, build_scheduler, freeze_parts  # noqa: E402
+from training.setup import build_model, build_tokenizer  # noqa: E402
 
 MODES = {"one record per row": False, "packed": True}
 
@@ -51,8 +52,8 @@ def main() -> None:
     if config.data.source == "synthetic":  # generate only the records the benchmark reads
         config = config.replace({"data.shapes.num_train": str(args.batches * tc.batch_size)})
     train_data, _ = build_datasets(config.data)
-    tokenizer = train.build_tokenizer(config, train_data)
-    model = train.build_model(config, tokenizer)
+    tokenizer = build_tokenizer(config, train_data)
+    model = build_model(config, tokenizer)
     freeze_parts(model, tc)
     model.to(device)
     processor = ImageProcessor.from_config(model.config.vision)
@@ -75,7 +76,7 @@ def main() -> None:
             torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in run["batches"]:
-            train.train_step(run["model"], run["model"], iterator, run["optimizer"], run["scheduler"], tc, autocast, device)
+            train_step(run["model"], run["model"], iterator, run["optimizer"], run["scheduler"], tc, autocast, device)
         if device.type == "cuda":
             torch.cuda.synchronize()
         return (time.perf_counter() - start) / len(run["batches"])

@@ -4,15 +4,28 @@ from data.bad_records import BadRecordError, CheckedRecords
 from data.collator import VQACollator, left_pad, pad
 from data.processors import ImageLoadError, ImageProcessor, load_image, to_rgb
 from data.prompts import CAPTION_PROMPT, IGNORE_INDEX, PromptError, encode_conversation, encode_prompt
+from data.sampler import ResumableBatchSampler
 from data.sources import DataConfig, DataSourceError, build_datasets, load_cauldron, load_imagefolder, load_jsonl
 from data.synthetic import QUESTION_TYPES, ShapesConfig, make_shapes_dataset, shapes_datasets
-from data.tokenizer import (IM_END, IM_START, IMAGE_TOKEN, PAD_TOKEN, TokenizerError, build_shapes_tokenizer,
-                            conversation_texts, prepare_tokenizer, stop_token_ids, text_lengths, token_id)
+from data.tokenizer import (
+    IM_END,
+    IM_START,
+    IMAGE_TOKEN,
+    PAD_TOKEN,
+    TokenizerError,
+    build_shapes_tokenizer,
+    conversation_texts,
+    prepare_tokenizer,
+    stop_token_ids,
+    text_lengths,
+    token_id,
+)
 
 __all__ = [
-    "BadRecordError", "CheckedRecords", "CAPTION_PROMPT", "IGNORE_INDEX", "IMAGE_TOKEN", "IM_END", "IM_START", "PAD_TOKEN", "QUESTION_TYPES",
-    "DataConfig", "DataSourceError", "ImageLoadError", "ImageProcessor", "PromptError", "ShapesConfig", "VQACollator",
-    "build_datasets", "build_shapes_tokenizer", "conversation_texts", "encode_conversation", "encode_prompt",
-    "left_pad", "load_cauldron", "load_image", "load_imagefolder", "load_jsonl", "make_shapes_dataset", "pad",
-    "prepare_tokenizer", "shapes_datasets", "stop_token_ids", "text_lengths", "to_rgb", "token_id", "TokenizerError",
+    "BadRecordError", "CheckedRecords", "CAPTION_PROMPT", "IGNORE_INDEX", "IMAGE_TOKEN", "IM_END", "IM_START",
+    "PAD_TOKEN", "QUESTION_TYPES", "DataConfig", "DataSourceError", "ImageLoadError", "ImageProcessor", "PromptError",
+    "ResumableBatchSampler", "ShapesConfig", "VQACollator", "build_datasets", "build_shapes_tokenizer",
+    "conversation_texts", "encode_conversation", "encode_prompt", "left_pad", "load_cauldron", "load_image",
+    "load_imagefolder", "load_jsonl", "make_shapes_dataset", "pad", "prepare_tokenizer", "shapes_datasets",
+    "stop_token_ids", "text_lengths", "to_rgb", "token_id", "TokenizerError",
 ]

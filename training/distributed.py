@@ -10,15 +10,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
@@ -57,6 +62,11 @@ def init(device_name: str, timeout_s: float) -> tuple[Ranks, torch.device]:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
     return ranks, device
+
+
+def main_rank_only(ranks: Ranks, function: Callable[..., None]) -> Callable[..., None]:
+    """`function` on rank 0; a no-op on the other ranks (for what is printed once per job)."""
+    return function if ranks.is_main else lambda *args, **kwargs: None
 
 
 def shutdown() -> None:
@@ -102,8 +112,11 @@ def all_reduce(values: list[float], op: str = "sum", device: torch.device | None
     """Element-wise sum or max of `values` over all ranks (the values themselves when not distributed)."""
     if not dist.is_initialized():
         return values
-    on_gpu = dist.get_backend() == "nccl"  # NCCL reduces CUDA tensors only
-    tensor = torch.tensor(values, dtype=torch.float64, device=(device or torch.device("cuda", torch.cuda.current_device())) if on_gpu else "cpu")
+    if dist.get_backend() == "nccl":  # NCCL reduces CUDA tensors only
+        device = device or torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return tensor.tolist()
 

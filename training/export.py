@@ -13,8 +13,8 @@ from pathlib import Path
 from torch.distributed.checkpoint import CheckpointException
 
 from models import CheckpointError, ConfigError, VisionLanguageModel, VLMConfig
-from models.config import one_line
 from models.checkpoints import SHARDED
+from models.config import one_line
 from training.distributed import read_sharded_weights
 
 

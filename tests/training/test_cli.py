@@ -29,7 +29,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, message):
 def checkpoint(tmp_path_factory):
     """A one-step checkpoint of the small config, and a held-out image to ask about."""
     from tests.training.helpers import small_config
-    from train import train
+    from training.run import train
 
     run = tmp_path_factory.mktemp("run")
     train(small_config(run, **{"train.max_steps": "1", "train.save_every": "1", "train.eval_every": "1"}))

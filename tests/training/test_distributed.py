@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from models import VisionLanguageModel
 from tests.training.helpers import SMALL, small_config
 from training.config import RunConfig, load_run_config
-from train import train
+from training.run import train
 
 pytestmark = pytest.mark.slow
 

@@ -5,10 +5,9 @@ import pytest
 import torch
 from PIL import Image
 
-from data import IMAGE_TOKEN, ImageProcessor, build_shapes_tokenizer, encode_prompt, token_id
+from data import IMAGE_TOKEN, ImageProcessor, build_shapes_tokenizer, encode_prompt, make_shapes_dataset, token_id
 from models import VisionLanguageModel
 from tests.models.helpers import tiny_vlm_config
-from data import make_shapes_dataset
 from training.evaluate import answer, save_prediction_grid
 
 

@@ -13,12 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from data import ImageLoadError, build_datasets, make_shapes_dataset
 from models import CheckpointError, VisionLanguageModel
-from training import checkpoint
 from models.checkpoints import find_checkpoint
 from tests.training.helpers import SMALL, small_config
-from data import ImageLoadError, build_datasets, make_shapes_dataset
-from train import TrainingError, main, train
+from train import main
+from training import checkpoint
+from training.loop import TrainingError
+from training.run import train
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

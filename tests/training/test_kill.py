@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 from models import VisionLanguageModel
-from tests.training.helpers import SMALL, small_config
 from models.checkpoints import STATE_JSON, checkpoints
+from tests.training.helpers import SMALL, small_config
 from training.checkpoint import STATE_TENSORS
-from train import train
+from training.run import train
 
 STEPS = 60
 KILLS_WHILE_SAVING = 20

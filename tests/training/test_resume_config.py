@@ -8,7 +8,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from models.config import ConfigError
 from tests.training.helpers import small_config
-from train import train
+from training.run import train
 
 CHANGED = {"train.lr_language": "0.002", "train.lr_projector": "0.004", "train.max_steps": "10",
            "train.warmup_steps": "3", "train.min_lr_ratio": "0.2", "train.weight_decay": "0.1",

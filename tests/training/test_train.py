@@ -11,10 +11,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from data import ResumableBatchSampler
 from tests.models.helpers import tiny_vlm
 from tests.training.helpers import small_config
 from training.config import RunConfig, TrainConfig
-from train import ResumableBatchSampler, train, train_step
+from training.loop import train_step
+from training.run import train
+
 
 def _history(run_dir):
     last = sorted(run_dir.glob("step_*"))[-1]

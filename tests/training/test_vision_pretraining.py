@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from data import ImageProcessor, ShapesConfig
+from data.synthetic import CELL_CLASSES
 from models.config import VisionConfig
 from models.vision_transformer import VisionTransformer
-from data.synthetic import CELL_CLASSES
 from training.vision_pretraining import patch_cells, pretrain_vision, scene_batch
 
 

@@ -1,0 +1,182 @@
+"""The training loop: optimizer steps with progress, validation and checkpoints, until max_steps or a stop signal."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from data import CheckedRecords
+from models import TinyVLMError
+from training import distributed
+from training.checkpoint import save_checkpoint
+from training.config import RunConfig, TrainConfig
+from training.distributed import Ranks, all_reduce, gradient_sync
+from training.evaluate import validation_loss
+from training.loss import target_weights
+from training.signals import GracefulStop
+
+
+class TrainingError(TinyVLMError, RuntimeError):
+    """Training cannot go on (for example a non-finite loss with train.on_nonfinite=stop)."""
+
+
+@dataclasses.dataclass
+class TrainState:
+    """A run's progress: saved with each checkpoint (see `saved`), continued by a run that resumes from it."""
+
+    step: int = 0
+    samples_seen: int = 0  # of the sampler's stream, over all ranks
+    history: list[list[float]] = dataclasses.field(default_factory=list)  # [step, train loss] each step
+    validation: list[list[float]] = dataclasses.field(default_factory=list)  # [step, validation loss]
+    skipped_steps: int = 0  # non-finite steps
+    bad_records: int = 0
+
+    @classmethod
+    def resumed(cls, saved: dict[str, Any], config: TrainConfig) -> TrainState:
+        """The state a checkpoint saved; checkpoints from before multi-GPU training counted batches, not samples."""
+        batches_to_samples = config.batch_size * config.grad_accum_steps
+        samples_seen = saved.get("samples_seen", saved.get("data_position", 0) * batches_to_samples)
+        return cls(saved["step"], samples_seen, saved["history"], saved.get("validation", []),
+                   saved.get("skipped_steps", 0), saved.get("bad_records", 0))
+
+    def summary(self) -> dict[str, Any]:
+        """The run's metrics so far: step, last train and validation losses, skipped steps, bad records."""
+        return {"step": self.step, "train_loss": self.history[-1][1] if self.history else None,
+                "validation_loss": self.validation[-1][1] if self.validation else None,
+                "skipped_steps": self.skipped_steps, "bad_records": self.bad_records}
+
+    def saved(self) -> dict[str, Any]:
+        """What a checkpoint keeps besides its step (which `save_checkpoint` writes)."""
+        return {"samples_seen": self.samples_seen, "history": self.history, "skipped_steps": self.skipped_steps,
+                "bad_records": self.bad_records, "validation": self.validation}
+
+
+@dataclasses.dataclass
+class Trainer:
+    """What the loop trains with, fixed for the run (`TrainState` holds what changes)."""
+
+    config: RunConfig
+    model: nn.Module  # wrapped for DDP / FSDP2 when distributed
+    forward: Callable[..., Any]  # the model, or its torch.compile'd form
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    batches: Iterator[dict[str, torch.Tensor]]
+    train_records: CheckedRecords
+    validation_batches: list[dict[str, torch.Tensor]]
+    ranks: Ranks
+    device: torch.device
+    autocast: contextlib.AbstractContextManager
+    wandb_run: Any = None
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.config.train.output_dir)
+
+
+def train_step(forward, model, batches, optimizer, scheduler, tc, autocast, device) -> tuple[float, int, bool]:
+    """One optimizer step over grad_accum_steps micro-batches on every rank; returns (loss, tokens, finite), both
+    summed over ranks. The loss is the weighted mean (`target_weights`) over every answer token of the step, whichever
+    rank and micro-batch it fell in, so N ranks x batch b train exactly like 1 rank x batch N*b. A non-finite step
+    changes no weight."""
+    model.train()
+    micro_batches = [next(batches) for _ in range(tc.grad_accum_steps)]
+    # Weighed on the host-side batches, so the loop below never waits on the device.
+    weights = [target_weights(batch["targets"], batch["attention_mask"], tc.loss_weight) for batch in micro_batches]
+    tokens = sum(int((batch["attention_mask"] > 0).sum()) for batch in micro_batches)
+    total_weight, world_size = all_reduce([float(sum(w.sum() for w in weights)), 1.0], device=device)
+    loss_sum = torch.zeros((), device=device)
+    for i, (batch, weight) in enumerate(zip(micro_batches, weights)):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with gradient_sync(model, enabled=i == len(micro_batches) - 1), autocast:
+            _, losses = forward(**batch, reduction="none")
+        loss = (losses * weight.to(device)).sum()
+        # DDP and FSDP2 average gradients over ranks: scale by world_size so the step's gradient is the global mean.
+        (loss * world_size / (total_weight or 1)).backward()
+        loss_sum += loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or float("inf"))
+    loss_sum, tokens = all_reduce([loss_sum.item(), tokens], device=device)
+    step_loss = loss_sum / (total_weight or 1)
+    finite = math.isfinite(step_loss) and bool(torch.isfinite(grad_norm))
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return step_loss, int(tokens), finite
+
+
+def run(trainer: Trainer, state: TrainState) -> str | None:
+    """Train from `state.step` to train.max_steps, updating `state`; log, validate and save on the way. Returns the
+    name of the signal that stopped the run early (after a checkpoint), or None at max_steps."""
+    tc, ranks = trainer.config.train, trainer.ranks
+    say, report = distributed.main_rank_only(ranks, print), distributed.main_rank_only(ranks, tqdm.write)
+    # A progress bar on a terminal; plain lines where the output goes to a file (a bar would fill it with '\r').
+    bar = ranks.is_main and sys.stdout.isatty() and sys.stderr.isatty()
+    progress = tqdm(range(state.step, tc.max_steps), initial=state.step, total=tc.max_steps, desc="train",
+                    dynamic_ncols=True, disable=not bar)
+    started, tokens_seen, bad_before = time.perf_counter(), 0, state.bad_records
+    with GracefulStop(escalate=not ranks.distributed) as stop:
+        for step in progress:
+            step_loss, tokens, finite = train_step(trainer.forward, trainer.model, trainer.batches, trainer.optimizer,
+                                                   trainer.scheduler, tc, trainer.autocast, trainer.device)
+            state.step = step + 1
+            state.samples_seen += tc.batch_size * tc.grad_accum_steps * ranks.world_size
+            tokens_seen += tokens
+            if not finite:
+                state.skipped_steps += 1
+                if tc.on_nonfinite == "stop":
+                    raise TrainingError(f"non-finite loss or gradient at step {state.step}: stopped "
+                                        "(train.on_nonfinite=stop); the checkpoints in "
+                                        f"{trainer.output_dir} are intact")
+                report(f"step {state.step}: non-finite loss or gradient, step skipped ({state.skipped_steps} so far)")
+            state.history.append([state.step, step_loss])
+            done = state.step == tc.max_steps
+            if state.step % tc.log_every == 0 or done:
+                rate = tokens_seen / (time.perf_counter() - started)
+                progress.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{rate:,.0f}")
+                if not bar:
+                    say(f"step {state.step}/{tc.max_steps}: loss {step_loss:.4f}, {rate:,.0f} tokens/s", flush=True)
+                _log(trainer, state.step, {"train/loss": step_loss, "train/tokens_per_s": rate,
+                                           "lr": trainer.scheduler.get_last_lr()[-1]})
+            if state.step % tc.eval_every == 0 or done:
+                val_loss = validation_loss(trainer.model, trainer.validation_batches, trainer.device, trainer.autocast,
+                                           tc.loss_weight)
+                state.validation.append([state.step, val_loss])
+                report(f"step {state.step}: train loss {step_loss:.4f}, validation loss {val_loss:.4f}")
+                _log(trainer, state.step, {"val/loss": val_loss})
+            stop_requested = all_reduce([float(stop.requested is not None)], op="max", device=trainer.device)[0] > 0
+            if state.step % tc.save_every == 0 or done or stop_requested:
+                num_bad = all_reduce([trainer.train_records.num_bad], device=trainer.device)[0]
+                state.bad_records = bad_before + int(num_bad)
+                path = _save(trainer, state)
+                if stop_requested and not done:
+                    progress.close()
+                    say(f"{stop.requested or 'stop signal'}: saved {path}; continue with: "
+                        f"python train.py --resume {trainer.output_dir}", flush=True)
+                    return stop.requested or "stop signal"
+    progress.close()
+    return None
+
+
+def _log(trainer: Trainer, step: int, values: dict[str, float]) -> None:
+    if trainer.wandb_run:
+        trainer.wandb_run.log(values, step=step)
+
+
+def _save(trainer: Trainer, state: TrainState) -> Path:
+    if not distributed.all_finite(trainer.model):
+        raise TrainingError(f"the weights hold NaN/inf at step {state.step}: not saved; the checkpoints in "
+                            f"{trainer.output_dir} are intact")
+    return save_checkpoint(trainer.output_dir, state.step, trainer.model, trainer.tokenizer, trainer.optimizer,
+                           trainer.config, trainer.config.train.keep_checkpoints, extra=state.saved(),
+                           ranks=trainer.ranks)

@@ -1,0 +1,38 @@
+"""What a finished run leaves in its output directory: exact-match scores and metrics.json, the loss curve, the
+prediction grid and one held-out image for the demo."""
+
+from __future__ import annotations
+
+import json
+
+from data import CheckedRecords, ImageProcessor
+from models import VisionLanguageModel
+from training.evaluate import answer, exact_match, save_loss_curve, save_prediction_grid
+from training.loop import Trainer, TrainState
+
+GRID_EXAMPLES = 16
+
+
+def write_results(model: VisionLanguageModel, trainer: Trainer, state: TrainState, processor: ImageProcessor,
+                  validation_records: CheckedRecords) -> dict:
+    """Score `model` (the trained model, unwrapped) on held-out questions, write the artifacts; return the metrics."""
+    tc, output_dir, metrics = trainer.config.train, trainer.output_dir, state.summary()
+    model.to(trainer.device)
+    count = min(tc.eval_questions, len(validation_records))
+    records = [r for r in map(validation_records.__getitem__, range(count)) if r]
+    if records:
+        predictions = answer(model, trainer.tokenizer, processor, records, trainer.device)
+        metrics.update(exact_match(records, predictions))
+        save_prediction_grid(records[:GRID_EXAMPLES], predictions[:GRID_EXAMPLES], output_dir / "predictions.png")
+        with_image = [r for r in records if r["images"]]
+        circles = [r for r in with_image if "circle" in json.dumps(r["texts"])]
+        example = (circles or with_image or [None])[0]
+        if example:
+            example["images"][0].save(output_dir / "heldout_example.png")
+    save_loss_curve(state.history, state.validation, output_dir / "loss_curve.png")
+    (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    if trainer.wandb_run:
+        trainer.wandb_run.log({f"final/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
+        trainer.wandb_run.finish()
+    print(json.dumps(metrics, indent=2))
+    return metrics

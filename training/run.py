@@ -1,0 +1,103 @@
+"""One training run from start to finish: data, model, optimizer, the loop (training/loop.py), and the results."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from data import CheckedRecords, ImageProcessor, VQACollator, build_datasets, text_lengths
+from data.sampler import ResumableBatchSampler
+from models.config import check
+from training import distributed, loop
+from training.checkpoint import RUN_CONFIG, load_training_state
+from training.config import RunConfig
+from training.optim import build_optimizer, build_scheduler, check_same_parts, freeze_parts
+from training.results import write_results
+from training.setup import build_model, build_tokenizer, load_for_resume, unsharded
+from training.vision_pretraining import pretrain_vision
+
+
+def train(config: RunConfig, resume: Path | None = None) -> dict:
+    """Run training to `train.max_steps` (as one rank of the job when started by torchrun); return the final metrics."""
+    ranks, device = distributed.init(config.train.device, config.train.dist_timeout)
+    try:
+        return _train(config, resume, ranks, device)
+    finally:
+        distributed.shutdown()
+
+
+def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, device: torch.device) -> dict:
+    tc = config.train
+    torch.manual_seed(tc.seed)
+    if tc.num_threads:
+        torch.set_num_threads(tc.num_threads)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and tc.bf16
+                else contextlib.nullcontext())
+    say, report = distributed.main_rank_only(ranks, print), distributed.main_rank_only(ranks, tqdm.write)
+
+    train_data, validation_data = build_datasets(config.data)
+    model, tokenizer = load_for_resume(resume) if resume else (None, build_tokenizer(config, train_data))
+    model = model or build_model(config, tokenizer)
+    config = RunConfig(model.config, config.data, config.train, config.tokenizer)
+    _check(config, resume)
+    processor = ImageProcessor.from_config(config.model.vision)
+    if tc.vision_pretrain_steps and not resume:
+        say(f"vision pre-training: {tc.vision_pretrain_steps} steps of {tc.vision_pretrain_batch_size} scenes",
+            flush=True)
+        pretrain_vision(model.vision.to(device), processor, config.data.shapes, tc.vision_pretrain_steps,
+                        tc.vision_pretrain_batch_size, tc.vision_pretrain_lr, tc.seed, device, report=say)
+        distributed.broadcast_parameters(model.vision)  # GPU kernels need not be bit-exact across ranks
+    freeze_parts(model, tc)
+    model = distributed.wrap(model.to(device), tc.parallel, ranks, device)
+    optimizer = build_optimizer(distributed.unwrap(model), tc, device)
+    state = loop.TrainState.resumed(load_training_state(resume, model, optimizer, ranks), tc) if resume \
+        else loop.TrainState()
+    collator = VQACollator(tokenizer, processor, config.model.tokens_per_image, tc.max_length,
+                           ensure_image=ranks.distributed, image_position=config.model.image_position, pack=tc.packing)
+    train_records = CheckedRecords(train_data, config.data.on_bad_record, "train", report=report)
+    validation_records = CheckedRecords(validation_data, config.data.on_bad_record, "validation", report=report)
+    lengths = text_lengths(train_data) if tc.group_by_length else None
+    sampler = ResumableBatchSampler(len(train_records), tc.batch_size, tc.seed, state.samples_seen, ranks.rank,
+                                    ranks.world_size, lengths)
+    shown = min(len(validation_records), tc.eval_batches * tc.batch_size)
+    validation_batches = [collator([validation_records[i] for i in range(s, min(s + tc.batch_size, shown))])
+                          for s in range(0, shown, tc.batch_size)]
+    batches = iter(DataLoader(train_records, batch_sampler=sampler, collate_fn=collator))
+    trainer = loop.Trainer(config, model, torch.compile(model) if tc.compile else model, tokenizer, optimizer,
+                           build_scheduler(optimizer, tc, state.step), batches, train_records, validation_batches,
+                           ranks, device, autocast, _wandb_run(config, ranks))
+    say(f"model: {sum(p.numel() for p in distributed.unwrap(model).parameters()) / 1e6:.2f}M parameters, "
+        f"{config.model.tokens_per_image} tokens per image, vocabulary {config.model.language.vocab_size}; data: "
+        f"{len(train_data)} train / {len(validation_data)} validation samples; device {device}"
+        + (f"; {ranks.world_size} ranks ({tc.parallel})" if ranks.distributed else ""), flush=True)
+
+    stopped_by = loop.run(trainer, state)
+    if stopped_by:
+        return {"step": state.step, "stopped_by": stopped_by}
+    final_model = unsharded(model, config, Path(tc.output_dir) / f"step_{tc.max_steps:06d}", ranks)
+    if not ranks.is_main:
+        return state.summary()
+    return write_results(final_model, trainer, state, processor, validation_records)
+
+
+def _check(config: RunConfig, resume: Path | None) -> None:
+    """Settings that cannot work with this model or this checkpoint, refused before anything trains."""
+    tc, context = config.train, config.model.language.max_position_embeddings
+    check(tc.max_length <= context, f"train.max_length ({tc.max_length}) exceeds the language model's context "
+          f"(model.language.max_position_embeddings = {context})")
+    if resume:
+        check_same_parts(RunConfig.from_json(resume / RUN_CONFIG).train, tc)
+
+
+def _wandb_run(config: RunConfig, ranks: distributed.Ranks):
+    """A Weights & Biases run on rank 0 when train.wandb is on, else None."""
+    if not (config.train.wandb and ranks.is_main):
+        return None
+    import wandb
+
+    return wandb.init(project=config.train.wandb_project, config=config.to_dict(), dir=config.train.output_dir,
+                      resume="allow")
