@@ -42,7 +42,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, work: list[tuple[Sequence, int]]) -> Tensor:
-        """Logits [len(work), vocab] at each row's last computed token."""
+        """Logits [len(work), vocab] at each row's last computed token. Decodes (one token each) run as one batch and
+        prompt chunks as another, so a decode row is never padded to a prompt chunk's length."""
+        logits: list[Tensor | None] = [None] * len(work)
+        for single in (True, False):
+            rows = [i for i, (_, count) in enumerate(work) if (count == 1) == single]
+            if rows:
+                for i, row_logits in zip(rows, self._forward([work[i] for i in rows])):
+                    logits[i] = row_logits
+        return torch.stack(logits)
+
+    def _forward(self, work: list[tuple[Sequence, int]]) -> Tensor:
         size, width = self.block_size, max(count for _, count in work)
         num_blocks = max(len(sequence.table) for sequence, _ in work)
         ids = torch.full((len(work), width), self.filler, dtype=torch.long)
@@ -52,19 +62,19 @@ class ModelRunner:
         features = []
         for row, (sequence, count) in enumerate(work):
             start = sequence.num_computed
-            chunk = sequence.tokens[start : start + count]
-            ids[row, :count] = torch.tensor(chunk)
+            ids[row, :count] = torch.tensor(sequence.tokens[start : start + count])
             positions = torch.arange(start, start + count)
             table = torch.tensor(sequence.table)
             slots[row, :count] = table[positions // size] * size + positions % size
             tables[row, : len(table)] = table
-            prompt = sequence.tokens[: sequence.num_prompt]  # only the prompt's image-token ids are placeholders
-            images_before = sum(token == self.image_token for token in prompt[:start])
-            here = torch.tensor([token == self.image_token for token in prompt[start : start + count]],
-                                dtype=torch.bool)
-            image_slots[row, : len(here)] = here
-            if here.any():
-                features.append(self._features(sequence)[images_before : images_before + int(here.sum())])
+            if start < sequence.num_prompt:  # only the prompt's image-token ids are placeholders
+                prompt = sequence.tokens[: sequence.num_prompt]
+                here = torch.tensor([token == self.image_token for token in prompt[start : start + count]],
+                                    dtype=torch.bool)
+                image_slots[row, : len(here)] = here
+                if here.any():
+                    before = sum(token == self.image_token for token in prompt[:start])
+                    features.append(self._features(sequence)[before : before + int(here.sum())])
         ids, slots, tables = ids.to(self.device), slots.to(self.device), tables.to(self.device)
         embeddings = self.model.embed(ids, features=torch.cat(features) if features else None,
                                       slots=image_slots.to(self.device))
