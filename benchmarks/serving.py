@@ -6,7 +6,8 @@
 
 N requests all arrive at once, with prompt and output lengths drawn uniformly in [min-len, max-len]; a share of them
 open with the same prefix (a shared system prompt), which the engine's prefix cache can reuse. Methods:
-- engine: tinyvlm's serving engine (continuous batching, paged KV cache, prefix caching);
+- engine: tinyvlm's serving engine (continuous batching, paged KV cache, prefix caching), gather + SDPA attention;
+- engine-flex: the same with FlexAttention over the pool (compiled; its compile time is left out by a warm-up run);
 - static: tinyvlm's `generate` on one left-padded batch of every request (the longest output sets the steps);
 - hf-one: transformers `generate`, one request at a time; hf-batch: transformers `generate`, one padded batch;
 - hf-cb: transformers' continuous batching `generate_batch` (transformers 5.x; one max_new_tokens for all, so it
@@ -34,7 +35,7 @@ from benchmarks.decode import build_models, synchronize  # noqa: E402
 from serving.engine import Engine, Request  # noqa: E402
 from serving.sequence import RequestParams  # noqa: E402
 
-METHODS = ("engine", "static", "hf-one", "hf-batch", "hf-cb")
+METHODS = ("engine", "engine-flex", "static", "hf-one", "hf-batch", "hf-cb")
 
 
 def workload(args) -> list[tuple[list[int], int]]:
@@ -58,9 +59,14 @@ def percentiles(values: list[float]) -> tuple[float, float]:
     return statistics.median(ordered), ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
-def run_engine(model, requests, args, device) -> dict:
+def run_engine(model, requests, args, device, attention: str = "gather") -> dict:
+    if attention == "flex":  # compile the kernels of every query bucket first
+        warm = Engine(model, num_blocks=args.kv_blocks, block_size=args.block_size, attention="flex",
+                      max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens)
+        warm.generate([Request(prompt, None, RequestParams(greedy=True, max_tokens=n, ignore_eos=True))
+                       for prompt, n in requests])
     engine = Engine(model, num_blocks=args.kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                    max_batch_tokens=args.max_batch_tokens)
+                    max_batch_tokens=args.max_batch_tokens, attention=attention)
     for i, (prompt, out_len) in enumerate(requests):
         engine.add_request(Request(prompt, None, RequestParams(greedy=True, max_tokens=out_len, ignore_eos=True),
                                    request_id=str(i)))
@@ -149,7 +155,8 @@ def run_hf_cb(reference, requests, args, device) -> dict:
     return dict(wall=wall, tokens=[list(t)[:n] for t, (_, n) in zip(ordered, requests)])
 
 
-RUNNERS = {"engine": run_engine, "static": run_static, "hf-one": run_hf_one, "hf-batch": run_hf_batch,
+RUNNERS = {"engine": run_engine, "engine-flex": lambda *args: run_engine(*args, attention="flex"),
+           "static": run_static, "hf-one": run_hf_one, "hf-batch": run_hf_batch,
            "hf-cb": run_hf_cb}
 
 
@@ -244,7 +251,7 @@ def main() -> None:
              f"{hardware}; torch {torch.__version__}")
     rows, baseline = [], None
     for method in args.methods:  # each method runs under its own no-grad / inference mode
-        model = ours if method in ("engine", "static") else reference
+        model = ours if not method.startswith("hf") else reference
         result = RUNNERS[method](model, requests, args, device)
         baseline = result["tokens"] if method == "engine" else baseline
         rows.append(summarize(method, result, requests, None if method == "engine" else baseline))

@@ -18,13 +18,18 @@ The paged layout (PagedAttention, Kwon et al. 2023; built and managed by serving
 "key"/"value" [num_blocks, block_size, kv_heads, head_dim] shared by every sequence, "block_table" [B, blocks] (each
 row's blocks in order, padded with the null block 0) and "slot_mapping" [B, T] (the pool slot, block * block_size +
 offset, of each new token; padded tokens write to the null block). Each row has its own position (`start_pos` [B]),
-so rows of a batch may be at any point of their sequences: continuous batching, chunked prefill.
+so rows of a batch may be at any point of their sequences: continuous batching, chunked prefill. Attention then
+gathers each row's blocks and runs SDPA under a mask (exact, any block size), or, when the dict also holds a
+FlexAttention "block_mask" and the "query_index" of the real tokens, runs FlexAttention over the pool in place, with
+no gather (`paged_flex_attention`).
 
 Memory (the formula from the KV-cache articles, with grouped-query attention's fewer kv heads):
     bytes = 2 (K and V) x layers x kv_heads x head_dim x tokens x batch x bytes_per_element
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -83,15 +88,40 @@ def write(cache: KVCache | None, key: Tensor, value: Tensor, start_pos: int | Te
 
 
 def _write_paged(cache: KVCache, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-    """Scatter the new K/V into the pool at `slot_mapping`; gather each row's blocks as [B, H, blocks * size, D]."""
+    """Scatter the new K/V into the pool at `slot_mapping`; return each row's blocks gathered, [B, H, blocks * size,
+    D], or, for FlexAttention, the whole pool as one sequence, [1, H, num_blocks * size, D] (a view)."""
     slots, table = cache["slot_mapping"].flatten(), cache["block_table"]
-    gathered = []
+    attended = []
     for pool, new in ((cache["key"], key), (cache["value"], value)):
         num_blocks, size, heads, dim = pool.shape
-        pool.view(num_blocks * size, heads, dim).index_copy_(0, slots, new.transpose(1, 2).reshape(-1, heads, dim)
-                                                              .to(pool.dtype))
-        gathered.append(pool[table].flatten(1, 2).transpose(1, 2))
-    return gathered[0], gathered[1]
+        flat = pool.view(num_blocks * size, heads, dim)
+        flat.index_copy_(0, slots, new.transpose(1, 2).reshape(-1, heads, dim).to(pool.dtype))
+        in_place = "block_mask" in cache
+        attended.append(flat.transpose(0, 1)[None] if in_place else pool[table].flatten(1, 2).transpose(1, 2))
+    return attended[0], attended[1]
+
+
+@functools.cache
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)  # dynamic CPU flex kernels failed to build on torch 2.14
+
+
+def paged_flex_attention(q: Tensor, keys: Tensor, values: Tensor, cache: KVCache) -> Tensor:
+    """Attention of `q` [B, H, T, D] over the pool ([1, Hkv, slots, D]) with FlexAttention, in place: the real tokens
+    of every row (`query_index` into the flattened B x T) form one sequence of queries, padded to the block mask's
+    length; the mask (built from the block tables and positions) says which pool slots each may see."""
+    batch, heads, seq, dim = q.shape
+    index, mask = cache["query_index"], cache["block_mask"]
+    flat = q.transpose(0, 1).reshape(heads, batch * seq, dim)
+    queries = flat.new_zeros(heads, mask.seq_lengths[0], dim)
+    queries[:, : len(index)] = flat[:, index]
+    out = _compiled_flex_attention()(queries[None], keys.to(q.dtype), values.to(q.dtype), block_mask=mask,
+                                     enable_gqa=True)
+    result = torch.zeros_like(flat)
+    result[:, index] = out[0, :, : len(index)]
+    return result.reshape(heads, batch, seq, dim).transpose(0, 1)
 
 
 def repeat_rows(caches: list[KVCache], repeats: int) -> list[KVCache]:

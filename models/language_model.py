@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.config import LanguageConfig
-from models.kv_cache import KVCache, allocate, attended_slots, write
+from models.kv_cache import KVCache, allocate, attended_slots, paged_flex_attention, write
 from models.loading import CheckpointError, load_checked, read_json, read_weights, rename_keys, resolve, weight_patterns
 
 
@@ -78,12 +78,13 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         kv_cache, k, v = write(kv_cache, k, v, start_pos)
-        if mask is None and k.shape[2] == seq:  # plain causal self-attention: the fastest kernels
+        if kv_cache is not None and "block_mask" in kv_cache:  # a paged cache read in place by FlexAttention
+            out = paged_flex_attention(q, k, v, kv_cache)
+        elif mask is None and k.shape[2] == seq:  # plain causal self-attention: the fastest kernels
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            if mask is None:
-                mask = causal_mask(start_pos, seq, k.shape[2], x.device)
-            out = self._grouped_attention(q, k, v, mask)
+            out = self._grouped_attention(q, k, v, causal_mask(start_pos, seq, k.shape[2], x.device) if mask is None
+                                          else mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1)), kv_cache
 
     def _grouped_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:

@@ -76,12 +76,12 @@ def engine_size(model: VisionLanguageModel, kv_cache_mib: int, block_size: int =
 class Engine:
     def __init__(self, model: VisionLanguageModel, tokenizer=None, processor: ImageProcessor | None = None, *,
                  num_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 64,
-                 max_batch_tokens: int = 512) -> None:
+                 max_batch_tokens: int = 512, attention: str = "gather") -> None:
         self.model, self.tokenizer = model.eval(), tokenizer
         self.processor = processor or ImageProcessor.from_config(model.config.vision)
         self.blocks = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_batch_tokens)
-        self.runner = ModelRunner(model, num_blocks, block_size)
+        self.runner = ModelRunner(model, num_blocks, block_size, attention)
         self.groups: dict[str, Group] = {}
         self._arrivals = itertools.count()
 

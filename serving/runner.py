@@ -14,10 +14,20 @@ from models import VisionLanguageModel
 from serving.block_manager import NULL_BLOCK
 from serving.sequence import Sequence
 
+ATTENTION = ("gather", "flex")
+
 
 class ModelRunner:
-    def __init__(self, model: VisionLanguageModel, num_blocks: int, block_size: int) -> None:
-        self.model, self.block_size = model, block_size
+    """`attention`: "gather" (each row's blocks gathered, then SDPA: exact, any block size, the reference) or "flex"
+    (FlexAttention over the pool in place, compiled once per query-count bucket; block sizes that are multiples of
+    16: compiled CPU flex with blocks of 8 gave wrong values on torch 2.14)."""
+
+    def __init__(self, model: VisionLanguageModel, num_blocks: int, block_size: int, attention: str = "gather") -> None:
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+        if attention == "flex" and block_size % 16:
+            raise ValueError(f"flex attention needs a block size that is a multiple of 16, got {block_size}")
+        self.model, self.block_size, self.attention = model, block_size, attention
         config, weight = model.config.language, model.language.token_embedding.weight
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.pools = [{"key": torch.zeros(shape, dtype=weight.dtype, device=weight.device),
@@ -78,11 +88,40 @@ class ModelRunner:
         ids, slots, tables = ids.to(self.device), slots.to(self.device), tables.to(self.device)
         embeddings = self.model.embed(ids, features=torch.cat(features) if features else None,
                                       slots=image_slots.to(self.device))
-        caches = [{**pool, "block_table": tables, "slot_mapping": slots} for pool in self.pools]
+        layout = {"block_table": tables, "slot_mapping": slots}
+        if self.attention == "flex":
+            layout.update(self._flex_mask(work, width))
+        caches = [{**pool, **layout} for pool in self.pools]
         starts = torch.tensor([sequence.num_computed for sequence, _ in work], device=self.device)
         hidden, _ = self.model.language(embeddings, kv_cache=caches, start_pos=starts)
         last = torch.tensor([count - 1 for _, count in work], device=self.device)
         return self.model.language.head(hidden[torch.arange(len(work), device=self.device), last])
+
+    def _flex_mask(self, work: list[tuple[Sequence, int]], width: int) -> dict:
+        """The FlexAttention block mask of a forward: query q (a real token of row r at position p) sees pool slot s
+        when s's block is in r's table, at a logical position <= p. Queries are padded to a power of two (>= 16),
+        so a few compiled kernels serve every batch; padded queries see nothing."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        size, pool_blocks = self.block_size, self.pools[0]["key"].shape[0]
+        rows = [row for row, (_, count) in enumerate(work) for _ in range(count)]
+        index = torch.tensor([row * width + t for row, (_, count) in enumerate(work) for t in range(count)])
+        length = max(16, 1 << (len(rows) - 1).bit_length())
+        query_row = torch.zeros(length, dtype=torch.long)
+        query_position = torch.full((length,), -1, dtype=torch.long)
+        query_row[: len(rows)] = torch.tensor(rows)
+        query_position[: len(rows)] = torch.cat([torch.arange(s.num_computed, s.num_computed + c) for s, c in work])
+        logical = torch.full((len(work), pool_blocks), -1, dtype=torch.long)
+        for row, (sequence, _) in enumerate(work):
+            logical[row, torch.tensor(sequence.table)] = torch.arange(len(sequence.table))
+        query_row, query_position, logical = (t.to(self.device) for t in (query_row, query_position, logical))
+
+        def visible(batch, head, query, slot):
+            block = logical[query_row[query], slot // size]
+            return (block >= 0) & (block * size + slot % size <= query_position[query])
+
+        mask = create_block_mask(visible, 1, None, length, pool_blocks * size, device=self.device)
+        return {"block_mask": mask, "query_index": index.to(self.device)}
 
     def _features(self, sequence: Sequence) -> Tensor:
         group = sequence.group

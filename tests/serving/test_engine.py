@@ -64,17 +64,24 @@ def _serve(engine: Engine, requests, arrivals) -> dict[str, list[int]]:
     return tokens
 
 
-@pytest.mark.parametrize("num_blocks, block_size, budget", [(200, 16, 512), (14, 4, 16), (40, 8, 10)],
-                         ids=["roomy", "preempting", "chunked"])
-def test_continuous_batching_gives_each_request_its_greedy_tokens(model, num_blocks, block_size, budget):
+def flex(*settings):  # compiles a kernel per query-count bucket: ~5 s each on a CPU
+    return pytest.param("flex", *settings, marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("attention, num_blocks, block_size, budget", [
+    ("gather", 200, 16, 512), ("gather", 14, 4, 16), ("gather", 40, 8, 10),
+    flex(200, 16, 512), flex(6, 16, 16), flex(40, 16, 10),
+], ids=["gather-roomy", "gather-preempting", "gather-chunked", "flex-roomy", "flex-preempting", "flex-chunked"])
+def test_continuous_batching_gives_each_request_its_greedy_tokens(model, attention, num_blocks, block_size, budget):
     requests = _requests()
-    engine = Engine(model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=8, max_batch_tokens=budget)
+    engine = Engine(model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=8, max_batch_tokens=budget,
+                    attention=attention)
     tokens = _serve(engine, requests, arrivals=[0, 0, 1, 3, 3, 4, 8, 9, 15, 15])
     for i, (prompt, images, params) in enumerate(requests):
         assert tokens[str(i)] == _alone(model, prompt, images, params)[0], i
     assert engine.blocks.num_free == engine.blocks.num_usable  # every block back
     engine.blocks.check()
-    if num_blocks == 14:
+    if num_blocks < 20:
         assert engine.scheduler.num_preemptions > 0
     if budget == 10:
         assert engine.stats()["preemptions"] == 0
