@@ -189,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-mib", type=int, default=1024, help="KV-cache memory (MiB)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together")
     parser.add_argument("--max-in-flight", type=int, default=256, help="requests admitted at once (then 429)")
+    parser.add_argument("--attention", choices=["gather", "flex"], default="gather",
+                        help="paged attention: gather + SDPA, or FlexAttention over the pool (compiled)")
     args = parser.parse_args(argv)
     try:
         import uvicorn
@@ -200,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     except TinyVLMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    engine = Engine(model, tokenizer, **engine_size(model, args.kv_cache_mib, max_num_seqs=args.max_num_seqs))
+    engine = Engine(model, tokenizer, **engine_size(model, args.kv_cache_mib, max_num_seqs=args.max_num_seqs),
+                    attention=args.attention)
     name = args.model_name or (args.checkpoint.resolve().name if args.checkpoint else "tinyvlm")
     async_engine = AsyncEngine(engine, args.max_in_flight, log=lambda line: print(line, file=sys.stderr, flush=True))
     uvicorn.run(create_app(async_engine, tokenizer, name), host=args.host, port=args.port)
