@@ -176,3 +176,16 @@ def test_rotary_keeps_float32_precision_after_a_bfloat16_round_trip(llama_pair):
         expected = model.head(model(model.token_embedding(ids))[0])
         actual = round_trip.head(round_trip(round_trip.token_embedding(ids))[0])
     assert torch.equal(actual, expected)
+
+
+def test_sharded_checkpoints_load_through_their_index(tmp_path):
+    """A checkpoint saved in shards (model.safetensors.index.json + model-0000N-of-0000M.safetensors) loads whole."""
+    reference = save_tiny_llama(tmp_path / "whole", tie=False)
+    reference.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    shards = sorted(p.name for p in (tmp_path / "sharded").glob("*.safetensors"))
+    assert len(shards) > 2 and (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    ours = LanguageModel.from_pretrained(tmp_path / "sharded").eval()
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.head(ours(ours.token_embedding(ids))[0]), reference(ids).logits,
+                                   atol=1e-4, rtol=0)
