@@ -61,8 +61,15 @@ HF_SIGLIP_UNUSED = r"^(text_model\.|logit_scale|logit_bias|(vision_model\.)?head
 
 
 def config_from_hf(hf: dict, preprocessor: dict | None = None) -> VisionConfig:
-    """Our config for a SiglipVisionModel / SiglipModel `config.json` (and its preprocessor_config.json)."""
-    vision = hf.get("vision_config", hf)
+    """Our config for a SiglipVisionModel / SiglipModel `config.json` (and its preprocessor_config.json). SigLIP2's
+    fixed-resolution checkpoints are SigLIP models too. Fields a hub config leaves out (older SigLIP repos list only
+    what differs) take transformers' SiglipVisionConfig defaults, as transformers itself does."""
+    from transformers import SiglipVisionConfig
+
+    model_type = hf.get("model_type")
+    if model_type not in (None, "siglip", "siglip_vision_model"):
+        raise CheckpointError(f"model_type {model_type!r} is not supported as a vision tower (expected SigLIP)")
+    vision = {**SiglipVisionConfig().to_dict(), **hf.get("vision_config", hf)}
     if vision.get("hidden_act", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_new"):
         raise CheckpointError(f"unsupported SigLIP variant: hidden_act {vision['hidden_act']!r}")
     preprocessor = preprocessor or {}
