@@ -40,19 +40,24 @@ def checked_record(record: dict[str, Any]) -> dict[str, Any]:
     return {**record, "images": [to_rgb(image) for image in record_images(record)]}
 
 
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 class CheckedRecords(Dataset):
     """`dataset[i]` read and checked eagerly (see `checked_record`). A bad record raises BadRecordError naming it
     under policy "fail", or becomes None under "skip" (the collator leaves Nones out), counted in `num_bad`; when
     most records are bad, the data or its format is wrong, and even "skip" stops with a BadRecordError.
 
-    The count lives in this process: use it with DataLoader(num_workers=0), as train.py does.
+    The counts are this process's reads (a DataLoader worker keeps its own): training learns which records were bad
+    from each batch instead (data/loader.py).
     """
 
     def __init__(self, dataset, policy: Policy, name: str = "train", report: Callable[[str], None] | None = None):
         if policy not in ("skip", "fail"):
             raise ValueError(f"policy must be 'skip' or 'fail', got {policy!r}")
         self.dataset, self.policy, self.name = dataset, policy, name
-        self.report = report or (lambda message: print(message, file=sys.stderr, flush=True))
+        self.report = report or _to_stderr
         self.num_bad = self.num_read = 0
 
     def __len__(self) -> int:

@@ -42,12 +42,11 @@ class VQACollator:
     placeholders appear (row by row). With `pack`, a row holds several records (see `data.packing`) and the attention
     mask numbers them 1, 2, ... (0 for padding); otherwise a row is one record and the mask is 1 or 0.
 
-    A record whose ids exceed `max_length` is dropped, never truncated, and counted in `num_too_long` (per process:
-    DataLoader workers each keep their own count); None records (bad ones that `CheckedRecords` skipped) are left
-    out. A batch that loses every record holds one padding row with no targets, so that training still runs its
-    forward and backward. With `ensure_image`, a batch without any image gets a placeholder row (one black image, no
-    targets), so the vision tower runs too: every rank of a DDP / FSDP2 job must use the same parameters at every
-    step.
+    A record whose ids exceed `max_length` is dropped, never truncated (`collate` also says which); None records
+    (bad ones that `CheckedRecords` skipped) are left out. A batch that loses every record holds one padding row with
+    no targets, so that training still runs its forward and backward. With `ensure_image`, a batch without any image
+    gets a placeholder row (one black image, no targets), so the vision tower runs too: every rank of a DDP / FSDP2
+    job must use the same parameters at every step.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, processor: ImageProcessor, tokens_per_image: int,
@@ -60,16 +59,22 @@ class VQACollator:
         token_id(tokenizer, IMAGE_TOKEN)  # fail now, not at the first batch
         self.tokenizer, self.processor = tokenizer, processor
         self.tokens_per_image, self.max_length, self.padding_side = tokens_per_image, max_length, padding_side
-        self.num_too_long, self.ensure_image, self.image_position, self.pack = 0, ensure_image, image_position, pack
+        self.ensure_image, self.image_position, self.pack = ensure_image, image_position, pack
 
     def __call__(self, records: list[dict | None]) -> dict[str, torch.Tensor]:
-        samples = []  # (ids, targets, images) per record
-        for record in filter(None, records):
+        return self.collate(records)[0]
+
+    def collate(self, records: list[dict | None]) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """The batch, and the positions in `records` of the records dropped for exceeding `max_length`."""
+        samples, too_long = [], []  # (ids, targets, images) per record kept
+        for position, record in enumerate(records):
+            if record is None:
+                continue
             images = record_images(record)
             ids, targets = encode_conversation(self.tokenizer, record["texts"], len(images), self.tokens_per_image,
                                                self.image_position)
             if len(ids) > self.max_length:
-                self.num_too_long += 1
+                too_long.append(position)
                 continue
             samples.append((ids, targets, [self.processor(image) for image in images]))
         size = self.processor.image_size
@@ -88,9 +93,10 @@ class VQACollator:
         input_ids, _ = pad(id_rows, self.tokenizer.pad_token_id, self.padding_side)
         attention_mask, _ = pad(sequence_rows, 0, self.padding_side)
         targets, _ = pad(target_rows, IGNORE_INDEX, self.padding_side)
-        return {
+        batch = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "targets": targets,
             "images": torch.stack(images) if images else torch.empty(0, 3, size, size),
         }
+        return batch, too_long

@@ -57,15 +57,21 @@ class TrainConfig(Config):
     parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: DDP replicas, or FSDP2 shards for models too big for one GPU
     dist_timeout: int = 600  # seconds a collective may wait for the other ranks before the job fails
     num_threads: int = 0  # CPU threads for torch (0: torch's default)
+    # Processes that read, decode and collate batches while the model trains (0: the training process does it between
+    # steps); the same batches in the same order either way.
+    num_workers: int = 1
+    prefetch_factor: int = 2  # batches each worker prepares ahead
     wandb: bool = False
     allow_pickle: bool = False  # read pretrained backbones' .bin weights (torch.load(weights_only=True)); safetensors otherwise
     wandb_project: str = "tinyvlm"
 
     def __post_init__(self) -> None:
         self.check_at_least("train", 1, ("max_steps", "batch_size", "grad_accum_steps", "max_length", "eval_every", "save_every",
-                                         "keep_checkpoints", "log_every", "dist_timeout", "vision_pretrain_batch_size"))
+                                         "keep_checkpoints", "log_every", "dist_timeout", "vision_pretrain_batch_size",
+                                         "prefetch_factor"))
         self.check_at_least("train", 0, ("lr_projector", "lr_vision", "lr_language", "weight_decay", "warmup_steps", "grad_clip",
-                                         "eval_batches", "eval_questions", "num_threads", "decay_steps", "vision_pretrain_steps"))
+                                         "eval_batches", "eval_questions", "num_threads", "decay_steps", "vision_pretrain_steps",
+                                         "num_workers"))
         check(self.vision_pretrain_lr > 0, f"train.vision_pretrain_lr must be positive, got {self.vision_pretrain_lr}")
         check(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
         check(0 < self.adam_beta2 < 1, f"train.adam_beta2 must lie in (0, 1), got {self.adam_beta2}")

@@ -66,7 +66,11 @@ def init(device_name: str, timeout_s: float) -> tuple[Ranks, torch.device]:
 
 def main_rank_only(ranks: Ranks, function: Callable[..., None]) -> Callable[..., None]:
     """`function` on rank 0; a no-op on the other ranks (for what is printed once per job)."""
-    return function if ranks.is_main else lambda *args, **kwargs: None
+    return function if ranks.is_main else _silent
+
+
+def _silent(*args, **kwargs) -> None:
+    """Prints nothing (a module-level function: DataLoader workers may need to pickle it)."""
 
 
 def shutdown() -> None:
@@ -119,6 +123,15 @@ def all_reduce(values: list[float], op: str = "sum", device: torch.device | None
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return tensor.tolist()
+
+
+def union(values: set[int]) -> set[int]:
+    """The union of every rank's `values` (the values themselves when not distributed)."""
+    if not dist.is_initialized():
+        return values
+    gathered: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(values))
+    return set().union(*gathered)
 
 
 def broadcast_parameters(module: nn.Module) -> None:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from data import CheckedRecords
+from data.loader import take_bookkeeping
 from models import TinyVLMError
 from training import distributed
 from training.checkpoint import save_checkpoint
@@ -39,7 +39,8 @@ class TrainState:
     history: list[list[float]] = dataclasses.field(default_factory=list)  # [step, train loss] each step
     validation: list[list[float]] = dataclasses.field(default_factory=list)  # [step, validation loss]
     skipped_steps: int = 0  # non-finite steps
-    bad_records: int = 0
+    bad_records: set[int] = dataclasses.field(default_factory=set)  # dataset indices of the bad records met
+    too_long_records: set[int] = dataclasses.field(default_factory=set)  # and of those over train.max_length
 
     @classmethod
     def resumed(cls, saved: dict[str, Any], config: TrainConfig) -> TrainState:
@@ -47,18 +48,23 @@ class TrainState:
         batches_to_samples = config.batch_size * config.grad_accum_steps
         samples_seen = saved.get("samples_seen", saved.get("data_position", 0) * batches_to_samples)
         return cls(saved["step"], samples_seen, saved["history"], saved.get("validation", []),
-                   saved.get("skipped_steps", 0), saved.get("bad_records", 0))
+                   saved.get("skipped_steps", 0), set(saved.get("bad_record_indices", [])),
+                   set(saved.get("too_long_record_indices", [])))
 
     def summary(self) -> dict[str, Any]:
-        """The run's metrics so far: step, last train and validation losses, skipped steps, bad records."""
+        """The run's metrics so far: step, last train and validation losses, skipped steps, and how many distinct
+        training records were bad or too long (each counted once, however often it was read)."""
         return {"step": self.step, "train_loss": self.history[-1][1] if self.history else None,
                 "validation_loss": self.validation[-1][1] if self.validation else None,
-                "skipped_steps": self.skipped_steps, "bad_records": self.bad_records}
+                "skipped_steps": self.skipped_steps, "bad_records": len(self.bad_records),
+                "too_long_records": len(self.too_long_records)}
 
     def saved(self) -> dict[str, Any]:
         """What a checkpoint keeps besides its step (which `save_checkpoint` writes)."""
         return {"samples_seen": self.samples_seen, "history": self.history, "skipped_steps": self.skipped_steps,
-                "bad_records": self.bad_records, "validation": self.validation}
+                "validation": self.validation, "bad_records": len(self.bad_records),
+                "bad_record_indices": sorted(self.bad_records), "too_long_records": len(self.too_long_records),
+                "too_long_record_indices": sorted(self.too_long_records)}
 
 
 @dataclasses.dataclass
@@ -71,8 +77,7 @@ class Trainer:
     tokenizer: Any
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    batches: Iterator[dict[str, torch.Tensor]]
-    train_records: CheckedRecords
+    batches: Iterator[dict[str, Any]]  # from `data.loader.training_loader`
     validation_batches: list[dict[str, torch.Tensor]]
     ranks: Ranks
     device: torch.device
@@ -97,7 +102,7 @@ def train_step(forward, model, batches, optimizer, scheduler, tc, autocast, devi
     total_weight, world_size = all_reduce([float(sum(w.sum() for w in weights)), 1.0], device=device)
     loss_sum = torch.zeros((), device=device)
     for i, (batch, weight) in enumerate(zip(micro_batches, weights)):
-        batch = {k: v.to(device) for k, v in batch.items()}
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}  # from pinned memory on GPU
         with gradient_sync(model, enabled=i == len(micro_batches) - 1), autocast:
             _, losses = forward(**batch, reduction="none")
         loss = (losses * weight.to(device)).sum()
@@ -124,10 +129,10 @@ def run(trainer: Trainer, state: TrainState) -> str | None:
     bar = ranks.is_main and sys.stdout.isatty() and sys.stderr.isatty()
     progress = tqdm(range(state.step, tc.max_steps), initial=state.step, total=tc.max_steps, desc="train",
                     dynamic_ncols=True, disable=not bar)
-    started, tokens_seen, bad_before = time.perf_counter(), 0, state.bad_records
+    started, tokens_seen, batches = time.perf_counter(), 0, _counted(trainer.batches, state)
     with GracefulStop(escalate=not ranks.distributed) as stop:
         for step in progress:
-            step_loss, tokens, finite = train_step(trainer.forward, trainer.model, trainer.batches, trainer.optimizer,
+            step_loss, tokens, finite = train_step(trainer.forward, trainer.model, batches, trainer.optimizer,
                                                    trainer.scheduler, tc, trainer.autocast, trainer.device)
             state.step = step + 1
             state.samples_seen += tc.batch_size * tc.grad_accum_steps * ranks.world_size
@@ -156,8 +161,8 @@ def run(trainer: Trainer, state: TrainState) -> str | None:
                 _log(trainer, state.step, {"val/loss": val_loss})
             stop_requested = all_reduce([float(stop.requested is not None)], op="max", device=trainer.device)[0] > 0
             if state.step % tc.save_every == 0 or done or stop_requested:
-                num_bad = all_reduce([trainer.train_records.num_bad], device=trainer.device)[0]
-                state.bad_records = bad_before + int(num_bad)
+                state.bad_records = distributed.union(state.bad_records)
+                state.too_long_records = distributed.union(state.too_long_records)
                 path = _save(trainer, state)
                 if stop_requested and not done:
                     progress.close()
@@ -166,6 +171,15 @@ def run(trainer: Trainer, state: TrainState) -> str | None:
                     return stop.requested or "stop signal"
     progress.close()
     return None
+
+
+def _counted(batches: Iterator[dict[str, Any]], state: TrainState) -> Iterator[dict[str, torch.Tensor]]:
+    """The loader's batches as the model takes them; which records were bad or too long goes into `state`."""
+    for batch in batches:
+        bad, too_long = take_bookkeeping(batch)
+        state.bad_records.update(bad)
+        state.too_long_records.update(too_long)
+        yield batch
 
 
 def _log(trainer: Trainer, step: int, values: dict[str, float]) -> None:

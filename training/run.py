@@ -6,10 +6,10 @@ import contextlib
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from data import CheckedRecords, ImageProcessor, VQACollator, build_datasets, text_lengths
+from data.loader import training_loader
 from data.sampler import ResumableBatchSampler
 from models.config import check
 from training import distributed, loop
@@ -66,10 +66,11 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     shown = min(len(validation_records), tc.eval_batches * tc.batch_size)
     validation_batches = [collator([validation_records[i] for i in range(s, min(s + tc.batch_size, shown))])
                           for s in range(0, shown, tc.batch_size)]
-    batches = iter(DataLoader(train_records, batch_sampler=sampler, collate_fn=collator))
+    batches = iter(training_loader(train_records, sampler, collator, tc.num_workers, tc.prefetch_factor,
+                                   pin_memory=device.type == "cuda"))
     trainer = loop.Trainer(config, model, torch.compile(model) if tc.compile else model, tokenizer, optimizer,
-                           build_scheduler(optimizer, tc, state.step), batches, train_records, validation_batches,
-                           ranks, device, autocast, _wandb_run(config, ranks))
+                           build_scheduler(optimizer, tc, state.step), batches, validation_batches, ranks, device,
+                           autocast, _wandb_run(config, ranks))
     say(f"model: {sum(p.numel() for p in distributed.unwrap(model).parameters()) / 1e6:.2f}M parameters, "
         f"{config.model.tokens_per_image} tokens per image, vocabulary {config.model.language.vocab_size}; data: "
         f"{len(train_data)} train / {len(validation_data)} validation samples; device {device}"

@@ -100,11 +100,12 @@ def test_too_long_records_are_dropped_and_counted(shapes_tokenizer):
     short, long = records_with_images([1, 0])[0], records_with_images([0, 3])[1]
     limit = len(encode_conversation(shapes_tokenizer, short["texts"], 1, TOKENS_PER_IMAGE)[0])
     collator = VQACollator(shapes_tokenizer, ImageProcessor(16), TOKENS_PER_IMAGE, max_length=limit)
-    batch = collator([short, long, short])
-    assert batch["input_ids"].shape == (2, limit) and batch["images"].shape[0] == 2 and collator.num_too_long == 1
-    empty = collator([long, None])  # None: a bad record, skipped upstream
-    assert empty["input_ids"].tolist() == [[shapes_tokenizer.pad_token_id]] and empty["targets"].tolist() == [[IGNORE_INDEX]]
-    assert empty["images"].shape == (0, 3, 16, 16) and collator.num_too_long == 2
+    batch, too_long = collator.collate([short, long, short])
+    assert batch["input_ids"].shape == (2, limit) and batch["images"].shape[0] == 2 and too_long == [1]
+    empty, too_long = collator.collate([None, long])  # None: a bad record, skipped upstream
+    assert empty["input_ids"].tolist() == [[shapes_tokenizer.pad_token_id]]
+    assert empty["targets"].tolist() == [[IGNORE_INDEX]]
+    assert empty["images"].shape == (0, 3, 16, 16) and too_long == [1]
 
 
 def test_left_pad_for_generation():

@@ -3,6 +3,7 @@ bad records are skipped and counted, or stop the run with a message naming them.
 
 import errno
 import json
+import os
 import resource
 import signal
 import subprocess
@@ -23,17 +24,23 @@ from training.loop import TrainingError
 from training.run import train
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_stop_signal_writes_a_resumable_checkpoint_and_exits_0(tmp_path, signum):
+# `kill` signals the training process alone; Ctrl-C signals its whole process group, DataLoader workers included.
+@pytest.mark.parametrize("signum, group", [(signal.SIGTERM, False), (signal.SIGINT, True)], ids=["kill", "ctrl-c"])
+def test_a_stop_signal_writes_a_resumable_checkpoint_and_exits_0(tmp_path, signum, group):
     overrides = [arg for key, value in {**SMALL, "train.max_steps": "100000", "train.save_every": "100000",
-                                        "train.output_dir": str(tmp_path)}.items() for arg in (f"--{key}", value)]
-    process = subprocess.Popen([sys.executable, "train.py", *overrides], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                        "train.num_workers": "2", "train.output_dir": str(tmp_path)}.items()
+                 for arg in (f"--{key}", value)]
+    process = subprocess.Popen([sys.executable, "train.py", *overrides], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
     deadline = time.monotonic() + 180
-    while "model:" not in (line := process.stdout.readline()) and time.monotonic() < deadline:
+    while "model:" not in process.stdout.readline() and time.monotonic() < deadline:
         assert process.poll() is None, process.stderr.read()
     time.sleep(3)  # a few steps in
     sent = time.monotonic()
-    process.send_signal(signum)
+    if group:
+        os.killpg(process.pid, signum)
+    else:
+        process.send_signal(signum)
     out, err = process.communicate(timeout=30)
     assert process.returncode == 0, err
     assert time.monotonic() - sent < 30
@@ -90,15 +97,18 @@ def _jsonl_with_bad_images(tmp_path, bad: dict[int, bytes]):
     return {"data.source": "jsonl", "data.path": str(tmp_path / "data.jsonl"), "data.holdout": "4"}
 
 
-def test_bad_records_are_skipped_and_counted(tmp_path):
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_bad_records_are_skipped_and_counted_once(tmp_path, workers):
+    """Each step reads every record: a bad one is read 3 times and counted once, in the workers as in this process."""
     data = _jsonl_with_bad_images(tmp_path, {3: b"", 7: b"\x89PNG\r\n\x1a\n truncated", 11: b"plain text"})
-    config = small_config(tmp_path / "run", **data, **{"train.max_steps": "3", "train.save_every": "3", "train.eval_every": "3",
+    config = small_config(tmp_path / "run", **data, **{"train.max_steps": "3", "train.save_every": "3",
+                                                       "train.eval_every": "3", "train.num_workers": workers,
                                                        "train.batch_size": "36"})  # one batch = every training record
     train_data, _ = build_datasets(config.data)
     assert len(train_data) == 36
     bad_in_train = sum(1 for i in range(36) if _unreadable(train_data, i))
     metrics = train(config)
-    assert metrics["bad_records"] == 3 * bad_in_train > 0
+    assert metrics["bad_records"] == bad_in_train > 0
     state = json.loads((tmp_path / "run" / "step_000003" / "training_state.json").read_text())
     assert state["bad_records"] == metrics["bad_records"]
     weights = load_file(tmp_path / "run" / "step_000003" / "model.safetensors")
@@ -113,12 +123,16 @@ def _unreadable(dataset, index: int) -> bool:
     return False
 
 
-def test_a_bad_record_stops_the_run_when_asked(tmp_path, capsys):
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_a_bad_record_stops_the_run_when_asked(tmp_path, capsys, workers):
+    """Met in a DataLoader worker, the error reaches the command line as the same one line."""
     data = _jsonl_with_bad_images(tmp_path, {i: b"plain text" for i in range(40) if i % 5 == 0})
-    overrides = {**SMALL, **data, "train.max_steps": "8", "train.output_dir": str(tmp_path / "run"), "data.on_bad_record": "fail"}
+    overrides = {**SMALL, **data, "train.max_steps": "8", "train.output_dir": str(tmp_path / "run"),
+                 "data.on_bad_record": "fail", "train.num_workers": workers}
     assert main([arg for key, value in overrides.items() for arg in (f"--{key}", value)]) == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert error.startswith("error: ") and "record" in error and "not an image file" in error
+    err = capsys.readouterr().err
+    error = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and error.startswith("error: train record ") and "not an image file" in error
     assert error.endswith("set data.on_bad_record=skip to skip and count such records")
 
 
@@ -162,3 +176,34 @@ def test_a_real_write_failure_exits_with_one_line_and_resume_still_works(tmp_pat
     _assert_step_2_intact(tmp_path)
     assert main(["--resume", str(tmp_path), *overrides]) == 0
     assert find_checkpoint(tmp_path).name == "step_000004"
+
+
+def test_workers_and_resume_change_nothing_and_count_each_record_once(tmp_path):
+    """Two epochs over records of which some are bad and some too long: a run with DataLoader workers, stopped and
+    resumed, trains bit for bit as one run without workers, and both count each bad or too-long record once (the
+    second epoch reads them all again, after the resume)."""
+    from data import encode_conversation
+    from transformers import AutoTokenizer
+
+    data = _jsonl_with_bad_images(tmp_path, {3: b"", 7: b"plain text", 30: b"plain text"})
+    settings = {**data, "train.batch_size": "12", "train.max_length": "60", "train.save_every": "3",
+                "train.eval_every": "6"}  # 36 records: an epoch is 3 steps
+    whole = train(small_config(tmp_path / "whole", **settings, **{"train.max_steps": "6", "train.num_workers": "0"}))
+    train(small_config(tmp_path / "split", **settings, **{"train.max_steps": "3", "train.num_workers": "2"}))
+    split = train(small_config(tmp_path / "split", **settings, **{"train.max_steps": "6", "train.num_workers": "2"}),
+                  resume=tmp_path / "split" / "step_000003")
+
+    train_data, _ = build_datasets(small_config(tmp_path, **settings).data)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "whole" / "step_000006")
+    readable = [i for i in range(len(train_data)) if not _unreadable(train_data, i)]
+    tokens = [len(encode_conversation(tokenizer, train_data[i]["texts"], 1, 16)[0]) for i in readable]
+    assert whole["bad_records"] == split["bad_records"] == len(train_data) - len(readable) > 0
+    assert whole["too_long_records"] == split["too_long_records"] == sum(n > 60 for n in tokens) > 0
+    for run in ("whole", "split"):
+        state = json.loads((tmp_path / run / "step_000006" / "training_state.json").read_text())
+        assert state["bad_record_indices"] == [i for i in range(len(train_data)) if i not in readable]
+    (whole_state, whole_weights), (split_state, split_weights) = (
+        (json.loads((tmp_path / run / "step_000006" / "training_state.json").read_text()),
+         load_file(tmp_path / run / "step_000006" / "model.safetensors")) for run in ("whole", "split"))
+    assert split_state["history"] == whole_state["history"]
+    assert all(torch.equal(split_weights[name], tensor) for name, tensor in whole_weights.items())
