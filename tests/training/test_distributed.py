@@ -96,7 +96,7 @@ def tiny_reference(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("batch_size, accumulation", [("8", "1"), ("4", "2")])  # the second accumulates under no_sync
 def test_two_ranks_of_batch_8_equal_one_of_batch_16(tiny_reference, tmp_path, batch_size, accumulation):
     settings = {**TINY, "train.batch_size": batch_size, "train.grad_accum_steps": accumulation, "train.max_steps": str(STEPS),
-                "train.save_every": str(STEPS), "train.output_dir": str(tmp_path)}
+                "train.save_every": str(STEPS), "train.output_dir": str(tmp_path), "train.num_workers": "1"}
     torchrun(2, *[arg for key, value in settings.items() for arg in (f"--{key}", value)])
     assert_same_run(tmp_path, tiny_reference)
     metrics = json.loads((tmp_path / "metrics.json").read_text())  # rank 0 alone wrote the artifacts

@@ -51,8 +51,8 @@ def test_a_fresh_run_pretrains_its_vit(tmp_path):
 
 
 # Step 6 falls inside a window of 16 batches; a resumed run must not pre-train its ViT again.
-@pytest.mark.parametrize("settings", [{"train.group_by_length": "false"}, {"train.group_by_length": "true"}, PRETRAINED_VIT],
-                         ids=["plain", "grouped", "pretrained-vit"])
+@pytest.mark.parametrize("settings", [{"train.group_by_length": "false"}, {"train.group_by_length": "true"}, PRETRAINED_VIT,
+                                      {"train.num_workers": "2"}], ids=["plain", "grouped", "pretrained-vit", "workers"])
 def test_resume_equals_an_uninterrupted_run(tmp_path, settings):
     steps = {"train.decay_steps": "12", "train.save_every": "6", "train.eval_every": "6", **settings}
     train(small_config(tmp_path / "whole", **steps, **{"train.max_steps": "12"}))
