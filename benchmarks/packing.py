@@ -35,7 +35,8 @@ MODES = {"one record per row": False, "packed": True}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/tiny.yaml", help="a YAML run config (its data, model and batch size)")
+    parser.add_argument("--config", default="configs/tiny.yaml",
+                        help="a YAML run config (its data, model and batch size)")
     parser.add_argument("--batches", type=int, default=30, help="distinct batches each round steps through")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
@@ -58,8 +59,10 @@ def main() -> None:
     model.to(device)
     processor = ImageProcessor.from_config(model.config.vision)
     records = CheckedRecords(train_data, "skip", "train")
-    batch_records = [[records[i] for i in range(k * tc.batch_size, (k + 1) * tc.batch_size)] for k in range(args.batches)]
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and tc.bf16 else contextlib.nullcontext()
+    batch_records = [[records[i] for i in range(k * tc.batch_size, (k + 1) * tc.batch_size)]
+                     for k in range(args.batches)]
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and tc.bf16
+                else contextlib.nullcontext())
 
     runs = {}
     for mode, pack in MODES.items():
@@ -98,14 +101,16 @@ def main() -> None:
         baseline = baseline or ms
         rows.append(dict(mode=mode, rows=statistics.mean(b["input_ids"].shape[0] for b in batches),
                          length=statistics.mean(b["input_ids"].shape[1] for b in batches), positions=positions,
-                         real_tokens=real, padding=1 - real / positions, ms_per_step=ms, real_tokens_per_s=1000 * real / ms,
-                         speedup=baseline / ms))
-    table = [f"{args.config}: {tc.batch_size} records a step, {args.batches} batches x {args.rounds} rounds, {hardware}", "",
-             "| mode | rows x length (mean) | positions | real tokens | padding | ms/step (median) | real tokens/s | speed-up |",
+                         real_tokens=real, padding=1 - real / positions, ms_per_step=ms,
+                         real_tokens_per_s=1000 * real / ms, speedup=baseline / ms))
+    table = [f"{args.config}: {tc.batch_size} records a step, {args.batches} batches x {args.rounds} rounds, "
+             f"{hardware}", "",
+             "| mode | rows x length (mean) | positions | real tokens | padding | ms/step (median) | real tokens/s "
+             "| speed-up |",
              "|---|---|---|---|---|---|---|---|"]
-    table += [f"| {r['mode']} | {r['rows']:.1f} x {r['length']:.1f} | {r['positions']:,.0f} | {r['real_tokens']:,.0f} | "
-              f"{100 * r['padding']:.0f}% | {r['ms_per_step']:.1f} | {r['real_tokens_per_s']:,.0f} | {r['speedup']:.2f}x |"
-              for r in rows]
+    table += [f"| {r['mode']} | {r['rows']:.1f} x {r['length']:.1f} | {r['positions']:,.0f} | "
+              f"{r['real_tokens']:,.0f} | {100 * r['padding']:.0f}% | {r['ms_per_step']:.1f} | "
+              f"{r['real_tokens_per_s']:,.0f} | {r['speedup']:.2f}x |" for r in rows]
     print("\n".join(table))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"packing-{device.type}"

@@ -1,4 +1,5 @@
-"""Bad records (a corrupt image, malformed texts) met while training: skipped and counted, or a clear error, by config."""
+"""Bad records (a corrupt image, malformed texts) met while training: skipped and counted, or a clear error, by
+config."""
 
 from __future__ import annotations
 
@@ -87,8 +88,8 @@ class CheckedRecords(Dataset):
             raise BadRecordError(f"{message}; set data.on_bad_record=skip to skip and count such records") from None
         self.num_bad += 1
         if self.num_read >= MIN_READ and self.num_bad > MAX_BAD_SHARE * self.num_read:
-            raise BadRecordError(f"{self.num_bad} of the {self.num_read} {self.name} records read so far are bad, the latest: "
-                                 f"{message}; the dataset or its format is likely wrong") from None
+            raise BadRecordError(f"{self.num_bad} of the {self.num_read} {self.name} records read so far are bad, "
+                                 f"the latest: {message}; the dataset or its format is likely wrong") from None
         if self.num_bad <= MAX_REPORTS:
             more = "; further bad records are only counted" if self.num_bad == MAX_REPORTS else ""
             self.report(f"skipped {message}{more}")

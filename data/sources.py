@@ -40,7 +40,8 @@ def load_jsonl(path: str | Path) -> Dataset:
         lines = path.read_text().splitlines()
     except OSError as e:
         raise DataSourceError(f"{path}: cannot read ({e.strerror or e})") from None
-    records = [_parse_line(line, f"{path}:{number}", path.parent) for number, line in enumerate(lines, 1) if line.strip()]
+    records = [_parse_line(line, f"{path}:{number}", path.parent)
+               for number, line in enumerate(lines, 1) if line.strip()]
     if not records:
         raise DataSourceError(f"{path}: no records")
     dataset = Dataset.from_list(records, features=Features({"images": List(Value("string")), "texts": _TEXTS}))
@@ -76,7 +77,8 @@ def _turns(row: dict[str, Any], where: str) -> list[dict[str, str]]:
                        and [m.get("role") for m in messages] == ["user", "assistant"] * (len(messages) // 2))
         if not alternating:
             raise DataSourceError(f"{where}: 'conversations' must alternate user and assistant messages, user first")
-        turns = [{"user": u.get("content"), "assistant": a.get("content")} for u, a in zip(messages[::2], messages[1::2])]
+        turns = [{"user": u.get("content"), "assistant": a.get("content")}
+                 for u, a in zip(messages[::2], messages[1::2])]
     else:
         turns = row.get("texts")
     if not (isinstance(turns, list) and turns and all(_is_turn(turn) for turn in turns)):
@@ -104,7 +106,8 @@ def load_imagefolder(directory: str | Path, split: str = "train") -> Dataset:
 
 
 def _imagefolder_records(batch: dict[str, list]) -> dict[str, list]:
-    pairs = zip(batch["question"], batch["answer"]) if "question" in batch else ((CAPTION_PROMPT, text) for text in batch["text"])
+    pairs = (zip(batch["question"], batch["answer"]) if "question" in batch
+             else ((CAPTION_PROMPT, text) for text in batch["text"]))
     texts = [[{"user": user, "assistant": assistant}] for user, assistant in pairs]
     return {"images": [[image] for image in batch["image"]], "texts": texts}
 
@@ -126,7 +129,8 @@ class DataConfig(Config):
               "data.subsets: source=cauldron needs at least one subset, e.g. vqav2")
         files = self.source in ("jsonl", "imagefolder")
         check(not files or bool(self.path), f"data.path: source={self.source} needs a path")
-        check(files or self.validation_path is None, f"data.validation_path applies to jsonl and imagefolder, not {self.source}")
+        check(files or self.validation_path is None,
+              f"data.validation_path applies to jsonl and imagefolder, not {self.source}")
         check(self.holdout > 0, f"data.holdout must be positive, got {self.holdout}")
 
 
@@ -141,6 +145,7 @@ def build_datasets(config: DataConfig) -> tuple[Dataset, Dataset]:
         train = load(config.path)
         if config.validation_path:
             return train, load(config.validation_path)
-    check(config.holdout < len(train), f"data.holdout ({config.holdout}) must be smaller than the dataset ({len(train)} records)")
+    check(config.holdout < len(train),
+          f"data.holdout ({config.holdout}) must be smaller than the dataset ({len(train)} records)")
     split = train.train_test_split(test_size=config.holdout, seed=0)
     return split["train"], split["test"]

@@ -40,7 +40,8 @@ class TrainConfig(Config):
     min_lr_ratio: float = 0.1  # cosine decay ends at this fraction of each learning rate
     grad_clip: float = 1.0  # 0 disables clipping
     # How a sample's n answer tokens share the loss: token (1 each), sample (1/n each: every sample, i.e. every record,
-    # weighs alike, so a one-word answer as much as a 40-token caption) or square (1/sqrt(n) each; see training/loss.py).
+    # weighs alike, so a one-word answer as much as a 40-token caption) or square (1/sqrt(n) each; see
+    # training/loss.py).
     loss_weight: LossWeight = "token"
     on_nonfinite: Literal["skip", "stop"] = "skip"  # a NaN/inf loss or gradient: skip that step, or stop the run
     max_length: int = 256  # samples longer than this (in tokens) are skipped, never truncated
@@ -54,7 +55,8 @@ class TrainConfig(Config):
     device: str = "auto"  # auto: cuda if available, else cpu
     bf16: bool = True  # autocast to bfloat16 on GPU (CPU trains in float32)
     compile: bool = False
-    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: DDP replicas, or FSDP2 shards for models too big for one GPU
+    # Under torchrun: DDP replicas, or FSDP2 shards for models too big for one GPU.
+    parallel: Literal["ddp", "fsdp"] = "ddp"
     dist_timeout: int = 600  # seconds a collective may wait for the other ranks before the job fails
     num_threads: int = 0  # CPU threads for torch (0: torch's default)
     # Processes that read, decode and collate batches while the model trains (0: the training process does it between
@@ -63,22 +65,24 @@ class TrainConfig(Config):
     num_workers: int = 0
     prefetch_factor: int = 2  # batches each worker prepares ahead
     wandb: bool = False
-    allow_pickle: bool = False  # read pretrained backbones' .bin weights (torch.load(weights_only=True)); safetensors otherwise
+    # Read pretrained backbones' .bin weights (torch.load(weights_only=True)); safetensors otherwise.
+    allow_pickle: bool = False
     wandb_project: str = "tinyvlm"
 
     def __post_init__(self) -> None:
-        self.check_at_least("train", 1, ("max_steps", "batch_size", "grad_accum_steps", "max_length", "eval_every", "save_every",
-                                         "keep_checkpoints", "log_every", "dist_timeout", "vision_pretrain_batch_size",
-                                         "prefetch_factor"))
-        self.check_at_least("train", 0, ("lr_projector", "lr_vision", "lr_language", "weight_decay", "warmup_steps", "grad_clip",
-                                         "eval_batches", "eval_questions", "num_threads", "decay_steps", "vision_pretrain_steps",
-                                         "num_workers"))
+        self.check_at_least("train", 1, ("max_steps", "batch_size", "grad_accum_steps", "max_length", "eval_every",
+                                         "save_every", "keep_checkpoints", "log_every", "dist_timeout",
+                                         "vision_pretrain_batch_size", "prefetch_factor"))
+        self.check_at_least("train", 0, ("lr_projector", "lr_vision", "lr_language", "weight_decay", "warmup_steps",
+                                         "grad_clip", "eval_batches", "eval_questions", "num_threads", "decay_steps",
+                                         "vision_pretrain_steps", "num_workers"))
         check(self.vision_pretrain_lr > 0, f"train.vision_pretrain_lr must be positive, got {self.vision_pretrain_lr}")
         check(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
         check(0 < self.adam_beta2 < 1, f"train.adam_beta2 must lie in (0, 1), got {self.adam_beta2}")
         check(self.decay_steps == 0 or self.decay_steps >= self.warmup_steps,
               f"train.decay_steps ({self.decay_steps}) must be 0 or at least train.warmup_steps ({self.warmup_steps})")
-        check(max(self.lr_projector, self.lr_vision, self.lr_language) > 0, "every learning rate is 0: nothing would train")
+        check(max(self.lr_projector, self.lr_vision, self.lr_language) > 0,
+              "every learning rate is 0: nothing would train")
 
 
 @dataclasses.dataclass
@@ -92,15 +96,18 @@ class RunConfig(Config):
 
     def __post_init__(self) -> None:
         if self.train.vision_pretrain_steps:
-            check(self.data.source == "synthetic", f"train.vision_pretrain_steps ({self.train.vision_pretrain_steps}) needs "
-                  f"data.source=synthetic, whose scene generator gives its labels; set it to 0 for data.source={self.data.source}")
+            check(self.data.source == "synthetic",
+                  f"train.vision_pretrain_steps ({self.train.vision_pretrain_steps}) needs data.source=synthetic, "
+                  f"whose scene generator gives its labels; set it to 0 for data.source={self.data.source}")
             check(self.model.vision.image_size == self.data.shapes.image_size,
                   f"train.vision_pretrain_steps: model.vision.image_size ({self.model.vision.image_size}) must equal "
                   f"data.shapes.image_size ({self.data.shapes.image_size})")
-            check(self.model.vision.pretrained is None, "train.vision_pretrain_steps would overwrite the pretrained ViT "
-                  f"{self.model.vision.pretrained}; set it to 0")
+            check(self.model.vision.pretrained is None,
+                  f"train.vision_pretrain_steps would overwrite the pretrained ViT {self.model.vision.pretrained}; "
+                  "set it to 0")
             grid = self.model.vision.grid_size
-            check(grid % 3 == 0, f"train.vision_pretrain_steps: the patch grid ({grid}x{grid}) must split evenly into the scenes' 3x3 cells")
+            check(grid % 3 == 0, f"train.vision_pretrain_steps: the patch grid ({grid}x{grid}) must split evenly into "
+                  "the scenes' 3x3 cells")
 
 
 def load_yaml(path: str | Path) -> dict:
@@ -120,7 +127,8 @@ def parse_overrides(arguments: list[str]) -> dict[str, str]:
     overrides, i = {}, 0
     while i < len(arguments):
         argument = arguments[i]
-        check(argument.startswith("--") and len(argument) > 2, f"unexpected argument {argument!r} (expected --section.field VALUE)")
+        check(argument.startswith("--") and len(argument) > 2,
+              f"unexpected argument {argument!r} (expected --section.field VALUE)")
         key, has_value, value = argument[2:].partition("=")
         if not has_value:
             check(i + 1 < len(arguments), f"--{key} needs a value")

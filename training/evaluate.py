@@ -61,7 +61,8 @@ def exact_match(records: list[dict], predictions: list[str]) -> dict[str, float]
     """Accuracy per question type, and `accuracy` over every question that is not a caption."""
     hits: dict[str, list[bool]] = defaultdict(list)
     for record, prediction in zip(records, predictions):
-        hits[record.get("question_type", "question")].append(normalize(prediction) == normalize(record["texts"][0]["assistant"]))
+        right = normalize(prediction) == normalize(record["texts"][0]["assistant"])
+        hits[record.get("question_type", "question")].append(right)
     scores = {f"accuracy/{kind}": sum(h) / len(h) for kind, h in sorted(hits.items())}
     questions = [h for kind, values in hits.items() if kind != "caption" for h in values]
     if questions:

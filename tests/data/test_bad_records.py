@@ -65,7 +65,8 @@ def test_text_that_is_not_valid_unicode_is_a_bad_record():
 def test_a_dataset_that_is_mostly_bad_stops_even_when_skipping():
     """Every record failing the same way is a wrong dataset or format, not a few corrupt samples: no silent run."""
     records = CheckedRecords([{"images": [], "texts": None}] * 30, "skip", report=lambda message: None)
-    with pytest.raises(BadRecordError, match=r"^20 of the 20 train records read so far are bad, the latest: train record 19 is bad"):
+    with pytest.raises(BadRecordError,
+                       match=r"^20 of the 20 train records read so far are bad, the latest: train record 19 is bad"):
         [records[i] for i in range(30)]
 
 

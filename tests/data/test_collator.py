@@ -30,7 +30,8 @@ def records_with_images(counts: list[int]) -> list[dict]:
     for i, count in enumerate(counts):
         images = [solid(value + k) for k in range(count)]
         value += count
-        records.append({"images": images, "texts": [{"user": f"question {i}?", "assistant": f"answer {i}" + " yes" * i}]})
+        texts = [{"user": f"question {i}?", "assistant": f"answer {i}" + " yes" * i}]
+        records.append({"images": images, "texts": texts})
     return records
 
 
@@ -78,19 +79,23 @@ def test_image_tokens_and_images_follow_reading_order(collator, shapes_tokenizer
     torch.testing.assert_close(batch["images"], expected)
 
 
-@pytest.mark.parametrize("side, image_position", [("left", "before_text"), ("right", "before_text"), ("right", "after_text")])
+@pytest.mark.parametrize("side, image_position",
+                         [("left", "before_text"), ("right", "before_text"), ("right", "after_text")])
 def test_padding_keeps_each_row_intact(shapes_tokenizer, side, image_position):
     records = records_with_images([1, 0, 2])
-    collator = VQACollator(shapes_tokenizer, ImageProcessor(16), TOKENS_PER_IMAGE, 512, padding_side=side, image_position=image_position)
+    collator = VQACollator(shapes_tokenizer, ImageProcessor(16), TOKENS_PER_IMAGE, 512, padding_side=side,
+                           image_position=image_position)
     batch = collator(records)
     pad_id, length = shapes_tokenizer.pad_token_id, batch["input_ids"].shape[1]
     for row, record in enumerate(records):
-        ids, targets = encode_conversation(shapes_tokenizer, record["texts"], len(record["images"]), TOKENS_PER_IMAGE, image_position)
+        ids, targets = encode_conversation(shapes_tokenizer, record["texts"], len(record["images"]), TOKENS_PER_IMAGE,
+                                           image_position)
         real = slice(0, len(ids)) if side == "right" else slice(length - len(ids), length)
         padding = torch.ones(length, dtype=torch.bool)
         padding[real] = False
         assert batch["input_ids"][row, real].tolist() == ids and batch["targets"][row, real].tolist() == targets
-        assert (batch["input_ids"][row, padding] == pad_id).all() and (batch["targets"][row, padding] == IGNORE_INDEX).all()
+        assert (batch["input_ids"][row, padding] == pad_id).all()
+        assert (batch["targets"][row, padding] == IGNORE_INDEX).all()
         assert batch["attention_mask"][row].tolist() == (~padding).long().tolist()
     assert batch["attention_mask"].dtype == torch.long and batch["input_ids"].dtype == torch.long
     assert (batch["attention_mask"].sum(1) == length).any()  # the longest row is not padded
@@ -157,7 +162,8 @@ def test_packing_keeps_every_record_whole_with_its_images(shapes_tokenizer):
     assert packed["input_ids"].shape[0] < len(records) and packed["input_ids"].shape[1] == plain["input_ids"].shape[1]
     encoded = [encode_conversation(shapes_tokenizer, r["texts"], len(r["images"]), TOKENS_PER_IMAGE) for r in records]
     found, images = [], []
-    for ids, targets, sequences in zip(packed["input_ids"].tolist(), packed["targets"].tolist(), packed["attention_mask"].tolist()):
+    rows = zip(packed["input_ids"].tolist(), packed["targets"].tolist(), packed["attention_mask"].tolist())
+    for ids, targets, sequences in rows:
         count = max(sequences)
         assert sequences == sorted(sequences, key=lambda n: n or count + 1)  # 1, 1, ..., 2, ..., then padding (0)
         for n in range(1, count + 1):

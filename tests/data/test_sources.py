@@ -48,7 +48,8 @@ def test_jsonl_records_load_with_images(images):
     dataset = load_jsonl(images / "data.jsonl")
     assert len(dataset) == 2
     record = dataset[0]
-    assert [colour(image) for image in record["images"]] == [RED, BLUE] and all(i.mode == "RGB" for i in record["images"])
+    assert [colour(image) for image in record["images"]] == [RED, BLUE]
+    assert all(i.mode == "RGB" for i in record["images"])
     assert record["texts"] == turns
     assert dataset[1] == {"images": [], "texts": [{"user": "No image here.", "assistant": "ok"}]}
 
@@ -108,7 +109,7 @@ def offline_cache(tmp_path, monkeypatch):
 
 def image_folder(root, rows: list[dict]):
     root.mkdir()
-    for i, row in enumerate(rows):
+    for i in range(len(rows)):
         Image.new("RGB", (8, 8), RED if i % 2 == 0 else BLUE).save(root / f"{i}.png")
     write_jsonl(root / "metadata.jsonl", [{"file_name": f"{i}.png", **row} for i, row in enumerate(rows)])
     return root
@@ -139,14 +140,16 @@ def test_data_config_validates():
 
 
 def test_build_datasets_synthetic_and_jsonl(images, shapes_tokenizer):
-    train, validation = build_datasets(DataConfig(shapes=DataConfig().shapes.replace({"num_train": 12, "num_validation": 6})))
+    shapes = DataConfig().shapes.replace({"num_train": 12, "num_validation": 6})
+    train, validation = build_datasets(DataConfig(shapes=shapes))
     assert (len(train), len(validation)) == (12, 6)
     rows = [{"images": ["pics/red.png"], "texts": [{"user": f"q{i}", "assistant": f"a{i}"}]} for i in range(10)]
     write_jsonl(images / "data.jsonl", rows)
     train, validation = build_datasets(DataConfig(source="jsonl", path=str(images / "data.jsonl"), holdout=3))
     users = sorted(r["texts"][0]["user"] for r in [*train, *validation])
     assert (len(train), len(validation)) == (7, 3) and users == sorted(f"q{i}" for i in range(10))
-    batch = VQACollator(shapes_tokenizer, ImageProcessor(16), 4, 256)(list(validation))  # lazily opened images batch fine
+    # lazily opened images batch fine
+    batch = VQACollator(shapes_tokenizer, ImageProcessor(16), 4, 256)(list(validation))
     assert batch["images"].shape == (3, 3, 16, 16)
     with pytest.raises(ConfigError, match="holdout"):
         build_datasets(DataConfig(source="jsonl", path=str(images / "data.jsonl"), holdout=10))

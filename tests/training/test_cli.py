@@ -77,7 +77,8 @@ def test_generate_refuses_a_truncated_checkpoint_and_a_corrupt_image(checkpoint,
 def test_a_typed_image_token_is_accepted_as_text(checkpoint, capsys):
     """20 typed placeholders would break the image splice (16 image tokens expected) if they became image tokens."""
     directory, image = checkpoint
-    code, out, err = _generate(capsys, "--checkpoint", str(directory), "--image", str(image), "--prompt", "<|image|> " * 20)
+    code, out, err = _generate(capsys, "--checkpoint", str(directory), "--image", str(image),
+                               "--prompt", "<|image|> " * 20)
     assert code == 0 and "error" not in err, err
 
 
@@ -86,11 +87,13 @@ def test_invalid_utf8_bytes_on_the_real_command_line(checkpoint):
     result = subprocess.run([sys.executable, "generate.py", "--checkpoint", str(directory), "--image", str(image),
                              "--prompt", b"caf\xc3 au lait"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1] == "error: the text is not valid UTF-8 (undecodable bytes at character 3)"
+    expected = "error: the text is not valid UTF-8 (undecodable bytes at character 3)"
+    assert result.stderr.strip().splitlines()[-1] == expected
 
 
 def test_max_length_beyond_the_context_is_a_one_line_error(tmp_path, capsys):
-    """Samples longer than the LM's context would fail deep in a batch (rotary tables, position ids): refuse at start."""
+    """Samples longer than the LM's context would fail deep in a batch (rotary tables, position ids): refused at
+    start."""
     from tests.training.helpers import SMALL
     from train import main
 

@@ -26,7 +26,8 @@ COMMON = {"train.decay_steps": str(STEPS), "train.eval_every": str(STEPS), "trai
 
 
 def torchrun(nproc: int, *argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "train.py", *argv]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "train.py",
+               *argv]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -53,12 +54,14 @@ def assert_same_run(run_dir: Path, reference: Path, step: int = STEPS, reference
         return
     for name, tensor in expected_weights.items():
         if name.endswith("k_proj.bias"):
-            # Softmax ignores a shift shared by every key, so this bias's true gradient is 0 and what it gets is rounding
-            # noise, which Adam scales up to lr-sized steps: it wanders differently under any other summation order.
+            # Softmax ignores a shift shared by every key, so this bias's true gradient is 0 and what it gets is
+            # rounding noise, which Adam scales up to lr-sized steps: it wanders differently under any other summation
+            # order.
             continue
         # 3e-4: Adam divides by sqrt(v), so weights with tiny gradients amplify the rounding differences of another
         # summation order; still 200x below the 20 x lr = 0.06 that 20 steps may move a weight.
-        torch.testing.assert_close(weights[name], tensor, atol=3e-4, rtol=0, msg=lambda message: f"{name}: {message}")
+        torch.testing.assert_close(weights[name], tensor, atol=3e-4, rtol=0,
+                                   msg=lambda message, name=name: f"{name}: {message}")
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +70,8 @@ def reference(tmp_path_factory) -> Path:
     threads = torch.get_num_threads()
     run_dir = tmp_path_factory.mktemp("reference")
     try:
-        train(small_config(run_dir, **COMMON, **{"train.batch_size": "8", "train.max_steps": str(STEPS), "train.save_every": "10"}))
+        train(small_config(run_dir, **COMMON, **{"train.batch_size": "8", "train.max_steps": str(STEPS),
+                                                 "train.save_every": "10"}))
     finally:
         torch.set_num_threads(threads)
     return run_dir
@@ -76,7 +80,8 @@ def reference(tmp_path_factory) -> Path:
 # configs/tiny.yaml as it is (1.5M parameters, ViT pre-trained then frozen), with less data to generate, a shorter
 # vision pre-training and evaluation
 TINY = {"data.shapes.num_train": "640", "data.shapes.num_validation": "16", "train.eval_questions": "8",
-        "train.eval_batches": "1", "train.warmup_steps": "2", "train.log_every": "1", "train.vision_pretrain_steps": "3",
+        "train.eval_batches": "1", "train.warmup_steps": "2", "train.log_every": "1",
+        "train.vision_pretrain_steps": "3",
         "train.vision_pretrain_batch_size": "8", **COMMON}
 
 
@@ -95,8 +100,9 @@ def tiny_reference(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("batch_size, accumulation", [("8", "1"), ("4", "2")])  # the second accumulates under no_sync
 def test_two_ranks_of_batch_8_equal_one_of_batch_16(tiny_reference, tmp_path, batch_size, accumulation):
-    settings = {**TINY, "train.batch_size": batch_size, "train.grad_accum_steps": accumulation, "train.max_steps": str(STEPS),
-                "train.save_every": str(STEPS), "train.output_dir": str(tmp_path), "train.num_workers": "1"}
+    settings = {**TINY, "train.batch_size": batch_size, "train.grad_accum_steps": accumulation,
+                "train.max_steps": str(STEPS), "train.save_every": str(STEPS), "train.output_dir": str(tmp_path),
+                "train.num_workers": "1"}
     torchrun(2, *[arg for key, value in settings.items() for arg in (f"--{key}", value)])
     assert_same_run(tmp_path, tiny_reference)
     metrics = json.loads((tmp_path / "metrics.json").read_text())  # rank 0 alone wrote the artifacts
@@ -110,7 +116,8 @@ def test_checkpoints_resume_across_world_sizes(reference, tmp_path):
     config = RunConfig.from_json(tmp_path / "two" / "step_000010" / "run_config.json")
     threads = torch.get_num_threads()
     try:
-        train(config.replace({"train.batch_size": "8", "train.max_steps": str(STEPS)}), resume=tmp_path / "two" / "step_000010")
+        train(config.replace({"train.batch_size": "8", "train.max_steps": str(STEPS)}),
+              resume=tmp_path / "two" / "step_000010")
     finally:
         torch.set_num_threads(threads)
     assert_same_run(tmp_path / "two", reference)
@@ -136,7 +143,8 @@ def test_fsdp2_trains_resumes_from_its_shards_and_exports(reference, tmp_path):
     exported = subprocess.run([sys.executable, "-m", "training.export", str(tmp_path / "whole" / "step_000002"),
                                "--out", str(tmp_path / "exported")], capture_output=True, text=True, timeout=300)
     assert exported.returncode == 0, exported.stderr
-    for directory in (tmp_path / "exported", tmp_path / "whole" / "step_000004"):  # the final step is exported by train.py
+    # the final step is exported by train.py
+    for directory in (tmp_path / "exported", tmp_path / "whole" / "step_000004"):
         model = VisionLanguageModel.from_pretrained(directory)
         tokens = model.generate(torch.tensor([[10, 11, 12]]), None, max_new_tokens=4, greedy=True)  # text only
         assert tokens.shape == (1, 4)
@@ -157,7 +165,8 @@ def test_ranks_stay_in_step_when_a_batch_has_no_image(tmp_path):
         lines.append(json.dumps({"images": [f"{i}.png"] if i % 3 == 0 else [], "texts": row["texts"]}))
     (tmp_path / "data.jsonl").write_text("\n".join(lines))
     torchrun(2, *overrides(**{"data.source": "jsonl", "data.path": str(tmp_path / "data.jsonl"), "data.holdout": "4",
-                              "train.batch_size": "1", "train.max_steps": "6", "train.save_every": "6", "train.eval_every": "6",
+                              "train.batch_size": "1", "train.max_steps": "6", "train.save_every": "6",
+                              "train.eval_every": "6",
                               "train.output_dir": str(tmp_path / "run"), "train.dist_timeout": "60"}), timeout=240)
     assert (tmp_path / "run" / "step_000006" / "model.safetensors").is_file()
 
@@ -184,11 +193,11 @@ def _rank_of(pid: int) -> int | None:
 
 def test_a_killed_rank_ends_the_job_with_an_error(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py",
-               *overrides(**{"train.max_steps": "100000", "train.save_every": "100000", "train.output_dir": str(tmp_path),
-                             "train.dist_timeout": "30"})]
+               *overrides(**{"train.max_steps": "100000", "train.save_every": "100000",
+                             "train.output_dir": str(tmp_path), "train.dist_timeout": "30"})]
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 180
-    while "model:" not in (line := job.stdout.readline()) and time.monotonic() < deadline:
+    while "model:" not in job.stdout.readline() and time.monotonic() < deadline:
         assert job.poll() is None
     time.sleep(2)
     rank_1 = next(pid for pid in _children(job.pid) if _rank_of(pid) == 1)

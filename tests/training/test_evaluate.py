@@ -30,7 +30,13 @@ def test_answer_prompts_with_the_models_image_position(image_position, monkeypat
     assert prompts == [encode_prompt(tokenizer, r["texts"][0]["user"], 1, config.tokens_per_image, image_position)
                        for r in records]
     assert prompts != [encode_prompt(tokenizer, r["texts"][0]["user"], 1, config.tokens_per_image,
-                                     "after_text" if image_position == "before_text" else "before_text") for r in records]
+                                     "after_text" if image_position == "before_text" else "before_text")
+                       for r in records]
+
+
+def apart(a, b) -> bool:
+    """Two bounding boxes that do not overlap."""
+    return a.x1 <= b.x0 or b.x1 <= a.x0 or a.y1 <= b.y0 or b.y1 <= a.y0
 
 
 def test_prediction_grid_titles_never_overlap(tmp_path, monkeypatch):
@@ -43,7 +49,8 @@ def test_prediction_grid_titles_never_overlap(tmp_path, monkeypatch):
     predictions = [r["texts"][0]["assistant"] if i % 3 else "a large purple diamond " * (1 + i % 4)
                    for i, r in enumerate(records)]
     figures, savefig = [], Figure.savefig
-    monkeypatch.setattr(Figure, "savefig", lambda self, *args, **kwargs: (figures.append(self), savefig(self, *args, **kwargs)))
+    monkeypatch.setattr(Figure, "savefig",
+                        lambda self, *args, **kwargs: (figures.append(self), savefig(self, *args, **kwargs)))
     save_prediction_grid(records, predictions, tmp_path / "predictions.png")
     assert (tmp_path / "predictions.png").is_file() and len(figures) == 1
     figure = figures[0]
@@ -52,7 +59,6 @@ def test_prediction_grid_titles_never_overlap(tmp_path, monkeypatch):
     renderer, page = canvas.get_renderer(), figure.bbox
     cells = [(ax.title.get_window_extent(renderer), ax.get_window_extent(renderer)) for ax in figure.axes if ax.images]
     assert len(cells) == len(records)
-    apart = lambda a, b: a.x1 <= b.x0 or b.x1 <= a.x0 or a.y1 <= b.y0 or b.y1 <= a.y0
     for i, (title, _) in enumerate(cells):
         assert page.x0 <= title.x0 and title.x1 <= page.x1 and page.y0 <= title.y0 and title.y1 <= page.y1, i
         for j, (other_title, other_image) in enumerate(cells):

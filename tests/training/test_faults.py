@@ -156,19 +156,21 @@ def test_disk_full_while_saving_is_a_clear_error_and_keeps_the_previous_checkpoi
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(checkpoint, "save_file", full_disk)
-    with pytest.raises(CheckpointError, match=r"could not write checkpoint .*step_000004 \(\[Errno 28\] No space left on device\); "
-                                              r"the newest complete checkpoint, .*step_000002, is intact"):
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint .*step_000004 \(\[Errno 28\] No space left "
+                                              r"on device\); the newest complete checkpoint, .*step_000002, is intact"):
         train(config, resume=tmp_path / "step_000002")
     _assert_step_2_intact(tmp_path)
 
 
 def test_a_real_write_failure_exits_with_one_line_and_resume_still_works(tmp_path):
-    """The OS refuses the write (RLIMIT_FSIZE: files may not grow past the model's size, so the optimizer state fails)."""
+    """The OS refuses the write (RLIMIT_FSIZE: files may not grow past the model's size, so the optimizer state
+    fails)."""
     _two_steps(tmp_path)
     limit = (tmp_path / "step_000002" / "model.safetensors").stat().st_size + 4096
     overrides = ["--train.max_steps", "4", "--train.eval_every", "4"]
-    result = subprocess.run([sys.executable, "train.py", "--resume", str(tmp_path), *overrides], capture_output=True, text=True,
-                            timeout=300, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    result = subprocess.run([sys.executable, "train.py", "--resume", str(tmp_path), *overrides], capture_output=True,
+                            text=True, timeout=300,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     error = result.stderr.strip().splitlines()[-1]
@@ -182,8 +184,9 @@ def test_workers_and_resume_change_nothing_and_count_each_record_once(tmp_path):
     """Two epochs over records of which some are bad and some too long: a run with DataLoader workers, stopped and
     resumed, trains bit for bit as one run without workers, and both count each bad or too-long record once (the
     second epoch reads them all again, after the resume)."""
-    from data import encode_conversation
     from transformers import AutoTokenizer
+
+    from data import encode_conversation
 
     data = _jsonl_with_bad_images(tmp_path, {3: b"", 7: b"plain text", 30: b"plain text"})
     settings = {**data, "train.batch_size": "12", "train.max_length": "60", "train.save_every": "3",

@@ -59,7 +59,8 @@ def _kill_during_a_save(process: subprocess.Popen, run_dir, rng: random.Random) 
 @pytest.mark.slow
 def test_sigkill_while_saving_never_corrupts_and_resume_matches_an_uninterrupted_run(tmp_path):
     reference = tmp_path / "reference"
-    train(small_config(reference, **{"train.max_steps": str(STEPS), "train.save_every": str(STEPS), "train.eval_every": str(STEPS)}))
+    train(small_config(reference, **{"train.max_steps": str(STEPS), "train.save_every": str(STEPS),
+                                     "train.eval_every": str(STEPS)}))
 
     run_dir, rng, kills = tmp_path / "killed", random.Random(0), 0
     run_dir.mkdir()

@@ -1,5 +1,5 @@
-"""Training: the loss falls, one step follows the gradient of the (token- or sample-weighted) mean answer loss, a resumed run equals an uninterrupted one,
-and the batch sampler (resumable, rank-split, length-grouped)."""
+"""Training: the loss falls, one step follows the gradient of the (token- or sample-weighted) mean answer loss, a
+resumed run equals an uninterrupted one, and the batch sampler (resumable, rank-split, length-grouped)."""
 
 import contextlib
 import copy
@@ -25,7 +25,8 @@ def _history(run_dir):
 
 
 def test_loss_falls_and_the_run_leaves_its_artifacts(tmp_path):
-    metrics = train(small_config(tmp_path, **{"train.max_steps": "40", "train.eval_every": "40", "train.save_every": "40"}))
+    metrics = train(small_config(tmp_path, **{"train.max_steps": "40", "train.eval_every": "40",
+                                              "train.save_every": "40"}))
     history, _ = _history(tmp_path)
     losses = [loss for _, loss in history]
     assert len(losses) == 40
@@ -42,7 +43,8 @@ PRETRAINED_VIT = {"model.vision.image_size": "48", "model.vision.patch_size": "1
 
 
 def test_a_fresh_run_pretrains_its_vit(tmp_path):
-    train(small_config(tmp_path / "plain", **{**PRETRAINED_VIT, "train.vision_pretrain_steps": "0", "train.max_steps": "1"}))
+    train(small_config(tmp_path / "plain", **{**PRETRAINED_VIT, "train.vision_pretrain_steps": "0",
+                                              "train.max_steps": "1"}))
     train(small_config(tmp_path / "pretrained", **{**PRETRAINED_VIT, "train.max_steps": "1"}))
     (_, plain), (_, pretrained) = _history(tmp_path / "plain"), _history(tmp_path / "pretrained")
     vision = [name for name in plain if name.startswith("vision.")]
@@ -51,17 +53,20 @@ def test_a_fresh_run_pretrains_its_vit(tmp_path):
 
 
 # Step 6 falls inside a window of 16 batches; a resumed run must not pre-train its ViT again.
-@pytest.mark.parametrize("settings", [{"train.group_by_length": "false"}, {"train.group_by_length": "true"}, PRETRAINED_VIT,
-                                      {"train.num_workers": "2"}], ids=["plain", "grouped", "pretrained-vit", "workers"])
+@pytest.mark.parametrize("settings", [{"train.group_by_length": "false"}, {"train.group_by_length": "true"},
+                                      PRETRAINED_VIT, {"train.num_workers": "2"}],
+                         ids=["plain", "grouped", "pretrained-vit", "workers"])
 def test_resume_equals_an_uninterrupted_run(tmp_path, settings):
     steps = {"train.decay_steps": "12", "train.save_every": "6", "train.eval_every": "6", **settings}
     train(small_config(tmp_path / "whole", **steps, **{"train.max_steps": "12"}))
     train(small_config(tmp_path / "split", **steps, **{"train.max_steps": "6"}))
-    config = RunConfig.from_json(tmp_path / "split" / "step_000006" / "run_config.json").replace({"train.max_steps": "12"})
+    config = RunConfig.from_json(tmp_path / "split" / "step_000006" / "run_config.json")
+    config = config.replace({"train.max_steps": "12"})
     train(config, resume=tmp_path / "split" / "step_000006")
     (whole, whole_weights), (split, split_weights) = _history(tmp_path / "whole"), _history(tmp_path / "split")
     assert [s for s, _ in split] == list(range(1, 13))
-    torch.testing.assert_close(torch.tensor([l for _, l in split]), torch.tensor([l for _, l in whole]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(torch.tensor([loss for _, loss in split]), torch.tensor([loss for _, loss in whole]),
+                               atol=1e-6, rtol=0)
     for name, tensor in whole_weights.items():
         torch.testing.assert_close(split_weights[name], tensor, atol=1e-6, rtol=0)
 
@@ -93,15 +98,19 @@ def test_length_grouping_keeps_the_samples_and_cuts_the_padding():
         window = grouped_batches[start : start + 5]
         assert sorted(i for b in window for i in b) == sorted(i for b in plain_batches[start : start + 5] for i in b)
         spans = sorted((min(lengths[i] // 10 for i in b), max(lengths[i] // 10 for i in b)) for b in window)
-        assert all(high <= next_low for (_, high), (next_low, _) in zip(spans, spans[1:]))  # sorted by bucket, cut in runs
-    padded = lambda batches: sum(len(b) * max(lengths[i] for i in b) for b in batches)
-    assert padded(grouped_batches) < 0.8 * padded(plain_batches)
+        # sorted by bucket, cut in runs
+        assert all(high <= next_low for (_, high), (next_low, _) in zip(spans, spans[1:]))
+    padded = [sum(len(b) * max(lengths[i] for i in b) for b in batches) for batches in (grouped_batches, plain_batches)]
+    assert padded[0] < 0.8 * padded[1]
     assert grouped_batches != sorted(grouped_batches, key=lambda b: lengths[b[0]])  # windows' batches are shuffled
 
 
 def test_length_grouped_batches_resume_and_split_across_ranks():
     lengths = [(i * 13) % 17 for i in range(60)]
-    sampler = lambda **kwargs: ResumableBatchSampler(60, seed=4, lengths=lengths, group=4, bucket=3, **kwargs)
+
+    def sampler(**kwargs) -> ResumableBatchSampler:
+        return ResumableBatchSampler(60, seed=4, lengths=lengths, group=4, bucket=3, **kwargs)
+
     whole = list(itertools.islice(iter(sampler(batch_size=6)), 30))
     resumed = sampler(batch_size=6, start=7 * 6)  # mid-window, at step 7
     assert list(itertools.islice(iter(resumed), 23)) == whole[7:]
@@ -121,12 +130,14 @@ def test_a_step_descends_the_mean_answer_loss(loss_weight, packed):
     ids[:, :4] = model.config.image_token_id  # one image per row
     images = torch.randn(3, 3, 32, 32, generator=generator)
     targets = torch.full_like(ids, -100)
-    targets[0, 5:13], targets[1, 9], targets[2, 11:13] = ids[0, 6:14], ids[1, 10], ids[2, 12:14]  # 8, 1 and 2 answer tokens
+    # 8, 1 and 2 answer tokens
+    targets[0, 5:13], targets[1, 9], targets[2, 11:13] = ids[0, 6:14], ids[1, 10], ids[2, 12:14]
     batch = {"input_ids": ids, "images": images, "attention_mask": torch.ones_like(ids), "targets": targets}
     if packed:  # two rows: [sample 0, padding] and [sample 1, sample 2]; the mask numbers a row's samples 1, 2
         batch = {"input_ids": torch.stack([torch.cat([ids[0], torch.zeros_like(ids[0])]), ids[1:].flatten()]),
                  "attention_mask": torch.tensor([[1] * 16 + [0] * 16, [1] * 16 + [2] * 16]),
-                 "targets": torch.stack([torch.cat([targets[0], torch.full_like(targets[0], -100)]), targets[1:].flatten()]),
+                 "targets": torch.stack([torch.cat([targets[0], torch.full_like(targets[0], -100)]),
+                                         targets[1:].flatten()]),
                  "images": images}
 
     reference = copy.deepcopy(model).double()
@@ -134,19 +145,21 @@ def test_a_step_descends_the_mean_answer_loss(loss_weight, packed):
     if loss_weight == "token":
         expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
     else:
-        expected = torch.stack([F.cross_entropy(row_logits, row_targets) for row_logits, row_targets in zip(logits, targets)]).mean()
+        expected = torch.stack([F.cross_entropy(row_logits, row_targets)
+                                for row_logits, row_targets in zip(logits, targets)]).mean()
     expected.backward()
 
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     before = copy.deepcopy(model)
     config = TrainConfig(grad_clip=0, loss_weight=loss_weight)
-    loss, tokens, finite = train_step(model, model, iter([batch]), optimizer, scheduler, config, contextlib.nullcontext(),
-                                      torch.device("cpu"))
+    loss, tokens, finite = train_step(model, model, iter([batch]), optimizer, scheduler, config,
+                                      contextlib.nullcontext(), torch.device("cpu"))
     assert finite and tokens == ids.numel()  # real tokens only
     assert loss == pytest.approx(expected.item(), rel=1e-5)
     for (name, after), old, ref in zip(model.named_parameters(), before.parameters(), reference.parameters()):
-        torch.testing.assert_close(old - after, ref.grad.float(), rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(old - after, ref.grad.float(), rtol=1e-3, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_progress_to_a_file_is_plain_lines(tmp_path, capsys):
