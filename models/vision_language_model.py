@@ -93,7 +93,7 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         if slots is None:
             slots = input_ids == (-1 if self.config.image_token_id is None else self.config.image_token_id)
         num_slots = int(slots.sum())
-        if features is None and images is not None:
+        if features is None and images is not None and len(images):
             features = self.image_features(images)
         num_features = 0 if features is None else features.shape[:-1].numel()
         if num_slots != num_features:
