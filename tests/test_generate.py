@@ -167,3 +167,16 @@ def test_bad_batch_files_are_one_line_errors_before_any_work(random_checkpoint, 
     code, _, err = _run(capsys, "--checkpoint", random_checkpoint, "--batch", batch, "--output", tmp_path / "out.jsonl")
     assert code == 2 and message in err.strip().splitlines()[-1], err
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_inference_imports_nothing_from_training():
+    """Regression: generate.py took checkpoint discovery and device choice from training/, and with them
+    torch.distributed.checkpoint; inference needs only models/ and data/ (and serving/)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, generate, serving.server, serving.engine; "
+            "print(sorted(m for m in sys.modules if m == 'training' or m.startswith('training.')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
