@@ -42,9 +42,11 @@ def matmul_params(module: nn.Module) -> int:
 def flops_per_step(config: VLMConfig, model: VisionLanguageModel, batch: int, seq: int) -> float:
     """Training FLOPs (forward + backward) of one step, nanoGPT-style."""
     v, lang = config.vision, config.language
-    lm = 6 * matmul_params(model.language) * batch * seq + 12 * lang.num_layers * lang.hidden_size * seq * batch * seq
+    lm = (6 * matmul_params(model.language) * batch * seq
+          + 12 * lang.num_layers * lang.hidden_size * seq * batch * seq)
     patches = v.num_patches * batch
-    vision = 6 * (matmul_params(model.vision) + matmul_params(model.projector) * config.tokens_per_image / v.num_patches) * patches
+    vision = 6 * (matmul_params(model.vision)
+                  + matmul_params(model.projector) * config.tokens_per_image / v.num_patches) * patches
     vision += 12 * v.num_layers * v.hidden_size * v.num_patches * patches
     return lm + vision
 
@@ -78,7 +80,8 @@ def main() -> None:
     model = VisionLanguageModel(config).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     step_fn = torch.compile(model) if args.compile else model
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if args.bf16 and device.type == "cuda" else contextlib.nullcontext()
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if args.bf16 and device.type == "cuda"
+                else contextlib.nullcontext())
     tokens_per_image = config.tokens_per_image
     ids = torch.randint(0, config.language.vocab_size - 64, (args.batch_size, args.seq_len), device=device)
     ids[:, 1 : 1 + tokens_per_image] = config.image_token_id
@@ -103,16 +106,21 @@ def main() -> None:
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / args.steps
     flops, peak = flops_per_step(config, model, args.batch_size, args.seq_len), peak_flops(device, args.peak_tflops)
-    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    hardware = (torch.cuda.get_device_name(device) if device.type == "cuda"
+                else f"CPU, {torch.get_num_threads()} threads")
     result = dict(shape=args.shape, params_m=sum(p.numel() for p in model.parameters()) / 1e6, batch=args.batch_size,
-                  seq_len=args.seq_len, bf16=args.bf16, compile=args.compile, hardware=hardware, ms_per_step=1000 * seconds,
+                  seq_len=args.seq_len, bf16=args.bf16, compile=args.compile, hardware=hardware,
+                  ms_per_step=1000 * seconds,
                   tokens_per_s=args.batch_size * args.seq_len / seconds, samples_per_s=args.batch_size / seconds,
                   achieved_tflops=flops / seconds / 1e12, mfu=flops / seconds / peak if peak else None)
     mfu = f"{100 * result['mfu']:.1f}%" if result["mfu"] else "– (pass --peak-tflops)"
-    table = ["| shape | params | batch x seq | bf16 | compile | hardware | ms/step | tokens/s | samples/s | TFLOP/s | MFU |",
+    table = ["| shape | params | batch x seq | bf16 | compile | hardware | ms/step | tokens/s | samples/s | TFLOP/s "
+             "| MFU |",
              "|---|---|---|---|---|---|---|---|---|---|---|",
-             f"| {args.shape} | {result['params_m']:.1f}M | {args.batch_size} x {args.seq_len} | {args.bf16} | {args.compile} | "
-             f"{hardware} | {result['ms_per_step']:.1f} | {result['tokens_per_s']:,.0f} | {result['samples_per_s']:,.1f} | "
+             f"| {args.shape} | {result['params_m']:.1f}M | {args.batch_size} x {args.seq_len} | {args.bf16} | "
+             f"{args.compile} | "
+             f"{hardware} | {result['ms_per_step']:.1f} | {result['tokens_per_s']:,.0f} | "
+             f"{result['samples_per_s']:,.1f} | "
              f"{result['achieved_tflops']:.2f} | {mfu} |"]
     print("\n".join(table))
     args.out.mkdir(parents=True, exist_ok=True)

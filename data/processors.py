@@ -1,4 +1,5 @@
-"""Images in: `load_image` (any file → RGB PIL, typed errors) and `ImageProcessor` (PIL → normalised tensor, SigLIP-style)."""
+"""Images in: `load_image` (any file → RGB PIL, typed errors) and `ImageProcessor` (PIL → normalised tensor,
+SigLIP-style)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def load_image(source: str | os.PathLike | BinaryIO) -> Image.Image:
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """Any PIL mode → RGB: transparency composited on white; 16-bit greyscale (`I;16`, `I`) scaled, not clipped, to 8 bits."""
+    """Any PIL mode → RGB: transparency composited on white; 16-bit greyscale (`I;16`, `I`) scaled, not clipped, to
+    8 bits."""
     if image.mode in _WIDE_GREY_MODES:
         pixels = np.asarray(image, dtype=np.float64) * (255 / 65535)
         image = Image.fromarray(pixels.round().clip(0, 255).astype(np.uint8))
@@ -67,7 +69,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
 class ImageProcessor:
     """PIL image → float tensor [3, image_size, image_size]: square resize, scale to [0, 1], normalise per channel."""
 
-    def __init__(self, image_size: int, mean: tuple[float, ...] = (0.5, 0.5, 0.5), std: tuple[float, ...] = (0.5, 0.5, 0.5)):
+    def __init__(self, image_size: int, mean: tuple[float, ...] = (0.5, 0.5, 0.5),
+                 std: tuple[float, ...] = (0.5, 0.5, 0.5)):
         self.image_size = image_size
         self.transform = v2.Compose([
             v2.Resize((image_size, image_size), antialias=True),

@@ -13,7 +13,8 @@ IGNORE_INDEX = -100  # targets at positions that carry no loss
 
 
 class PromptError(TinyVLMError, ValueError):
-    """Text that cannot be encoded: not a string, or not valid Unicode (e.g. invalid UTF-8 bytes from a command line)."""
+    """Text that cannot be encoded: not a string, or not valid Unicode (e.g. invalid UTF-8 bytes from a command
+    line)."""
 
 
 def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:

@@ -41,7 +41,8 @@ COLORS = {
     "orange": (245, 120, 0),
 }
 SIZES = {"small": 0.22, "large": 0.38}  # shape radius as a fraction of the cell side
-CELLS = ("top left", "top", "top right", "left", "center", "right", "bottom left", "bottom", "bottom right")  # row-major
+# row-major
+CELLS = ("top left", "top", "top right", "left", "center", "right", "bottom left", "bottom", "bottom right")
 BACKGROUND = (235, 235, 235)
 QUESTION_TYPES = ("color", "shape", "count", "presence", "position", "caption")
 JITTER = 0.05  # a shape's centre moves by up to this fraction of the cell; radius + jitter < 1/2 keeps it in its cell
@@ -111,7 +112,8 @@ def render(scene: Scene, image_size: int, rng: random.Random) -> Image.Image:
     return image
 
 
-CELL_CLASSES = {"shape": ("none", *SHAPES), "color": ("none", *COLORS), "size": ("none", *SIZES)}  # class 0: an empty cell
+# class 0: an empty cell
+CELL_CLASSES = {"shape": ("none", *SHAPES), "color": ("none", *COLORS), "size": ("none", *SIZES)}
 
 
 def cell_labels(scene: Scene) -> list[tuple[int, int, int]]:
@@ -130,7 +132,8 @@ def add_noise(image: Image.Image, amplitude: int, generator: np.random.Generator
 
 
 def describe(scene: Scene) -> str:
-    """The caption: every shape in reading order, "a small red circle at the top left and a large blue square in the center"."""
+    """The caption: every shape in reading order, "a small red circle at the top left and a large blue square in the
+    center"."""
     parts = [f"a {item.size} {item.color} {item.shape} {where(item.cell)}" for item in scene]
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
@@ -234,8 +237,10 @@ class ShapesConfig(Config):
     def __post_init__(self) -> None:
         check(self.image_size >= 32, f"data.shapes.image_size must be at least 32, got {self.image_size}")
         check(self.num_train > 0 and self.num_validation > 0,
-              f"data.shapes.num_train and num_validation must be positive, got {self.num_train} and {self.num_validation}")
-        check(0 <= self.noise <= 32, f"data.shapes.noise must lie in [0, 32] so colours stay recognisable, got {self.noise}")
+              f"data.shapes.num_train and num_validation must be positive, got {self.num_train} and "
+              f"{self.num_validation}")
+        check(0 <= self.noise <= 32,
+              f"data.shapes.noise must lie in [0, 32] so colours stay recognisable, got {self.noise}")
         check(1 <= self.train_turns <= len(QUESTION_TYPES),
               f"data.shapes.train_turns must lie in [1, {len(QUESTION_TYPES)}], got {self.train_turns}")
         check_question_types(self.train_question_types, "data.shapes.train_question_types")

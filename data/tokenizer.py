@@ -1,4 +1,5 @@
-"""Tokenizers for tinyvlm: ChatML + image special tokens, a small BPE for the shapes data, and adapting any HF tokenizer."""
+"""Tokenizers for tinyvlm: ChatML + image special tokens, a small BPE for the shapes data, and adapting any HF
+tokenizer."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def build_shapes_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTr
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False
     )
     bpe.train_from_iterator([*texts, "user\n", "assistant\n"], trainer)
     return PreTrainedTokenizerFast(
@@ -96,7 +98,8 @@ def text_lengths(dataset: Iterable[dict]) -> list[int]:
     def chars(turns) -> int:
         if not isinstance(turns, list):
             return 0
-        return sum(len(text) for turn in turns if isinstance(turn, dict) for text in turn.values() if isinstance(text, str))
+        return sum(len(text) for turn in turns if isinstance(turn, dict)
+                   for text in turn.values() if isinstance(text, str))
 
     return [chars(record.get("texts")) for record in _texts_only(dataset)]
 

@@ -19,5 +19,6 @@ def target_weights(targets: torch.Tensor, sequences: torch.Tensor, per: LossWeig
     sample weighs alike); square: 1/sqrt(n) (in between; InternVL 2.5's "square averaging")."""
     weights = (targets != IGNORE_INDEX).float()
     sequences = sequences.long()
-    per_sample = torch.zeros(sequences.shape[0], sequences.shape[1] + 1, device=weights.device).scatter_add_(1, sequences, weights)
+    per_sample = torch.zeros(sequences.shape[0], sequences.shape[1] + 1,
+                             device=weights.device).scatter_add_(1, sequences, weights)
     return weights / per_sample.gather(1, sequences).clamp(min=1) ** _EXPONENT[per]

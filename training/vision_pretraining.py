@@ -28,7 +28,8 @@ GRID = 3  # the scenes' cells per side
 def patch_cells(grid_size: int) -> torch.Tensor:
     """The scene cell under each patch of a grid_size x grid_size patch grid (row-major), [grid_size**2]."""
     if grid_size % GRID:
-        raise ValueError(f"the patch grid ({grid_size}x{grid_size}) must split evenly into the scenes' {GRID}x{GRID} cells")
+        raise ValueError(f"the patch grid ({grid_size}x{grid_size}) must split evenly into the scenes' "
+                         f"{GRID}x{GRID} cells")
     rows = torch.arange(grid_size) * GRID // grid_size
     return (rows[:, None] * GRID + rows[None, :]).flatten()
 
@@ -44,8 +45,9 @@ def scene_batch(shapes: ShapesConfig, processor: ImageProcessor, cells: torch.Te
     return torch.stack([processor(image) for image in images]), labels
 
 
-def pretrain_vision(vision: VisionTransformer, processor: ImageProcessor, shapes: ShapesConfig, steps: int, batch_size: int,
-                    lr: float, seed: int, device: torch.device, report: Callable[[str], None] = print) -> tuple[nn.Linear, list[float]]:
+def pretrain_vision(vision: VisionTransformer, processor: ImageProcessor, shapes: ShapesConfig, steps: int,
+                    batch_size: int, lr: float, seed: int, device: torch.device,
+                    report: Callable[[str], None] = print) -> tuple[nn.Linear, list[float]]:
     """Train `vision` in place with a per-patch (shape, colour, size) classifier for `steps` AdamW steps (constant
     `lr`); returns the classifier (logits for CELL_CLASSES' classes, concatenated) and the losses (the mean of the
     three cross-entropies). Training needs only the ViT afterwards."""
@@ -60,7 +62,8 @@ def pretrain_vision(vision: VisionTransformer, processor: ImageProcessor, shapes
         images, labels = scene_batch(shapes, processor, cells, batch_size, rng)
         logits = head(vision(images.to(device))).split(sizes, dim=-1)
         labels = labels.to(device)
-        loss = sum(F.cross_entropy(part.flatten(0, 1), labels[..., k].flatten()) for k, part in enumerate(logits)) / len(sizes)
+        loss = sum(F.cross_entropy(part.flatten(0, 1), labels[..., k].flatten())
+                   for k, part in enumerate(logits)) / len(sizes)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
