@@ -1,20 +1,105 @@
 """Run configs: YAML files map onto the dataclasses, and every field can be overridden from the command line."""
 
 import dataclasses
+import types
+import typing
+from typing import Any, Literal
 
 import pytest
 
+from data import QUESTION_TYPES
 from models.config import Config, ConfigError
 from training.config import RunConfig, load_run_config, parse_overrides
 
 
 def _leaf_fields(config: Config, prefix: str = ""):
+    """(dotted key, value, type annotation) of every field that is not itself a config section."""
+    hints = typing.get_type_hints(type(config))
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
         if isinstance(value, Config):
             yield from _leaf_fields(value, f"{prefix}{field.name}.")
         else:
-            yield f"{prefix}{field.name}", value
+            yield f"{prefix}{field.name}", value, hints[field.name]
+
+
+def _other_value(value: Any, annotation: Any) -> Any:
+    """A value of the field's type other than `value`: a bool flipped, a number doubled (or halved), another
+    choice, a string extended, a tuple's items changed; None becomes a value."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        (kind,) = [a for a in args if a is not type(None)]
+        return _other_value(value, kind) if value is not None else {int: 1, str: "somewhere/else"}[kind]
+    if origin is Literal:
+        return args[(args.index(value) + 1) % len(args)]
+    if origin is tuple:
+        item = args[0]
+        if not value:
+            return (_other_value(None, item | None),)
+        return tuple(_other_value(v, item) for v in value) if item is not str else value[:-1]
+    if annotation is bool:
+        return not value
+    if annotation is int:
+        return 2 * value or 1
+    if annotation is float:
+        return value / 2 or 0.5
+    assert annotation is str, annotation
+    return value + "-other"
+
+
+# Fields whose doubled value or next choice does not fit the rest of configs/tiny.yaml: another valid value, with the
+# fields it must change along with (tiny.yaml pre-trains its ViT on the synthetic scenes, on a 3x3 patch grid).
+TINY_CHANGES = {
+    "model.vision.image_size": {"model.vision.image_size": 96, "data.shapes.image_size": 96},  # must stay equal
+    "data.shapes.image_size": {"model.vision.image_size": 96, "data.shapes.image_size": 96},
+    "model.vision.patch_size": {"model.vision.patch_size": 8},  # 32 does not divide 48
+    "model.vision.num_channels": {"model.vision.num_channels": 4, "model.vision.image_mean": (0.5,) * 4,
+                                  "model.vision.image_std": (0.25,) * 4},  # a mean and std per channel
+    "model.vision.pretrained": {"model.vision.pretrained": "some/siglip", "train.vision_pretrain_steps": 0},
+    "model.projector.pixel_shuffle_factor": {"model.projector.pixel_shuffle_factor": 3},  # must divide the 3x3 grid
+    "data.source": {"data.source": "jsonl", "data.path": "data.jsonl", "train.vision_pretrain_steps": 0},
+    "data.validation_path": {"data.source": "jsonl", "data.path": "data.jsonl", "data.validation_path": "val.jsonl",
+                             "train.vision_pretrain_steps": 0},  # for jsonl and imagefolder only
+    "data.shapes.train_turns": {"data.shapes.train_turns": 2, "data.shapes.train_question_types": QUESTION_TYPES},
+    "train.decay_steps": {"train.decay_steps": 200},  # 0 or at least warmup_steps (100)
+}
+TINY = load_run_config("configs/tiny.yaml", {})
+LEAVES = {key: (value, annotation) for key, value, annotation in _leaf_fields(TINY)}
+
+
+def _text(value: Any) -> str:
+    """`value` as it is typed on the command line."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+def _get(config: Config, key: str) -> Any:
+    for part in key.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def test_every_field_is_walked():
+    assert len(LEAVES) > 60 and "tokenizer" in LEAVES and "model.language.pretrained" in LEAVES
+    assert set(TINY_CHANGES) <= set(LEAVES)
+
+
+@pytest.mark.parametrize("key", sorted(LEAVES))
+def test_every_field_is_set_from_the_command_line(key):
+    """`--key VALUE` with a value other than tiny.yaml's reaches the config, and changes nothing else."""
+    value, annotation = LEAVES[key]
+    changes = TINY_CHANGES.get(key, {key: _other_value(value, annotation)})
+    assert changes[key] != value
+    # both spellings: --key VALUE and --key=VALUE
+    argv = [arg for i, (k, v) in enumerate(changes.items())
+            for arg in ([f"--{k}", _text(v)] if i % 2 == 0 else [f"--{k}={_text(v)}"])]
+    config = load_run_config("configs/tiny.yaml", parse_overrides(argv))
+    for other, (original, _) in LEAVES.items():
+        expected = changes.get(other, original)
+        assert _get(config, other) == expected and type(_get(config, other)) is type(expected), other
 
 
 @pytest.mark.parametrize("path", ["configs/tiny.yaml", "configs/smollm2-shapes.yaml", "configs/nanovlm-222m.yaml"])
@@ -22,17 +107,9 @@ def test_shipped_configs_load(path):
     assert isinstance(load_run_config(path, {}), RunConfig)
 
 
-def test_every_field_is_reachable_from_the_command_line():
-    config = load_run_config("configs/tiny.yaml", {})
-    leaves = dict(_leaf_fields(config))
-    assert len(leaves) > 60
-    for key, value in leaves.items():
-        text = "none" if value is None else ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
-        assert config.replace({key: text}) == config, key
-
-
 def test_boolean_and_numeric_overrides_parse():
-    argv = ["--train.compile", "false", "--train.max_steps=200", "--train.output_dir", "runs/try1", "--train.wandb", "true"]
+    argv = ["--train.compile", "false", "--train.max_steps=200", "--train.output_dir", "runs/try1", "--train.wandb",
+            "true"]
     config = load_run_config("configs/tiny.yaml", parse_overrides(argv))
     assert config.train.compile is False and config.train.wandb is True
     assert config.train.max_steps == 200 and config.train.output_dir == "runs/try1"
@@ -46,7 +123,8 @@ def test_boolean_and_numeric_overrides_parse():
     (["--train.max_steps"], "--train.max_steps needs a value"),
     (["max_steps"], "unexpected argument 'max_steps'"),
     (["--model.language.num_kv_heads", "3"], r"num_heads \(\d+\) must be divisible by language.num_kv_heads \(3\)"),
-    (["--data.source", "jsonl", "--data.path", "x.jsonl"], r"vision_pretrain_steps \(400\) needs data.source=synthetic.* set it to 0"),
+    (["--data.source", "jsonl", "--data.path", "x.jsonl"],
+     r"vision_pretrain_steps \(400\) needs data.source=synthetic.* set it to 0"),
     (["--model.vision.patch_size", "12"], r"the patch grid \(4x4\) must split evenly into the scenes' 3x3 cells"),
     (["--model.vision.image_size", "96"], r"model.vision.image_size \(96\) must equal data.shapes.image_size \(48\)"),
 ])
