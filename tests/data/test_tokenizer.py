@@ -5,8 +5,22 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from data import (IGNORE_INDEX, IM_END, IM_START, IMAGE_TOKEN, PAD_TOKEN, build_shapes_tokenizer, conversation_texts, encode_conversation,
-                  encode_prompt, make_shapes_dataset, prepare_tokenizer, text_lengths, token_id)
+from data import (
+    IGNORE_INDEX,
+    IM_END,
+    IM_START,
+    IMAGE_TOKEN,
+    PAD_TOKEN,
+    build_shapes_tokenizer,
+    conversation_texts,
+    encode_conversation,
+    encode_prompt,
+    make_shapes_dataset,
+    prepare_tokenizer,
+    stop_token_ids,
+    text_lengths,
+    token_id,
+)
 from data.synthetic import CELLS, COLORS, SHAPES
 
 SPECIALS = (IM_START, IM_END, IMAGE_TOKEN, PAD_TOKEN)
@@ -96,6 +110,9 @@ def test_prepare_tokenizer_adds_what_is_missing_once(plain_tokenizer):
     assert len(tokenizer) == size + 4 and tokenizer.encode("hello world") == hello
     assert sorted(token_id(tokenizer, t) for t in SPECIALS) == list(range(size, size + 4))
     assert tokenizer.pad_token == PAD_TOKEN and tokenizer.eos_token == "</s>"
+    # answers stop at either: the end of turn training closes every answer with, and the base model's own EOS
+    end, eos = token_id(tokenizer, IM_END), tokenizer.convert_tokens_to_ids("</s>")
+    assert eos != end and sorted(stop_token_ids(tokenizer)) == sorted([end, eos])
     prepare_tokenizer(tokenizer)
     assert len(tokenizer) == size + 4
     ids, _ = encode_conversation(tokenizer, [{"user": "hello", "assistant": "world"}], 1, 2)
