@@ -14,9 +14,11 @@ from safetensors.torch import load_file
 from data import ResumableBatchSampler
 from tests.models.helpers import tiny_vlm
 from tests.training.helpers import small_config
+from training import run
 from training.config import RunConfig, TrainConfig
 from training.loop import train_step
 from training.run import train
+from training.vision_pretraining import pretrain_vision
 
 
 def _history(run_dir):
@@ -42,14 +44,26 @@ PRETRAINED_VIT = {"model.vision.image_size": "48", "model.vision.patch_size": "1
                   "train.vision_pretrain_steps": "3", "train.vision_pretrain_batch_size": "8", "train.lr_vision": "0"}
 
 
-def test_a_fresh_run_pretrains_its_vit(tmp_path):
-    train(small_config(tmp_path / "plain", **{**PRETRAINED_VIT, "train.vision_pretrain_steps": "0",
-                                              "train.max_steps": "1"}))
-    train(small_config(tmp_path / "pretrained", **{**PRETRAINED_VIT, "train.max_steps": "1"}))
-    (_, plain), (_, pretrained) = _history(tmp_path / "plain"), _history(tmp_path / "pretrained")
-    vision = [name for name in plain if name.startswith("vision.")]
-    # lr_vision is 0: the plain run's ViT is its initialisation (the same in both runs), the other's was pre-trained.
-    assert vision and all(not torch.equal(plain[name], pretrained[name]) for name in vision)
+def test_a_fresh_run_pretrains_its_vit_and_lr_vision_0_keeps_it(tmp_path, monkeypatch):
+    """The ViT leaves pre-training changed in every tensor, and with lr_vision 0 training ends with it bit for bit."""
+    snapshots = {}
+
+    def pretrain_and_snapshot(vision, *args, **kwargs):
+        snapshots["initial"] = copy.deepcopy(vision.state_dict())
+        result = pretrain_vision(vision, *args, **kwargs)
+        snapshots["pretrained"] = copy.deepcopy(vision.state_dict())
+        return result
+
+    monkeypatch.setattr(run, "pretrain_vision", pretrain_and_snapshot)
+    train(small_config(tmp_path, **{**PRETRAINED_VIT, "train.max_steps": "3", "train.save_every": "3",
+                                    "train.eval_every": "3"}))
+    assert "pretrained" in snapshots, "the ViT was not pre-trained"
+    _, weights = _history(tmp_path)
+    trained = {name.removeprefix("vision."): tensor for name, tensor in weights.items() if name.startswith("vision.")}
+    initial, pretrained = snapshots["initial"], snapshots["pretrained"]
+    assert trained.keys() == pretrained.keys()
+    assert [name for name in trained if not torch.equal(trained[name], pretrained[name])] == []
+    assert [name for name in initial if torch.equal(initial[name], pretrained[name])] == []
 
 
 # Step 6 falls inside a window of 16 batches; a resumed run must not pre-train its ViT again.
