@@ -26,12 +26,13 @@ def build_tokenizer(config: RunConfig, train_dataset):
 
 def build_model(config: RunConfig, tokenizer) -> VisionLanguageModel:
     """The VLM with its backbones loaded (where configured) and its vocabulary sized to the tokenizer."""
-    settings = {"image_token_id": token_id(tokenizer, IMAGE_TOKEN), "language.eos_token_id": tokenizer.eos_token_id,
-                "stop_token_ids": stop_token_ids(tokenizer)}
-    if not config.model.language.pretrained:
-        settings["language.vocab_size"] = len(tokenizer)
+    # The image and stop tokens may be new to a pretrained LM's vocabulary: they are set once it is resized.
+    settings = {"image_token_id": None, "stop_token_ids": ()}
+    if not config.model.language.pretrained:  # a pretrained LM brings its own vocabulary and EOS
+        settings.update({"language.vocab_size": len(tokenizer), "language.eos_token_id": tokenizer.eos_token_id})
     model = VisionLanguageModel.from_backbones(config.model.replace(settings), config.train.allow_pickle)
-    model.resize_token_embeddings(len(tokenizer), settings["image_token_id"])
+    model.resize_token_embeddings(len(tokenizer), token_id(tokenizer, IMAGE_TOKEN))
+    model.config = model.config.replace({"stop_token_ids": stop_token_ids(tokenizer)})
     return model
 
 
