@@ -81,7 +81,7 @@ class Engine:
         self.processor = processor or ImageProcessor.from_config(model.config.vision)
         self.blocks = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_batch_tokens)
-        self.runner = ModelRunner(model, num_blocks, block_size, attention)
+        self.runner = ModelRunner(model, num_blocks, block_size, attention, max_rows=max_num_seqs)
         self.groups: dict[str, Group] = {}
         self._arrivals = itertools.count()
 

@@ -22,12 +22,13 @@ class ModelRunner:
     (FlexAttention over the pool in place, compiled once per query-count bucket; block sizes that are multiples of
     16: compiled CPU flex with blocks of 8 gave wrong values on torch 2.14)."""
 
-    def __init__(self, model: VisionLanguageModel, num_blocks: int, block_size: int, attention: str = "gather") -> None:
+    def __init__(self, model: VisionLanguageModel, num_blocks: int, block_size: int, attention: str = "gather",
+                 max_rows: int = 64) -> None:
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         if attention == "flex" and block_size % 16:
             raise ValueError(f"flex attention needs a block size that is a multiple of 16, got {block_size}")
-        self.model, self.block_size, self.attention = model, block_size, attention
+        self.model, self.block_size, self.attention, self.max_rows = model, block_size, attention, max_rows
         config, weight = model.config.language, model.language.token_embedding.weight
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.pools = [{"key": torch.zeros(shape, dtype=weight.dtype, device=weight.device),
@@ -99,8 +100,10 @@ class ModelRunner:
 
     def _flex_mask(self, work: list[tuple[Sequence, int]], width: int) -> dict:
         """The FlexAttention block mask of a forward: query q (a real token of row r at position p) sees pool slot s
-        when s's block is in r's table, at a logical position <= p. Queries are padded to a power of two (>= 16),
-        so a few compiled kernels serve every batch; padded queries see nothing."""
+        when s's block is in r's table, at a logical position <= p. Queries are padded to a power of two (>= 16) and
+        the block-to-position table has `max_rows` rows whatever the batch, so one compiled kernel per query bucket
+        serves every batch (the mask's tensors are graph inputs, and their shapes are guarded); padded queries see
+        nothing."""
         from torch.nn.attention.flex_attention import create_block_mask
 
         size, pool_blocks = self.block_size, self.pools[0]["key"].shape[0]
@@ -111,7 +114,7 @@ class ModelRunner:
         query_position = torch.full((length,), -1, dtype=torch.long)
         query_row[: len(rows)] = torch.tensor(rows)
         query_position[: len(rows)] = torch.cat([torch.arange(s.num_computed, s.num_computed + c) for s, c in work])
-        logical = torch.full((len(work), pool_blocks), -1, dtype=torch.long)
+        logical = torch.full((self.max_rows, pool_blocks), -1, dtype=torch.long)
         for row, (sequence, _) in enumerate(work):
             logical[row, torch.tensor(sequence.table)] = torch.arange(len(sequence.table))
         query_row, query_position, logical = (t.to(self.device) for t in (query_row, query_position, logical))

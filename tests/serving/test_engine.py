@@ -73,6 +73,10 @@ def flex(*settings):  # compiles a kernel per query-count bucket: ~5 s each on a
     flex(200, 16, 512), flex(6, 16, 16), flex(40, 16, 10),
 ], ids=["gather-roomy", "gather-preempting", "gather-chunked", "flex-roomy", "flex-preempting", "flex-chunked"])
 def test_continuous_batching_gives_each_request_its_greedy_tokens(model, attention, num_blocks, block_size, budget):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
     requests = _requests()
     engine = Engine(model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=8, max_batch_tokens=budget,
                     attention=attention)
@@ -85,6 +89,8 @@ def test_continuous_batching_gives_each_request_its_greedy_tokens(model, attenti
         assert engine.scheduler.num_preemptions > 0
     if budget == 10:
         assert engine.stats()["preemptions"] == 0
+    if attention == "flex":  # one kernel per power-of-two query bucket (16 .. budget), never one per step
+        assert counters["stats"]["unique_graphs"] <= max(1, (budget // 16).bit_length()), dict(counters["stats"])
 
 
 def test_n_samples_equal_generate_with_num_samples_under_the_same_seed(model):
