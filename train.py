@@ -20,13 +20,12 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 from models import TinyVLMError
 from models.checkpoints import find_checkpoint
 from models.config import one_line
 from training.checkpoint import RUN_CONFIG
 from training.config import RunConfig, load_run_config, parse_overrides
+from training.distributed import lost_contact
 from training.run import train
 
 
@@ -50,12 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     except TinyVLMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except torch.distributed.DistError as e:  # another rank died or hung: torchrun reports which
-        print(f"error: lost contact with the other ranks ({type(e).__name__}: {one_line(e, 300)})", file=sys.stderr)
-        return 3
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if not lost_contact(e):
+            raise
+        # another rank died or hung: torchrun reports which
+        print(f"error: lost contact with the other ranks ({type(e).__name__}: {one_line(e, 300)})", file=sys.stderr)
+        return 3
     return 0
 
 

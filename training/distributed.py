@@ -134,6 +134,12 @@ def union(values: set[int]) -> set[int]:
     return set().union(*gathered)
 
 
+def lost_contact(error: BaseException) -> bool:
+    """Whether `error` means that this rank lost contact with the others: a torch.distributed error, or gloo's transport
+    giving up (a timeout, a closed connection), which gloo raises as a plain RuntimeError naming its source file."""
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo/transport/" in str(error))
+
+
 def broadcast_parameters(module: nn.Module) -> None:
     """Every rank takes rank 0's weights: for weights set before `wrap` on each rank, which FSDP2 does not sync."""
     if dist.is_initialized():
