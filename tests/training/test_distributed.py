@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from data import ImageLoadError
 from models import VisionLanguageModel
 from tests.training.helpers import SMALL, small_config
 from training.config import RunConfig, load_run_config
@@ -25,10 +27,11 @@ COMMON = {"train.decay_steps": str(STEPS), "train.eval_every": str(STEPS), "trai
           "train.keep_checkpoints": "5"}  # torchrun gives each rank one thread: the reference gets one too
 
 
-def torchrun(nproc: int, *argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "train.py",
+def torchrun(nproc: int, *argv: str, timeout: int = 300, script: str = "train.py",
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script,
                *argv]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -155,20 +158,77 @@ def test_fsdp2_trains_resumes_from_its_shards_and_exports(reference, tmp_path):
         f"(or export its weights: python -m training.export {tmp_path / 'whole' / 'step_000002'})"), unsharded.stderr
 
 
-def test_ranks_stay_in_step_when_a_batch_has_no_image(tmp_path):
-    """Text-only records: a rank whose batch has no image still runs the vision tower (DDP needs every parameter)."""
-    from data import make_shapes_dataset
+HOOKS = str(Path(__file__).with_name("rank_hooks.py"))
+
+
+def test_ranks_stay_in_step_and_train_alike_when_a_batch_has_no_image(tmp_path):
+    """Text-only records and records whose image is corrupt (skipped): a rank whose batch has no image still runs the
+    vision tower (DDP needs every parameter), and both ranks end with the same trained weights. Over two epochs each
+    bad record is read twice, by either rank, and counted once."""
+    from data import ResumableBatchSampler, build_datasets, make_shapes_dataset
 
     lines = []
     for i, row in enumerate(make_shapes_dataset("train", 24, seed=0, image_size=32)):
         row["images"][0].save(tmp_path / f"{i}.png")
+        if i in (3, 9, 15):
+            (tmp_path / f"{i}.png").write_bytes(b"not an image")
         lines.append(json.dumps({"images": [f"{i}.png"] if i % 3 == 0 else [], "texts": row["texts"]}))
     (tmp_path / "data.jsonl").write_text("\n".join(lines))
-    torchrun(2, *overrides(**{"data.source": "jsonl", "data.path": str(tmp_path / "data.jsonl"), "data.holdout": "4",
-                              "train.batch_size": "1", "train.max_steps": "6", "train.save_every": "6",
-                              "train.eval_every": "6",
-                              "train.output_dir": str(tmp_path / "run"), "train.dist_timeout": "60"}), timeout=240)
-    assert (tmp_path / "run" / "step_000006" / "model.safetensors").is_file()
+    settings = {"data.source": "jsonl", "data.path": str(tmp_path / "data.jsonl"), "data.holdout": "4",
+                "train.batch_size": "1", "train.max_steps": "20", "train.save_every": "20", "train.eval_every": "20",
+                "train.output_dir": str(tmp_path / "run"), "train.dist_timeout": "60"}
+    # the scenario: 20 records, 2 epochs of batches of 1 per rank; which of them have no (readable) image
+    train_data, _ = build_datasets(small_config(tmp_path, **settings).data)
+    imageless = [not (train_data.with_format(None)[i]["images"]) or _unreadable(train_data, i)
+                 for i in range(len(train_data))]
+    bad = [i for i in range(len(train_data)) if _unreadable(train_data, i)]
+    ranks = [iter(ResumableBatchSampler(len(train_data), 1, seed=0, rank=r, world_size=2)) for r in range(2)]
+    per_step = [[imageless[next(rank)[0]] for rank in ranks] for _ in range(20)]
+    assert [True, True] in per_step and ([True, False] in per_step or [False, True] in per_step) and bad
+
+    torchrun(2, *overrides(**settings), script=HOOKS, env={"TINYVLM_TEST_DUMP_WEIGHTS": "1"}, timeout=240)
+    run = tmp_path / "run"
+    before, after = ([load_file(run / f"rank{r}_{when}.safetensors") for r in range(2)] for when in ("before", "after"))
+    assert all(torch.equal(before[0][name], before[1][name]) for name in before[0])
+    assert [name for name in after[0] if not torch.equal(after[0][name], after[1][name])] == []
+    for part in ("vision.", "projector.", "language."):
+        assert any(not torch.equal(after[0][n], before[0][n]) for n in after[0] if n.startswith(part)), part
+    assert json.loads((run / "metrics.json").read_text())["bad_records"] == len(bad)
+
+
+def _unreadable(dataset, index: int) -> bool:
+    try:
+        dataset[index]
+    except ImageLoadError:
+        return True
+    return False
+
+
+def test_a_hung_rank_ends_the_job_within_dist_timeout(tmp_path):
+    """Rank 1 stays alive but stops taking part after its first step: rank 0's next collective gives up after
+    train.dist_timeout, train.py exits 3 with its one-line error, and torchrun ends the job."""
+    timeout = 20
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", HOOKS,
+               *overrides(**{"train.max_steps": "100000", "train.save_every": "100000",
+                             "train.output_dir": str(tmp_path), "train.dist_timeout": str(timeout)})]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True, env={**os.environ, "TINYVLM_TEST_HANG_RANK": "1"})
+    lines = []  # (seconds since start, line)
+    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in job.stdout))
+    reader.start()
+    try:
+        job.wait(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    reader.join()
+    output = "".join(line for _, line in lines)
+    assert job.returncode != 0, output[-3000:]
+    hung = next((t for t, line in lines if line.startswith("rank 1 hangs")), None)
+    lost = next((t for t, line in lines if line.startswith("error: lost contact with the other ranks (")), None)
+    assert hung is not None and lost is not None, output[-3000:]
+    assert lost - hung < timeout + 15, (lost - hung, output[-3000:])
+    assert "exitcode  : 3" in output, output[-3000:]
 
 
 def _children(pid: int) -> list[int]:
