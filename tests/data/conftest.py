@@ -1,4 +1,5 @@
-"""Shared fixtures for the data tests: the shapes tokenizer (built once) and a tokenizer with no ChatML/image/pad tokens."""
+"""Shared fixtures for the data tests: the shapes tokenizer (built once) and a tokenizer with no ChatML/image/pad
+tokens."""
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -18,6 +19,7 @@ def plain_tokenizer():
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"], initial_alphabet=alphabet, show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"], initial_alphabet=alphabet,
+                                  show_progress=False)
     bpe.train_from_iterator(["hello world"] * 10, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="</s>")

@@ -13,8 +13,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from data import (IMAGE_TOKEN, IM_END, IM_START, PAD_TOKEN, ImageLoadError, ImageProcessor, PromptError, VQACollator,
-                  encode_conversation, load_image, token_id)
+from data import (
+    IM_END,
+    IM_START,
+    IMAGE_TOKEN,
+    PAD_TOKEN,
+    ImageLoadError,
+    ImageProcessor,
+    PromptError,
+    VQACollator,
+    encode_conversation,
+    load_image,
+    token_id,
+)
 from models import LanguageConfig, ProjectorConfig, VisionConfig, VisionLanguageModel, VLMConfig
 
 TOKENS_PER_IMAGE = 4
@@ -49,7 +60,8 @@ def _seed_files() -> list[bytes]:
     frames = [Image.new("P", (6, 6), i) for i in range(3)]
     return [
         encoded(rgb, "PNG"), encoded(rgb.convert("RGBA"), "PNG"), encoded(rgb.convert("P"), "PNG", transparency=0),
-        encoded(rgb.convert("LA"), "PNG"), encoded(Image.fromarray(rng.integers(0, 65535, (5, 7), dtype=np.uint16)), "PNG"),
+        encoded(rgb.convert("LA"), "PNG"),
+        encoded(Image.fromarray(rng.integers(0, 65535, (5, 7), dtype=np.uint16)), "PNG"),
         encoded(rgb, "JPEG", quality=80), encoded(rgb.convert("L"), "JPEG", progressive=True), encoded(rgb, "BMP"),
         encoded(rgb.convert("CMYK"), "TIFF"), encoded(rgb, "TIFF", compression="tiff_lzw"), encoded(rgb, "WEBP"),
         encoded(rgb, "GIF"), encoded(frames[0], "GIF", save_all=True, append_images=frames[1:]), encoded(rgb, "ICO"),
@@ -129,14 +141,16 @@ def test_every_valid_image_loads_as_rgb_of_its_size(mode_and_format, width, heig
 
 SPECIAL_STRINGS = [IMAGE_TOKEN, IM_START, IM_END, PAD_TOKEN, "<|image", "|>", "user\n", "assistant\n", "\n"]
 user_texts = st.lists(st.one_of(st.text(max_size=30), st.sampled_from(SPECIAL_STRINGS)), max_size=8).map("".join)
-any_texts = st.one_of(user_texts, st.text(st.characters(codec=None, exclude_categories=()), max_size=20))  # + lone surrogates
+# user texts, or any code points (lone surrogates included)
+any_texts = st.one_of(user_texts, st.text(st.characters(codec=None, exclude_categories=()), max_size=20))
 
 
 @pytest.fixture(scope="module")
 def vlm(shapes_tokenizer):
     torch.manual_seed(0)
     config = VLMConfig(
-        vision=VisionConfig(image_size=16, patch_size=8, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2),
+        vision=VisionConfig(image_size=16, patch_size=8, hidden_size=16, intermediate_size=32, num_layers=1,
+                            num_heads=2),
         projector=ProjectorConfig(pixel_shuffle_factor=1),
         language=LanguageConfig(vocab_size=len(shapes_tokenizer), hidden_size=32, intermediate_size=64, num_layers=1,
                                 num_heads=2, num_kv_heads=1, max_position_embeddings=1024),

@@ -39,7 +39,8 @@ def test_palette_images_with_and_without_transparency(tmp_path):
     palette.putpalette([255, 0, 0, 0, 0, 255, 0, 255, 0] + [0] * (256 * 3 - 9))
     palette.putdata([0, 1, 2])
     assert pixels(load_image(saved(tmp_path, palette, "p.png"))) == [RED, BLUE, (0, 255, 0)]
-    assert pixels(load_image(saved(tmp_path, palette, "p_transparent.png", transparency=1))) == [RED, WHITE, (0, 255, 0)]
+    transparent = saved(tmp_path, palette, "p_transparent.png", transparency=1)
+    assert pixels(load_image(transparent)) == [RED, WHITE, (0, 255, 0)]
 
 
 def test_greyscale_and_cmyk(tmp_path):
@@ -99,8 +100,9 @@ def bad_files(tmp_path) -> dict:
     }
     for name, data in contents.items():
         (tmp_path / name).write_bytes(data)
-    return {"missing.png": "no such file", "empty.png": "empty", "truncated.png": "truncated", "random.png": "not an image",
-            "notes.txt": "not an image", "bomb.png": "pixels", "big.png": "pixels", ".": "cannot read"}
+    return {"missing.png": "no such file", "empty.png": "empty", "truncated.png": "truncated",
+            "random.png": "not an image", "notes.txt": "not an image", "bomb.png": "pixels", "big.png": "pixels",
+            ".": "cannot read"}
 
 
 def test_bad_files_raise_one_line_image_load_errors(tmp_path):

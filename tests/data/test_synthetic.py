@@ -9,7 +9,17 @@ import numpy as np
 import pytest
 
 from data import QUESTION_TYPES, ShapesConfig, make_shapes_dataset, shapes_datasets
-from data.synthetic import BACKGROUND, CELL_CLASSES, CELLS, COLORS, cell_labels, render, sample_scene, sample_scene_of, split_of
+from data.synthetic import (
+    BACKGROUND,
+    CELL_CLASSES,
+    CELLS,
+    COLORS,
+    cell_labels,
+    render,
+    sample_scene,
+    sample_scene_of,
+    split_of,
+)
 from models.config import ConfigError
 
 GRID = (("top left", "top", "top right"), ("left", "center", "right"), ("bottom left", "bottom", "bottom right"))
@@ -21,7 +31,8 @@ def blobs(mask: np.ndarray) -> list[np.ndarray]:
     labels = np.where(mask, np.arange(1, mask.size + 1).reshape(mask.shape), 0)
     while True:
         p = np.pad(labels, 1)
-        spread = np.where(mask, np.max([p[1:-1, 1:-1], p[:-2, 1:-1], p[2:, 1:-1], p[1:-1, :-2], p[1:-1, 2:]], axis=0), 0)
+        neighbours = [p[1:-1, 1:-1], p[:-2, 1:-1], p[2:, 1:-1], p[1:-1, :-2], p[1:-1, 2:]]
+        spread = np.where(mask, np.max(neighbours, axis=0), 0)
         if (spread == labels).all():
             return [np.argwhere(labels == label) for label in np.unique(labels) if label]
         labels = spread
@@ -200,7 +211,8 @@ def test_colours_look_like_their_names():
 
 def test_shapes_config_validates():
     assert ShapesConfig.from_dict(ShapesConfig().to_dict()) == ShapesConfig()
-    for values, field in [({"noise": 99}, "noise"), ({"image_size": 16}, "image_size"), ({"train_turns": 7}, "train_turns"),
+    for values, field in [({"noise": 99}, "noise"), ({"image_size": 16}, "image_size"),
+                          ({"train_turns": 7}, "train_turns"),
                           ({"validation_fraction": 0.0}, "validation_fraction"), ({"num_train": 0}, "num_train"),
                           ({"train_question_types": ["colour"]}, "train_question_types"),
                           ({"train_question_types": []}, "train_question_types"),

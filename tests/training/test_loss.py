@@ -40,10 +40,11 @@ def test_validation_loss_weighs_like_training(per):
         batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "targets": targets})
         with torch.no_grad():
             logits, _ = model(ids)
-        rows += [(row_logits[row_targets != -100], row_targets[row_targets != -100]) for row_logits, row_targets in zip(logits, targets)]
+        rows += [(row_logits[row_targets != -100], row_targets[row_targets != -100])
+                 for row_logits, row_targets in zip(logits, targets)]
     if per == "token":
-        expected = F.cross_entropy(torch.cat([l for l, _ in rows]), torch.cat([t for _, t in rows]))
+        expected = F.cross_entropy(torch.cat([z for z, _ in rows]), torch.cat([t for _, t in rows]))
     else:
-        expected = torch.stack([F.cross_entropy(l, t) for l, t in rows]).mean()
+        expected = torch.stack([F.cross_entropy(z, t) for z, t in rows]).mean()
     got = validation_loss(model, batches, torch.device("cpu"), contextlib.nullcontext(), per)
     assert got == pytest.approx(expected.item(), rel=1e-5)
