@@ -188,6 +188,28 @@ class ProjectorConfig(Config):
               f"projector.pixel_shuffle_factor must be >= 1, got {self.pixel_shuffle_factor}")
 
 
+SplitLayout = Literal["idefics3", "nanovlm"]
+Resample = Literal["lanczos", "bicubic", "bilinear"]
+
+
+@dataclasses.dataclass
+class SplitConfig(Config):
+    """Image splitting (SmolVLM / Idefics3, nanoVLM): an image is resized so that its longer side is `max_image_size`,
+    then up to whole multiples of the encoder's `vision.image_size`, cut into that grid of tiles, and shown with one
+    extra tile-sized global (downscaled) image; each tile's tokens are marked in the prompt with its row and column.
+    `layout` names whose order and marker tokens are used: "idefics3" (tiles row by row, then the global image;
+    `<fake_token_around_image>`, `<row_R_col_C>`, `<global-img>`) or "nanovlm" (the global image, then the tiles;
+    nanoVLM's `global_image_token` and `rRcC` tokens). Disabled: one square resize per image."""
+
+    enabled: bool = False
+    max_image_size: int = 1536
+    layout: SplitLayout = "idefics3"
+    resample: Resample = "lanczos"
+
+    def __post_init__(self) -> None:
+        self.check_at_least("splitting", 1, ("max_image_size",))
+
+
 @dataclasses.dataclass
 class LanguageConfig(Config):
     """A Llama-style decoder (defaults: SmolLM2-135M)."""
@@ -231,6 +253,7 @@ class VLMConfig(Config):
     vision: VisionConfig = dataclasses.field(default_factory=VisionConfig)
     projector: ProjectorConfig = dataclasses.field(default_factory=ProjectorConfig)
     language: LanguageConfig = dataclasses.field(default_factory=LanguageConfig)
+    splitting: SplitConfig = dataclasses.field(default_factory=SplitConfig)
     image_token_id: int | None = None
     # before_text: image tokens open the user turn (nanoVLM, Idefics3). after_text: they close it, so that in a causal
     # LM each image token can attend to the question and the image is read with the question in mind.
@@ -248,6 +271,13 @@ class VLMConfig(Config):
               f"image_token_id ({self.image_token_id}) must lie in [0, language.vocab_size={vocab})")
         check(all(0 <= i < vocab for i in self.stop_token_ids),
               f"stop_token_ids {list(self.stop_token_ids)} must lie in [0, language.vocab_size={vocab})")
+        split, tile = self.splitting, self.vision.image_size
+        if split.enabled:
+            check(split.max_image_size >= tile, f"splitting.max_image_size ({split.max_image_size}) must be at least "
+                  f"vision.image_size ({tile}), the size of one tile")
+            check(split.layout != "nanovlm" or split.max_image_size % tile == 0,
+                  f"splitting.max_image_size ({split.max_image_size}) must be a multiple of vision.image_size ({tile}) "
+                  f"for splitting.layout nanovlm (nanoVLM resizes the longer side to it, in whole tiles)")
 
     @property
     def stop_ids(self) -> list[int]:

@@ -26,6 +26,7 @@ from models.loading import (
     CheckpointError,
     atomic_write,
     load_checked,
+    read_json,
     read_weights,
     resolve,
     save_weights,
@@ -220,14 +221,24 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
     @classmethod
     def from_pretrained(cls, source: str | Path, map_location: str | torch.device = "cpu",
                         allow_pickle: bool = False) -> VisionLanguageModel:
-        """A model saved with `save_pretrained`: local directory or hub id (config.json + model.safetensors; with
-        `allow_pickle`, a `pytorch_model.bin` read by `torch.load(weights_only=True)` will also do)."""
+        """A checkpoint directory or hub id: tinyvlm's own (`save_pretrained`: config.json + model.safetensors), a
+        transformers Idefics3 / SmolVLM checkpoint, or nanoVLM's published format, told apart by config.json. With
+        `allow_pickle`, a `pytorch_model.bin` read by `torch.load(weights_only=True)` will also do."""
         path = resolve(source, allow_patterns=weight_patterns(allow_pickle))
         if not path.is_dir():
             raise CheckpointError(f"{source}: expected a checkpoint directory with config.json and model.safetensors")
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise CheckpointError(f"{path}: missing config.json")
-        model = cls(VLMConfig.from_json(config_file))
+        hf_config = read_json(path / "config.json")
+        if hf_config.get("model_type") == "idefics3":
+            from models.idefics3 import load_idefics3
+
+            return load_idefics3(path, hf_config, allow_pickle).to(map_location)
+        if "model_type" in hf_config:
+            raise CheckpointError(f"{path}: model_type {hf_config['model_type']!r} is not supported (tinyvlm loads its "
+                                  f"own checkpoints, Idefics3 / SmolVLM and nanoVLM)")
+        if "vit_hidden_dim" in hf_config:
+            from models.nanovlm import load_nanovlm
+
+            return load_nanovlm(path, hf_config, allow_pickle).to(map_location)
+        model = cls(VLMConfig.from_dict(hf_config))
         load_checked(model, read_weights(path, allow_pickle), path)
         return model.to(map_location)

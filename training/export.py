@@ -1,7 +1,9 @@
-"""Turn a sharded (FSDP2) checkpoint into the ordinary `save_pretrained` layout, in one process, no GPU needed.
+"""Export checkpoints: a sharded (FSDP2) one into the ordinary `save_pretrained` layout (one process, no GPU needed),
+or any tinyvlm model as a transformers Idefics3 checkpoint, which transformers, vLLM and SGLang load.
 
     python -m training.export runs/big/step_001000            # adds model.safetensors next to the shards
     python -m training.export runs/big/step_001000 --out exported/
+    python -m training.export --format idefics3 runs/tiny/step_002000 exported-idefics3/
 """
 
 from __future__ import annotations
@@ -33,13 +35,37 @@ def export(checkpoint: Path, out: Path | None = None) -> Path:
     return out
 
 
+def export_idefics3(checkpoint: Path, out: Path) -> Path:
+    """Write the tinyvlm checkpoint as a transformers Idefics3 one (and its tokenizer files, when it has some)."""
+    from models.checkpoints import find_checkpoint
+    from models.idefics3 import export_idefics3 as write_idefics3
+
+    checkpoint = find_checkpoint(checkpoint)
+    write_idefics3(VisionLanguageModel.from_pretrained(checkpoint), out)
+    if (checkpoint / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(checkpoint).save_pretrained(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path, help="a step_NNNNNN directory written with train.parallel=fsdp")
-    parser.add_argument("--out", type=Path, help="where to write (default: into the checkpoint itself)")
+    parser.add_argument("checkpoint", type=Path, help="a step_NNNNNN directory (sharded, or any for idefics3)")
+    parser.add_argument("out", type=Path, nargs="?", help="where to write (default: into the sharded checkpoint)")
+    parser.add_argument("--out", type=Path, dest="out_option", help="the same as the OUT argument")
+    parser.add_argument("--format", choices=["tinyvlm", "idefics3"], default="tinyvlm",
+                        help="tinyvlm: a sharded checkpoint's weights as model.safetensors; idefics3: a transformers "
+                             "Idefics3 checkpoint")
     args = parser.parse_args(argv)
+    out = args.out or args.out_option
     try:
-        print(f"exported {export(args.checkpoint, args.out)}")
+        if args.format == "idefics3":
+            if out is None:
+                parser.error("--format idefics3 needs an output directory")
+            print(f"exported {export_idefics3(args.checkpoint, out)}")
+        else:
+            print(f"exported {export(args.checkpoint, out)}")
     except (CheckpointError, CheckpointException, ConfigError) as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 2

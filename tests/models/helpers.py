@@ -71,3 +71,57 @@ def chat_vlm(tokenizer, seed: int = 5, **language) -> VisionLanguageModel:
     model.config = model.config.replace({"image_token_id": token_id(tokenizer, IMAGE_TOKEN),
                                          "stop_token_ids": stop_token_ids(tokenizer)})
     return model
+
+
+IDEFICS3_TOKENS = ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>",
+                   *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))]
+# SmolVLM-Instruct's chat template: "User:<image>question<end_of_utterance>\nAssistant:".
+SMOLVLM_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def save_tiny_idefics3(directory: Path, seed: int = 0, tie: bool = False, split: bool = True):
+    """A random Idefics3ForConditionalGeneration (SmolVLM's layout, tiny: 32 px tiles of 4 tokens, images split up to
+    96 px) with its processor (tokenizer, image processor, chat template), saved as a transformers checkpoint;
+    returns the transformers model and processor."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessor,
+        Idefics3Processor,
+        PreTrainedTokenizerFast,
+    )
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", *IDEFICS3_TOKENS],
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(["User: what colour is the sky? Assistant: blue, the sky is blue"] * 10, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<end_of_utterance>",
+                                        bos_token="<|im_start|>", pad_token="<|endoftext|>")
+    image_processor = Idefics3ImageProcessor(do_image_splitting=split, size={"longest_edge": 96},
+                                             max_image_size={"longest_edge": 32})
+    processor = Idefics3Processor(image_processor, tokenizer, image_seq_len=4, chat_template=SMOLVLM_CHAT_TEMPLATE)
+    torch.manual_seed(seed)
+    config = Idefics3Config(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=32, patch_size=8),
+        text_config=dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                         max_position_embeddings=512, rope_theta=5000.0, rms_norm_eps=1e-5,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=tie),
+        scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=tie)
+    model = Idefics3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # larger than the default init, so greedy decoding wanders through the vocabulary
+        for name, p in model.named_parameters():
+            if p.dim() > 1 and "embeddings" not in name:
+                p.normal_(0, 0.2)
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return model, processor
