@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from data import CAPTION_PROMPT, ImageProcessor, encode_prompt, load_image
+from data import CAPTION_PROMPT, encode_prompt, load_image, prepare_images
 from models import GenerationError, TinyVLMError, kv_cache_bytes
 from models.checkpoints import load_for_inference, pick_device
 from models.loading import atomic_write
@@ -47,9 +47,10 @@ def run(args: argparse.Namespace) -> None:
     prompt = check_prompt(CAPTION_PROMPT if args.prompt is None else args.prompt)
     image = load_image(args.image)
     model, tokenizer = load_for_inference(args.checkpoint, device, args.allow_pickle)
-    pixels = ImageProcessor.from_config(model.config.vision)(image)[None].to(device)
-    ids = torch.tensor([encode_prompt(tokenizer, prompt, 1, model.config.tokens_per_image,
-                                      model.config.image_position)], device=device)
+    pixels, placeholders = prepare_images(model.config, tokenizer, [image])  # split if the model was trained so
+    pixels = pixels.to(device)
+    ids = torch.tensor([encode_prompt(tokenizer, prompt, image_position=model.config.image_position,
+                                      placeholders=placeholders)], device=device)
     rows, tokens = args.num_samples, ids.shape[1] + args.max_new_tokens
     dtype = next(model.parameters()).dtype
     print(f"KV cache: {kv_cache_bytes(model.config.language, rows, tokens, dtype) / 2**20:.2f} MiB "

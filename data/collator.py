@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from data.bad_records import record_images
+from data.image_splitting import ImageInputs, as_image_inputs
 from data.packing import pack_rows
 from data.processors import ImageProcessor
 from data.prompts import IGNORE_INDEX, encode_conversation
@@ -39,7 +40,9 @@ class VQACollator:
     """Records {"images": [PIL], "texts": [{"user", "assistant"}]} → a batch dict of tensors.
 
     input_ids, attention_mask, targets: LongTensor [B, T]; images: FloatTensor [N, 3, H, W], in the order their
-    placeholders appear (row by row). With `pack`, a row holds several records (see `data.packing`) and the attention
+    placeholders appear (row by row). `processor` is an `ImageProcessor` (one square of `tokens_per_image` tokens per
+    image) or `ImageInputs` (`ImageInputs.from_config(model_config, tokenizer)`: split images when the config says so,
+    each tile one of the N images). With `pack`, a row holds several records (see `data.packing`) and the attention
     mask numbers them 1, 2, ... (0 for padding); otherwise a row is one record and the mask is 1 or 0.
 
     A record whose ids exceed `max_length` is dropped, never truncated (`collate` also says which); None records
@@ -49,16 +52,17 @@ class VQACollator:
     job must use the same parameters at every step.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, processor: ImageProcessor, tokens_per_image: int,
-                 max_length: int, padding_side: Side = "right", ensure_image: bool = False,
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, processor: ImageProcessor | ImageInputs,
+                 tokens_per_image: int, max_length: int, padding_side: Side = "right", ensure_image: bool = False,
                  image_position: ImagePosition = "before_text", pack: bool = False):
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; call data.prepare_tokenizer(tokenizer) first")
-        token_id(tokenizer, IMAGE_TOKEN)  # fail now, not at the first batch
-        self.tokenizer, self.processor = tokenizer, processor
-        self.tokens_per_image, self.max_length, self.padding_side = tokens_per_image, max_length, padding_side
+        self.tokenizer, self.images = tokenizer, as_image_inputs(processor, tokens_per_image, tokenizer)
+        self.images.check_tokenizer()  # fail now, not at the first batch
+        self.tokens_per_image = self.images.tokens_per_image
+        self.max_length, self.padding_side = max_length, padding_side
         self.ensure_image, self.image_position, self.pack = ensure_image, image_position, pack
 
     def __call__(self, records: list[dict | None]) -> dict[str, torch.Tensor]:
@@ -66,21 +70,22 @@ class VQACollator:
 
     def collate(self, records: list[dict | None]) -> tuple[dict[str, torch.Tensor], list[int]]:
         """The batch, and the positions in `records` of the records dropped for exceeding `max_length`."""
-        samples, too_long = [], []  # (ids, targets, images) per record kept
+        samples, too_long = [], []  # (ids, targets, [pixels [tiles, 3, S, S]] or []) per record kept
         for position, record in enumerate(records):
             if record is None:
                 continue
             images = record_images(record)
-            ids, targets = encode_conversation(self.tokenizer, record["texts"], len(images), self.tokens_per_image,
-                                               self.image_position)
+            ids, targets = encode_conversation(self.tokenizer, record["texts"], image_position=self.image_position,
+                                               placeholders=self.images.placeholders(images))
             if len(ids) > self.max_length:
                 too_long.append(position)
                 continue
-            samples.append((ids, targets, [self.processor(image) for image in images]))
-        size = self.processor.image_size
+            pixels = self.images.pixels(images)  # [tiles, 3, S, S]: one per image unless split
+            samples.append((ids, targets, [] if pixels is None else [pixels]))
+        size = self.images.image_size
         if self.ensure_image and not any(images for _, _, images in samples):
             image_ids = [token_id(self.tokenizer, IMAGE_TOKEN)] * self.tokens_per_image
-            samples.append((image_ids, [IGNORE_INDEX] * self.tokens_per_image, [torch.zeros(3, size, size)]))
+            samples.append((image_ids, [IGNORE_INDEX] * self.tokens_per_image, [torch.zeros(1, 3, size, size)]))
         if not samples:
             samples = [([self.tokenizer.pad_token_id], [IGNORE_INDEX], [])]
         rows = pack_rows([len(ids) for ids, _, _ in samples]) if self.pack else [[i] for i in range(len(samples))]
@@ -97,6 +102,6 @@ class VQACollator:
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "targets": targets,
-            "images": torch.stack(images) if images else torch.empty(0, 3, size, size),
+            "images": torch.cat(images) if images else torch.empty(0, 3, size, size),
         }
         return batch, too_long

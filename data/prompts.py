@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from transformers import PreTrainedTokenizerBase
 
 from data.tokenizer import IM_END, IM_START, IMAGE_TOKEN, token_id
@@ -28,14 +30,24 @@ def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, user_text: str, num_images: int, tokens_per_image: int,
-                  image_position: ImagePosition = "before_text") -> list[int]:
-    """`<|im_start|>user\\n` + images + text + `<|im_end|>\\n<|im_start|>assistant\\n`, where images are
-    `<|image|>` x (num_images * tokens_per_image); with image_position="after_text" they follow the text instead."""
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, user_text: str, num_images: int = 0, tokens_per_image: int = 0,
+                  image_position: ImagePosition = "before_text", *,
+                  placeholders: Sequence[Sequence[int]] | None = None) -> list[int]:
+    """`<|im_start|>user\\n` + images + text + `<|im_end|>\\n<|im_start|>assistant\\n`; with
+    image_position="after_text" the images follow the text instead.
+
+    The images are each image's placeholder ids, in order: `placeholders` (from `data.ImageInputs` /
+    `data.prepare_images`, which split images when the model's config says so), or else `num_images` unsplit images
+    of `<|image|>` x tokens_per_image each."""
     if image_position not in ("before_text", "after_text"):
         raise ValueError(f"image_position must be 'before_text' or 'after_text', got {image_position!r}")
+    if placeholders is not None and (num_images or tokens_per_image):
+        raise ValueError("give the images as placeholders or as num_images and tokens_per_image, not both")
     start, end = token_id(tokenizer, IM_START), token_id(tokenizer, IM_END)
-    images = [token_id(tokenizer, IMAGE_TOKEN)] * (num_images * tokens_per_image)
+    if placeholders is None:
+        images = [token_id(tokenizer, IMAGE_TOKEN)] * (num_images * tokens_per_image)
+    else:
+        images = [token for placeholder in placeholders for token in placeholder]
     text = encode_text(tokenizer, user_text)
     content = images + text if image_position == "before_text" else text + images
     return [start, *encode_text(tokenizer, "user\n"), *content, end, *encode_text(tokenizer, "\n"), start,
@@ -43,10 +55,11 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, user_text: str, num_images
 
 
 def encode_conversation(
-    tokenizer: PreTrainedTokenizerBase, turns: list[dict[str, str]], num_images: int, tokens_per_image: int,
-    image_position: ImagePosition = "before_text",
+    tokenizer: PreTrainedTokenizerBase, turns: list[dict[str, str]], num_images: int = 0, tokens_per_image: int = 0,
+    image_position: ImagePosition = "before_text", *, placeholders: Sequence[Sequence[int]] | None = None,
 ) -> tuple[list[int], list[int]]:
-    """ChatML ids for `turns` ({"user", "assistant"} dicts; the images go in the first user turn) and their targets.
+    """ChatML ids for `turns` ({"user", "assistant"} dicts; the images go in the first user turn, given as in
+    `encode_prompt`) and their targets.
 
     Targets are aligned with the logits: `targets[t]` is `input_ids[t + 1]` where that token is part of an answer
     or the `<|im_end|>` closing one, and IGNORE_INDEX everywhere else (the last position included).
@@ -57,7 +70,11 @@ def encode_conversation(
     input_ids: list[int] = []
     is_answer: list[bool] = []
     for i, turn in enumerate(turns):
-        prompt = encode_prompt(tokenizer, turn["user"], num_images if i == 0 else 0, tokens_per_image, image_position)
+        if i == 0:
+            prompt = encode_prompt(tokenizer, turn["user"], num_images, tokens_per_image, image_position,
+                                   placeholders=placeholders)
+        else:
+            prompt = encode_prompt(tokenizer, turn["user"], image_position=image_position)
         answer = [*encode_text(tokenizer, turn["assistant"]), end]
         input_ids += prompt + answer + newline
         is_answer += [False] * len(prompt) + [True] * len(answer) + [False] * len(newline)

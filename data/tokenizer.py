@@ -52,12 +52,14 @@ def build_shapes_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTr
     )
 
 
-def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase,
+                      extra_tokens: Iterable[str] = ()) -> PreTrainedTokenizerBase:
     """Add `<|image|>` (and ChatML tokens and a pad token where missing) as special tokens, in place; return it.
+    `extra_tokens` are added too where missing: image splitting's marker tokens (`data.marker_tokens(config)`).
 
     The caller then resizes the LM's embeddings to `len(tokenizer)`.
     """
-    missing = [t for t in (IM_START, IM_END, IMAGE_TOKEN) if not has_token(tokenizer, t)]
+    missing = [t for t in dict.fromkeys((IM_START, IM_END, IMAGE_TOKEN, *extra_tokens)) if not has_token(tokenizer, t)]
     if missing:
         tokenizer.add_special_tokens({"extra_special_tokens": missing}, replace_extra_special_tokens=False)
     if tokenizer.pad_token is None:

@@ -18,7 +18,8 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from data import ImageProcessor, encode_prompt
+from data import ImageInputs, ImageProcessor, encode_prompt
+from data.image_splitting import as_image_inputs
 from models import VisionLanguageModel
 from models.errors import TinyVLMError
 from models.sampling import sample
@@ -78,7 +79,8 @@ class Engine:
                  num_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 64,
                  max_batch_tokens: int = 512, attention: str = "gather") -> None:
         self.model, self.tokenizer = model.eval(), tokenizer
-        self.processor = processor or ImageProcessor.from_config(model.config.vision)
+        self.images = (as_image_inputs(processor, model.config.tokens_per_image, tokenizer) if processor
+                       else ImageInputs.from_config(model.config, tokenizer))  # split if the model's config says so
         self.blocks = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_batch_tokens)
         self.runner = ModelRunner(model, num_blocks, block_size, attention, max_rows=max_num_seqs)
@@ -124,15 +126,21 @@ class Engine:
         return group
 
     def _encode(self, request: Request) -> tuple[list[int], Tensor | None]:
-        images = request.images
+        images, pil = request.images, None
         if images is not None and not isinstance(images, Tensor):
-            images = torch.stack([self.processor(image) for image in images]) if images else None
+            pil, images = images, self.images.pixels(images)  # [tiles, 3, S, S]: one per image unless split
         if isinstance(request.prompt, str):
             if self.tokenizer is None:
                 raise RequestError("a text prompt needs the engine's tokenizer")
             config = self.model.config
-            prompt = encode_prompt(self.tokenizer, request.prompt, 0 if images is None else len(images),
-                                   config.tokens_per_image, config.image_position)
+            if pil is not None:
+                prompt = encode_prompt(self.tokenizer, request.prompt, image_position=config.image_position,
+                                       placeholders=self.images.placeholders(pil))
+            elif images is not None and self.images.splits:
+                raise RequestError("the model splits its images into tiles: give a text prompt PIL images, not pixels")
+            else:
+                prompt = encode_prompt(self.tokenizer, request.prompt, 0 if images is None else len(images),
+                                       config.tokens_per_image, config.image_position)
         else:
             prompt = list(request.prompt)
         num_image_tokens = sum(token == self.model.config.image_token_id for token in prompt)

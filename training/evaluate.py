@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from data import ImageProcessor, encode_prompt, left_pad
+from data import ImageInputs, ImageProcessor, encode_prompt, left_pad
+from data.image_splitting import as_image_inputs
 from models import VisionLanguageModel
 from training.loss import LossWeight, target_weights
 
@@ -38,18 +39,20 @@ def validation_loss(model: VisionLanguageModel, batches: Iterable[dict], device:
     return total / (weight or 1)
 
 
-def answer(model: VisionLanguageModel, tokenizer, processor: ImageProcessor, records: list[dict], device: torch.device,
-           max_new_tokens: int = 64, batch_size: int = 64) -> list[str]:
-    """Greedy answers to the first question of each record, in batches of left-padded prompts."""
+def answer(model: VisionLanguageModel, tokenizer, processor: ImageProcessor | ImageInputs, records: list[dict],
+           device: torch.device, max_new_tokens: int = 64, batch_size: int = 64) -> list[str]:
+    """Greedy answers to the first question of each record, in batches of left-padded prompts (images as `processor`
+    gives them: an ImageProcessor's one square each, or ImageInputs, split when the model's config says so)."""
     model.eval()
     answers = []
+    inputs = as_image_inputs(processor, model.config.tokens_per_image, tokenizer)
     for start in range(0, len(records), batch_size):
         chunk = records[start : start + batch_size]
-        prompts = [encode_prompt(tokenizer, r["texts"][0]["user"], len(r["images"]), model.config.tokens_per_image,
-                                 model.config.image_position) for r in chunk]
+        prompts = [encode_prompt(tokenizer, r["texts"][0]["user"], image_position=model.config.image_position,
+                                 placeholders=inputs.placeholders(r["images"])) for r in chunk]
         ids, mask = left_pad(prompts, tokenizer.pad_token_id)
-        pixels = [processor(image) for r in chunk for image in r["images"]]
-        images = torch.stack(pixels).to(device) if pixels else None
+        pixels = [p for p in (inputs.pixels(r["images"]) for r in chunk) if p is not None]
+        images = torch.cat(pixels).to(device) if pixels else None
         room = model.config.language.max_position_embeddings - ids.shape[1]
         tokens = model.generate(ids.to(device), images, mask.to(device), max_new_tokens=min(max_new_tokens, room),
                                 greedy=True, eos_token_id=model.config.stop_ids, pad_token_id=tokenizer.pad_token_id)

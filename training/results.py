@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from data import CheckedRecords, ImageProcessor
+from data import CheckedRecords, ImageInputs, ImageProcessor
 from models import VisionLanguageModel
 from training.evaluate import answer, exact_match, save_loss_curve, save_prediction_grid
 from training.loop import Trainer, TrainState
@@ -13,8 +13,8 @@ from training.loop import Trainer, TrainState
 GRID_EXAMPLES = 16
 
 
-def write_results(model: VisionLanguageModel, trainer: Trainer, state: TrainState, processor: ImageProcessor,
-                  validation_records: CheckedRecords) -> dict:
+def write_results(model: VisionLanguageModel, trainer: Trainer, state: TrainState,
+                  processor: ImageProcessor | ImageInputs, validation_records: CheckedRecords) -> dict:
     """Score `model` (the trained model, unwrapped) on held-out questions, write the artifacts; return the metrics."""
     tc, output_dir, metrics = trainer.config.train, trainer.output_dir, state.summary()
     model.to(trainer.device)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from data import CheckedRecords, ImageProcessor, VQACollator, build_datasets, text_lengths
+from data import CheckedRecords, ImageInputs, ImageProcessor, VQACollator, build_datasets, text_lengths
 from data.loader import training_loader
 from data.sampler import ResumableBatchSampler
 from models.config import check
@@ -56,7 +56,8 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     optimizer = build_optimizer(distributed.unwrap(model), tc, device)
     state = loop.TrainState.resumed(load_training_state(resume, model, optimizer, ranks), tc) if resume \
         else loop.TrainState()
-    collator = VQACollator(tokenizer, processor, config.model.tokens_per_image, tc.max_length,
+    images = ImageInputs.from_config(config.model, tokenizer)  # split if config.model.splitting says so
+    collator = VQACollator(tokenizer, images, config.model.tokens_per_image, tc.max_length,
                            ensure_image=ranks.distributed, image_position=config.model.image_position, pack=tc.packing)
     train_records = CheckedRecords(train_data, config.data.on_bad_record, "train", report=report)
     validation_records = CheckedRecords(validation_data, config.data.on_bad_record, "validation", report=report)
@@ -82,7 +83,7 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     final_model = unsharded(model, config, Path(tc.output_dir) / f"step_{tc.max_steps:06d}", ranks)
     if not ranks.is_main:
         return state.summary()
-    return write_results(final_model, trainer, state, processor, validation_records)
+    return write_results(final_model, trainer, state, images, validation_records)
 
 
 def _check(config: RunConfig, resume: Path | None) -> None:

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from data import IMAGE_TOKEN, build_shapes_tokenizer, conversation_texts, prepare_tokenizer, stop_token_ids, token_id
+from data import (
+    IMAGE_TOKEN,
+    build_shapes_tokenizer,
+    conversation_texts,
+    marker_tokens,
+    prepare_tokenizer,
+    stop_token_ids,
+    token_id,
+)
 from models import VisionLanguageModel, VLMConfig
 from models.checkpoints import SHARDED
 from models.loading import resolve
@@ -28,9 +36,11 @@ def build_model(config: RunConfig, tokenizer) -> VisionLanguageModel:
     """The VLM with its backbones loaded (where configured) and its vocabulary sized to the tokenizer."""
     # The image and stop tokens may be new to a pretrained LM's vocabulary: they are set once it is resized.
     settings = {"image_token_id": None, "stop_token_ids": ()}
+    prepare_tokenizer(tokenizer, marker_tokens(config.model))  # image splitting's markers: random rows in a new LM
     if not config.model.language.pretrained:  # a pretrained LM brings its own vocabulary and EOS
         settings.update({"language.vocab_size": len(tokenizer), "language.eos_token_id": tokenizer.eos_token_id})
     model = VisionLanguageModel.from_backbones(config.model.replace(settings), config.train.allow_pickle)
+    prepare_tokenizer(tokenizer, marker_tokens(model.config))  # a pretrained ViT may bring another tile size
     model.resize_token_embeddings(len(tokenizer), token_id(tokenizer, IMAGE_TOKEN))
     model.config = model.config.replace({"stop_token_ids": stop_token_ids(tokenizer)})
     return model
