@@ -4,9 +4,13 @@
     python generate.py --checkpoint runs/tiny --image photo.png                 # no prompt: a caption
     python generate.py --image photo.png --temperature 0.8 --top-k 50 --top-p 0.9 --num-samples 3
     python generate.py --image photo.png --compile                              # the fast decode path
+    python generate.py --checkpoint HuggingFaceTB/SmolVLM-256M-Instruct --image photo.jpg --prompt "What is this?"
+    python generate.py --checkpoint lusxvr/nanoVLM-460M-8k --image a.jpg --image b.jpg --prompt "Compare them."
     python generate.py --batch requests.jsonl --output answers.jsonl            # many at once (serving engine)
 
-Decoding is greedy unless a sampling option (--temperature, --top-k, --top-p) is given. In batch mode each line of
+--checkpoint takes tinyvlm's own checkpoints, SmolVLM / Idefics3 and nanoVLM ones, as directories or hub ids; each
+is asked the way it was trained (its chat template, its image splitting). Decoding is greedy unless a sampling option
+(--temperature, --top-k, --top-p) is given. In batch mode each line of
 the input is {"image": path, "prompt": text} (either may be left out: no image, or a caption); the output has the
 same lines, in the same order, each with its "answer" added.
 """
@@ -20,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from data import CAPTION_PROMPT, encode_prompt, load_image, prepare_images
+from data import CAPTION_PROMPT, load_image
 from models import GenerationError, TinyVLMError, kv_cache_bytes
 from models.checkpoints import load_for_inference, pick_device
 from models.loading import atomic_write
@@ -45,12 +49,12 @@ def sampling_settings(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> None:
     device = pick_device(args.device)
     prompt = check_prompt(CAPTION_PROMPT if args.prompt is None else args.prompt)
-    image = load_image(args.image)
-    model, tokenizer = load_for_inference(args.checkpoint, device, args.allow_pickle)
-    pixels, placeholders = prepare_images(model.config, tokenizer, [image])  # split if the model was trained so
-    pixels = pixels.to(device)
-    ids = torch.tensor([encode_prompt(tokenizer, prompt, image_position=model.config.image_position,
-                                      placeholders=placeholders)], device=device)
+    images = [load_image(path) for path in args.image]
+    model, processor = load_for_inference(args.checkpoint, device, args.allow_pickle)
+    tokenizer = processor.tokenizer
+    prompt_ids, pixels = processor.encode(prompt, images)  # the checkpoint's chat format; images split if it splits
+    ids = torch.tensor([prompt_ids], device=device)
+    pixels = None if pixels is None else pixels.to(device)
     rows, tokens = args.num_samples, ids.shape[1] + args.max_new_tokens
     dtype = next(model.parameters()).dtype
     print(f"KV cache: {kv_cache_bytes(model.config.language, rows, tokens, dtype) / 2**20:.2f} MiB "
@@ -107,8 +111,8 @@ def run_batch(args: argparse.Namespace, params: RequestParams) -> None:
         image = load_image(batch.parent / record["image"]) if "image" in record else None
         prompt = check_prompt(record.get("prompt", CAPTION_PROMPT if image else ""))
         requests.append(Request(prompt, [image] if image else None, params))
-    model, tokenizer = load_for_inference(args.checkpoint, pick_device(args.device), args.allow_pickle)
-    engine = Engine(model, tokenizer, **engine_size(model, args.kv_cache_mib))
+    model, processor = load_for_inference(args.checkpoint, pick_device(args.device), args.allow_pickle)
+    engine = Engine(model, processor, **engine_size(model, args.kv_cache_mib))
     with tqdm(total=len(requests), desc="answers", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
         results = engine.generate(requests, progress=lambda done: bar.update(done - bar.n))
     answers = [{**record, **({"answer": result.texts[0]} if params.n == 1 else {"answers": result.texts})}
@@ -119,8 +123,9 @@ def run_batch(args: argparse.Namespace, params: RequestParams) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", type=Path, help="run or checkpoint directory (default: newest under runs/)")
-    parser.add_argument("--image", help="image file to ask about")
+    parser.add_argument("--checkpoint", help="run or checkpoint directory, or a hub id of a SmolVLM / Idefics3 or "
+                                             "nanoVLM model (default: the newest checkpoint under runs/)")
+    parser.add_argument("--image", action="append", help="image file to ask about (repeat for several)")
     parser.add_argument("--batch", help="a JSONL file of requests ({\"image\": path, \"prompt\": text} per line)")
     parser.add_argument("--output", help="with --batch: the JSONL file to write the answers to")
     parser.add_argument("--kv-cache-mib", type=int, default=1024, help="with --batch: KV-cache memory (MiB)")

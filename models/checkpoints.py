@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from models.loading import CheckpointError
+from models.loading import CheckpointError, read_json, resolve, weight_patterns
 
 STATE_JSON = "training_state.json"  # written last into a checkpoint: its presence marks the checkpoint complete
 SHARDED = "sharded"  # an FSDP2 checkpoint's weights and optimizer state (torch.distributed.checkpoint),
@@ -49,27 +49,44 @@ def newest_checkpoint(root: Path) -> Path:
     return newest_run[-1]
 
 
-def load_for_inference(checkpoint: Path | None, device: torch.device, allow_pickle: bool = False,
-                       runs: Path = RUNS):
-    """Model (in eval mode, on `device`) and tokenizer of a checkpoint directory, or of the newest under runs/."""
-    from transformers import AutoTokenizer
-
-    from models.vision_language_model import VisionLanguageModel
-
+def locate(checkpoint: str | Path | None, runs: Path = RUNS, allow_pickle: bool = False) -> Path:
+    """The model directory for `checkpoint`: a model or run directory, a Hugging Face hub id (downloaded), or, for
+    None, the newest checkpoint under `runs`."""
     if checkpoint is None:
         path = newest_checkpoint(runs)
         print(f"using the newest checkpoint: {path}", file=sys.stderr)
-    else:
-        path = find_checkpoint(checkpoint)
+        return path
+    if not Path(checkpoint).expanduser().exists():  # a hub id such as "HuggingFaceTB/SmolVLM-256M-Instruct"
+        checkpoint = resolve(checkpoint, allow_patterns=weight_patterns(allow_pickle))
+    return find_checkpoint(Path(checkpoint).expanduser())
+
+
+def load_for_inference(checkpoint: str | Path | None, device: torch.device, allow_pickle: bool = False,
+                       runs: Path = RUNS):
+    """Model (in eval mode, on `device`) and chat processor (`encode(prompt, images)`, `.tokenizer`) of a checkpoint:
+    tinyvlm's own, a SmolVLM / Idefics3 or a nanoVLM one, local or on the hub (see `locate`)."""
+    from transformers import AutoTokenizer
+
+    from data.chat_processors import has_processor, load_processor
+    from models.vision_language_model import VisionLanguageModel
+
+    path = locate(checkpoint, runs, allow_pickle)
     if (path / SHARDED).is_dir() and not (path / "model.safetensors").is_file():
         raise CheckpointError(f"{path}: a sharded (FSDP2) checkpoint; export it first: "
                               f"python -m training.export {path}")
     model = VisionLanguageModel.from_pretrained(path, map_location=device, allow_pickle=allow_pickle).eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: no usable tokenizer ({type(e).__name__})") from None
-    return model, tokenizer
+    tokenizer = None
+    if not has_processor(path):
+        try:
+            if (path / "tokenizer_config.json").is_file() or "vit_hidden_dim" not in read_json(path / "config.json"):
+                tokenizer = AutoTokenizer.from_pretrained(path)
+            else:  # a nanoVLM checkpoint names the hub tokenizer it was trained with
+                from models.nanovlm import nanovlm_tokenizer
+
+                tokenizer = nanovlm_tokenizer(read_json(path / "config.json"))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{path}: no usable tokenizer ({type(e).__name__})") from None
+    return model, load_processor(path, model.config, tokenizer)
 
 
 def pick_device(name: str) -> torch.device:

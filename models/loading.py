@@ -54,8 +54,9 @@ def resolve(source: str | Path, allow_patterns: list[str] | None = None) -> Path
 
 
 def weight_patterns(allow_pickle: bool) -> list[str]:
-    """Hub files worth downloading for a checkpoint: configs and safetensors, plus pickles when allowed."""
-    return ["*.json", "*.safetensors", *(["*.bin"] if allow_pickle else [])]
+    """Hub files worth downloading for a checkpoint: configs, safetensors, tokenizer files and chat templates, plus
+    pickles when allowed."""
+    return ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", *(["*.bin"] if allow_pickle else [])]
 
 
 def read_json(path: Path) -> dict[str, Any]:

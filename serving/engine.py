@@ -1,6 +1,6 @@
 """The serving engine: requests in, tokens out, many requests sharing each forward pass over a paged KV cache.
 
-    engine = Engine(model, tokenizer, processor, num_blocks=512)
+    engine = Engine(model, processor, num_blocks=512)     # processor: data.chat_processors (or a tokenizer)
     outputs = engine.generate([Request("What color is the circle?", [image]), Request("Describe the image.")])
 
 or step by step (a server): `add_request`, then `step()` until `has_unfinished()` is False; `abort(request_id)` drops
@@ -18,8 +18,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from data import ImageInputs, ImageProcessor, encode_prompt
-from data.image_splitting import as_image_inputs
+from data.chat_processors import ChatProcessor, CheckpointProcessor
 from models import VisionLanguageModel
 from models.errors import TinyVLMError
 from models.sampling import sample
@@ -75,12 +74,15 @@ def engine_size(model: VisionLanguageModel, kv_cache_mib: int, block_size: int =
 
 
 class Engine:
-    def __init__(self, model: VisionLanguageModel, tokenizer=None, processor: ImageProcessor | None = None, *,
+    def __init__(self, model: VisionLanguageModel, processor: ChatProcessor | CheckpointProcessor | None = None, *,
                  num_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 64,
                  max_batch_tokens: int = 512, attention: str = "gather") -> None:
-        self.model, self.tokenizer = model.eval(), tokenizer
-        self.images = (as_image_inputs(processor, model.config.tokens_per_image, tokenizer) if processor
-                       else ImageInputs.from_config(model.config, tokenizer))  # split if the model's config says so
+        """`processor` turns text prompts and PIL images into model inputs (data/chat_processors.py); a tokenizer is
+        taken as tinyvlm's ChatML with it. Without one, requests give token ids and pixels."""
+        if processor is not None and not isinstance(processor, (ChatProcessor, CheckpointProcessor)):
+            processor = ChatProcessor(model.config, processor)
+        self.model, self.processor = model.eval(), processor
+        self.tokenizer = None if processor is None else processor.tokenizer
         self.blocks = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_batch_tokens)
         self.runner = ModelRunner(model, num_blocks, block_size, attention, max_rows=max_num_seqs)
@@ -126,22 +128,16 @@ class Engine:
         return group
 
     def _encode(self, request: Request) -> tuple[list[int], Tensor | None]:
-        images, pil = request.images, None
-        if images is not None and not isinstance(images, Tensor):
-            pil, images = images, self.images.pixels(images)  # [tiles, 3, S, S]: one per image unless split
+        images = request.images
         if isinstance(request.prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("a text prompt needs the engine's tokenizer")
-            config = self.model.config
-            if pil is not None:
-                prompt = encode_prompt(self.tokenizer, request.prompt, image_position=config.image_position,
-                                       placeholders=self.images.placeholders(pil))
-            elif images is not None and self.images.splits:
-                raise RequestError("the model splits its images into tiles: give a text prompt PIL images, not pixels")
-            else:
-                prompt = encode_prompt(self.tokenizer, request.prompt, 0 if images is None else len(images),
-                                       config.tokens_per_image, config.image_position)
+            if self.processor is None:
+                raise RequestError("a text prompt needs the engine's processor (or tokenizer)")
+            if isinstance(images, Tensor):
+                raise RequestError("a text prompt takes PIL images (the processor makes their pixels), not pixels")
+            prompt, images = self.processor.encode(request.prompt, images or [])
         else:
+            if images is not None and not isinstance(images, Tensor):
+                raise RequestError("a prompt of token ids takes processed pixels [N, C, H, W], not PIL images")
             prompt = list(request.prompt)
         num_image_tokens = sum(token == self.model.config.image_token_id for token in prompt)
         expected = 0 if images is None else len(images) * self.model.config.tokens_per_image

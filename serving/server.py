@@ -181,7 +181,7 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", type=Path, help="run or checkpoint directory (default: newest under runs/)")
+    parser.add_argument("--checkpoint", help="run or checkpoint directory, or a hub id (default: newest under runs/)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--device", default="auto")
@@ -195,18 +195,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvicorn
 
-        model, tokenizer = load_for_inference(args.checkpoint, pick_device(args.device))
+        model, processor = load_for_inference(args.checkpoint, pick_device(args.device))
     except ImportError:
         print("error: the server needs FastAPI and uvicorn: pip install -e .[serve]", file=sys.stderr)
         return 2
     except TinyVLMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    engine = Engine(model, tokenizer, **engine_size(model, args.kv_cache_mib, max_num_seqs=args.max_num_seqs),
+    engine = Engine(model, processor, **engine_size(model, args.kv_cache_mib, max_num_seqs=args.max_num_seqs),
                     attention=args.attention)
-    name = args.model_name or (args.checkpoint.resolve().name if args.checkpoint else "tinyvlm")
+    name = args.model_name or (Path(args.checkpoint).name if args.checkpoint else "tinyvlm")
     async_engine = AsyncEngine(engine, args.max_in_flight, log=lambda line: print(line, file=sys.stderr, flush=True))
-    uvicorn.run(create_app(async_engine, tokenizer, name), host=args.host, port=args.port)
+    uvicorn.run(create_app(async_engine, processor.tokenizer, name), host=args.host, port=args.port)
     async_engine.shutdown()
     return 0
 

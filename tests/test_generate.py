@@ -132,7 +132,8 @@ def test_answers_stop_at_the_end_of_turn_when_the_eos_is_another_token(base_toke
 
 def test_a_missing_checkpoint_is_reported_for_a_readable_image(image, capsys, tmp_path, monkeypatch):
     code, _, err = _run(capsys, "--checkpoint", tmp_path / "nowhere", "--image", image)
-    assert code == 2 and err.strip().splitlines()[-1].startswith(f"error: {tmp_path / 'nowhere'}: no checkpoint here")
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith(f"error: {tmp_path / 'nowhere'}: no such file or directory")
     monkeypatch.chdir(tmp_path)
     code, _, err = _run(capsys, "--image", image)
     assert code == 2 and err.strip().splitlines()[-1].startswith("error: no checkpoint under runs/")

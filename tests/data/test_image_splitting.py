@@ -296,7 +296,8 @@ def test_disabled_splitting_is_todays_square_image():
 
 def test_disabled_splitting_engine_prompts_are_todays():
     """The engine's call sites with splitting off: the prompt and pixels of before (square image, `<|image|>` x
-    tokens_per_image), for PIL images and for pixels."""
+    tokens_per_image) for PIL images; pixels come with prompts of token ids only (the processor makes a text
+    prompt's pixels)."""
     model, tokenizer = split_model()
     model.config = model.config.replace({"splitting.enabled": "false"})
     engine = Engine(model.eval(), tokenizer, num_blocks=64, block_size=16)
@@ -305,8 +306,10 @@ def test_disabled_splitting_engine_prompts_are_todays():
     prompt = encode_prompt(tokenizer, "what?", 1, model.config.tokens_per_image, model.config.image_position)
     encoded, engine_pixels = engine._encode(Request("what?", [image]))
     assert encoded == prompt and torch.equal(engine_pixels, pixels)
-    encoded, engine_pixels = engine._encode(Request("what?", pixels))
+    encoded, engine_pixels = engine._encode(Request(prompt, pixels))
     assert encoded == prompt and engine_pixels is pixels
+    with pytest.raises(RequestError, match="a text prompt takes PIL images"):
+        engine._encode(Request("what?", pixels))
 
 
 def test_held_out_answers_are_asked_with_split_images(monkeypatch):
@@ -435,7 +438,8 @@ def test_train_py_trains_on_split_images_and_its_checkpoint_splits_at_generate_t
                                        "train.eval_every": "2", "train.save_every": "2", "train.eval_questions": "2"})
     metrics = run.train(config)
     assert math.isfinite(metrics["validation_loss"])
-    model, tokenizer = load_for_inference(tmp_path / "step_000002", torch.device("cpu"))
+    model, processor = load_for_inference(tmp_path / "step_000002", torch.device("cpu"))
+    tokenizer = processor.tokenizer
     global_id = token_id(tokenizer, IDEFICS3_GLOBAL_TOKEN if layout == "idefics3" else NANOVLM_GLOBAL_TOKEN)
     assert len(batches) >= 3  # validation and two training batches
     for batch, num_images in batches:

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from data.checkpoint_processor import CheckpointProcessor
+from data.chat_processors import CheckpointProcessor
 from models import CheckpointError, VisionLanguageModel
 from models.idefics3 import config_from_idefics3, export_idefics3
 from tests.models.helpers import save_tiny_idefics3, tiny_vlm
@@ -157,3 +157,28 @@ def test_a_model_that_does_not_fit_idefics3_is_refused_naming_the_field(tmp_path
         export_idefics3(VisionLanguageModel(model.config), tmp_path)
     assert "\n" not in str(error.value)
     assert not any(tmp_path.iterdir())
+
+
+def test_generate_py_answers_like_transformers_with_a_smolvlm_checkpoint(idefics3, tmp_path, capsys):
+    import generate
+
+    directory, reference, processor = idefics3
+    images = [photo(80, 40), photo(40, 60, seed=1)]
+    for i, image in enumerate(images):
+        image.save(tmp_path / f"{i}.png")
+    inputs = reference_inputs(processor, images)
+    expected = reference.generate(**inputs, max_new_tokens=12, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    code = generate.main(["--checkpoint", str(directory), "--image", str(tmp_path / "0.png"), "--image",
+                          str(tmp_path / "1.png"), "--prompt", QUESTION, "--max-new-tokens", "12", "--device", "cpu"])
+    assert code == 0
+    assert capsys.readouterr().out.strip() == processor.decode(expected, skip_special_tokens=True).strip()
+
+
+def test_images_that_overflow_the_context_are_a_one_line_error(idefics3, tmp_path, capsys):
+    import generate
+
+    photo(96, 96).save(tmp_path / "big.png")  # 9 tiles + the global image, 4 tokens each, with their markers
+    code = generate.main(["--checkpoint", str(idefics3[0]), *["--image", str(tmp_path / "big.png")] * 6,
+                          "--prompt", QUESTION, "--max-new-tokens", "200", "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("error: prompt (") and "exceeds the context of 512 tokens" in err[-1]
