@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 from data import CAPTION_PROMPT, load_image
+from data.chat_processors import load_for_inference
 from models import GenerationError, TinyVLMError, kv_cache_bytes
-from models.checkpoints import load_for_inference, pick_device
+from models.checkpoints import pick_device
 from models.loading import atomic_write
 from serving.engine import RequestError, engine_size
 from serving.sequence import RequestParams

@@ -1,7 +1,7 @@
 """One user turn (text and images) as model inputs, the way each kind of checkpoint was trained: `encode(prompt,
 images)` -> (token ids with the assistant turn opened, pixels [tiles, 3, S, S] or None).
 
-    processor = load_processor(checkpoint_dir, model.config, tokenizer)
+    model, processor = load_for_inference("HuggingFaceTB/SmolVLM-256M-Instruct", torch.device("cpu"))
     ids, pixels = processor.encode("What is in the picture?", [image])
 
 - `ChatProcessor`: tinyvlm's own ChatML prompts (nanoVLM's too), images split or not as the model's config says;
@@ -20,15 +20,9 @@ from transformers import PreTrainedTokenizerBase
 
 from data.image_splitting import ImageInputs
 from data.prompts import encode_prompt
+from models.checkpoints import RUNS, load_checkpoint, locate
 from models.config import VLMConfig
 from models.loading import CheckpointError
-
-PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
-
-
-def has_processor(path: Path) -> bool:
-    """Whether the checkpoint directory ships a transformers (image) processor of its own."""
-    return any((path / name).is_file() for name in PROCESSOR_FILES)
 
 
 # tinyvlm's ChatML (data/prompts.py) with nanoVLM's / Idefics3's image splitting (data/image_splitting.py).
@@ -75,11 +69,12 @@ class CheckpointProcessor:
         return ids, inputs["pixel_values"][0]
 
 
-def load_processor(path: Path, config: VLMConfig,
-                   tokenizer: PreTrainedTokenizerBase | None = None) -> ChatProcessor | CheckpointProcessor:
-    """The checkpoint's own processor when it ships one (SmolVLM / Idefics3), else tinyvlm's ChatML with `tokenizer`."""
-    if has_processor(path):
-        return CheckpointProcessor.from_pretrained(path)
-    if tokenizer is None:
-        raise CheckpointError(f"{path}: no tokenizer to build prompts with")
-    return ChatProcessor(config, tokenizer)
+def load_for_inference(checkpoint: str | Path | None, device: torch.device, allow_pickle: bool = False,
+                       runs: Path = RUNS):
+    """Model (eval mode, on `device`) and its chat processor (`encode(prompt, images)`, `.tokenizer`) for a checkpoint:
+    tinyvlm's own, a SmolVLM / Idefics3 or a nanoVLM one; a directory, a hub id, or None for the newest under `runs`."""
+    path = locate(checkpoint, runs, allow_pickle)
+    model, tokenizer = load_checkpoint(path, device, allow_pickle)
+    if tokenizer is None:  # the checkpoint ships its own processor
+        return model, CheckpointProcessor.from_pretrained(path)
+    return model, ChatProcessor(model.config, tokenizer)

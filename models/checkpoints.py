@@ -16,6 +16,7 @@ SHARDED = "sharded"  # an FSDP2 checkpoint's weights and optimizer state (torch.
                      # one file per rank
 STEP_DIR = re.compile(r"^step_(\d+)$")
 RUNS = Path("runs")  # where train.py puts runs by default, and where inference looks for the newest
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")  # a checkpoint's own transformers processor
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
@@ -61,32 +62,27 @@ def locate(checkpoint: str | Path | None, runs: Path = RUNS, allow_pickle: bool 
     return find_checkpoint(Path(checkpoint).expanduser())
 
 
-def load_for_inference(checkpoint: str | Path | None, device: torch.device, allow_pickle: bool = False,
-                       runs: Path = RUNS):
-    """Model (in eval mode, on `device`) and chat processor (`encode(prompt, images)`, `.tokenizer`) of a checkpoint:
-    tinyvlm's own, a SmolVLM / Idefics3 or a nanoVLM one, local or on the hub (see `locate`)."""
+def load_checkpoint(path: Path, device: torch.device, allow_pickle: bool = False):
+    """Model (in eval mode, on `device`) and tokenizer (None when the checkpoint ships a whole processor) of the model
+    directory `path`: tinyvlm's own, a SmolVLM / Idefics3 or a nanoVLM one."""
     from transformers import AutoTokenizer
 
-    from data.chat_processors import has_processor, load_processor
     from models.vision_language_model import VisionLanguageModel
 
-    path = locate(checkpoint, runs, allow_pickle)
     if (path / SHARDED).is_dir() and not (path / "model.safetensors").is_file():
         raise CheckpointError(f"{path}: a sharded (FSDP2) checkpoint; export it first: "
                               f"python -m training.export {path}")
     model = VisionLanguageModel.from_pretrained(path, map_location=device, allow_pickle=allow_pickle).eval()
-    tokenizer = None
-    if not has_processor(path):
-        try:
-            if (path / "tokenizer_config.json").is_file() or "vit_hidden_dim" not in read_json(path / "config.json"):
-                tokenizer = AutoTokenizer.from_pretrained(path)
-            else:  # a nanoVLM checkpoint names the hub tokenizer it was trained with
-                from models.nanovlm import nanovlm_tokenizer
+    if any((path / name).is_file() for name in PROCESSOR_FILES):
+        return model, None
+    try:
+        if (path / "tokenizer_config.json").is_file() or "vit_hidden_dim" not in read_json(path / "config.json"):
+            return model, AutoTokenizer.from_pretrained(path)
+        from models.nanovlm import nanovlm_tokenizer  # a nanoVLM checkpoint names the hub tokenizer it was trained with
 
-                tokenizer = nanovlm_tokenizer(read_json(path / "config.json"))
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{path}: no usable tokenizer ({type(e).__name__})") from None
-    return model, load_processor(path, model.config, tokenizer)
+        return model, nanovlm_tokenizer(read_json(path / "config.json"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: no usable tokenizer ({type(e).__name__})") from None
 
 
 def pick_device(name: str) -> torch.device:

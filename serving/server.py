@@ -29,7 +29,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from models.checkpoints import load_for_inference, pick_device
+from data.chat_processors import load_for_inference
+from models.checkpoints import pick_device
 from models.errors import TinyVLMError
 from serving.async_engine import AsyncEngine, EngineFailure, QueueFull
 from serving.engine import Engine, Output, engine_size

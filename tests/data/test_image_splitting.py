@@ -420,7 +420,7 @@ def test_a_saved_split_config_makes_inference_split(tmp_path, monkeypatch, capsy
 def test_train_py_trains_on_split_images_and_its_checkpoint_splits_at_generate_time(tmp_path, monkeypatch, layout):
     """train.py with model.splitting on: the tokenizer gains the markers, batches hold the tiles (5 per 32 px shapes
     image) and their markers, and the checkpoint's config makes the inference entry point split the same way."""
-    from models.checkpoints import load_for_inference
+    from data.chat_processors import load_for_inference
     from tests.training.helpers import small_config
     from training import run
 

@@ -45,3 +45,16 @@ def test_no_checkpoint_is_a_clear_error(tmp_path):
         newest_checkpoint(tmp_path)
     with pytest.raises(CheckpointError, match="no checkpoint here"):
         find_checkpoint(tmp_path)
+
+
+def test_models_imports_nothing_from_the_rest_of_the_repo():
+    """The README's promise: other projects can take models/ alone (every module of it, loaders included)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pkgutil, importlib, models; "
+            "[importlib.import_module(f'models.{m.name}') for m in pkgutil.iter_modules(models.__path__)]; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'data', 'training', 'serving', 'generate'}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
