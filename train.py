@@ -5,8 +5,10 @@
     python train.py --config configs/tiny.yaml --train.max_steps 200 --train.output_dir runs/try1 --train.compile false
     python train.py --resume runs/tiny                    # continue from the newest complete checkpoint
     torchrun --nproc-per-node 8 train.py --config configs/nanovlm-222m.yaml    # DDP on 8 GPUs (see README for more)
+    python train.py --config configs/smolvlm-256m-finetune.yaml  # fine-tune a released VLM (init_from; GPU, hub)
 
-Any config field can be set with `--section.field VALUE` (sections: model, data, train; and `--tokenizer`).
+Any config field can be set with `--section.field VALUE` (sections: model, data, train; and `--tokenizer`,
+`--init_from`: a whole pretrained VLM to start from, with its own tokenizer and chat format).
 A run writes checkpoints (`step_NNNNNN/`: model, tokenizer, training state), `metrics.json`, `loss_curve.png`,
 `predictions.png` and `heldout_example.png` into `train.output_dir`.
 

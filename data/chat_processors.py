@@ -1,52 +1,123 @@
-"""One user turn (text and images) as model inputs, the way each kind of checkpoint was trained: `encode(prompt,
-images)` -> (token ids with the assistant turn opened, pixels [tiles, 3, S, S] or None).
+"""Conversations as model inputs, the way each kind of checkpoint was trained: one object per kind that both training
+and inference use.
 
     model, processor = load_for_inference("HuggingFaceTB/SmolVLM-256M-Instruct", torch.device("cpu"))
-    ids, pixels = processor.encode("What is in the picture?", [image])
+    ids, pixels = processor.encode("What is in the picture?", [image])          # a prompt, the assistant turn opened
+    ids, targets, pixels = processor.encode_conversation(record["texts"], images)  # a training record
 
-- `ChatProcessor`: tinyvlm's own ChatML prompts (nanoVLM's too), images split or not as the model's config says;
+- `ChatProcessor`: tinyvlm's own ChatML (data/prompts.py; nanoVLM's too), images split or not as the model's config
+  says;
 - `CheckpointProcessor`: a released checkpoint's own transformers processor (SmolVLM / Idefics3): its chat template
-  builds the prompt and its image processor splits the images.
+  builds the conversation and its image processor splits the images.
+
+Both are `ConversationEncoder`s: what `data.VQACollator` batches training records with. Targets are aligned with the
+logits (`targets[t]` is `ids[t + 1]` where that token is part of an answer or the end-of-turn token closing it,
+IGNORE_INDEX elsewhere); pixels are [tiles, 3, S, S] in placeholder order, or None without images.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from PIL import Image
 from transformers import PreTrainedTokenizerBase
 
 from data.image_splitting import ImageInputs
-from data.prompts import encode_prompt
+from data.prompts import IGNORE_INDEX, PromptError, encode_conversation, encode_prompt
+from data.tokenizer import IM_END, IM_START, IMAGE_TOKEN, token_id
 from models.checkpoints import RUNS, load_checkpoint, locate
-from models.config import VLMConfig
+from models.config import ImagePosition, VLMConfig
 from models.loading import CheckpointError
+
+Turns = list[dict[str, str]]
+
+
+class ConversationEncoder(Protocol):
+    """Training records and prompts as token ids, targets and pixels, in one checkpoint's format."""
+
+    tokenizer: PreTrainedTokenizerBase
+    image_token_id: int  # the placeholder the model writes image features over
+    tokens_per_image: int  # placeholders per tile
+    image_size: int  # the side of one tile
+
+    def check(self) -> None:
+        """Raise now (not at the first batch) if the tokenizer lacks a token the encoding needs."""
+
+    def encode(self, prompt: str, images: Sequence[Image.Image]) -> tuple[list[int], torch.Tensor | None]:
+        """One user turn with the assistant turn opened: (ids, pixels)."""
+
+    def encode_conversation(self, turns: Turns,
+                            images: Sequence[Image.Image]) -> tuple[list[int], list[int], torch.Tensor | None]:
+        """A whole conversation ({"user", "assistant"} turns; the images in the first user turn): (ids, targets,
+        pixels)."""
+
+    def save_pretrained(self, directory: Path) -> None:
+        """Write what `load_for_inference` needs besides the model (tokenizer, processor files) into `directory`."""
 
 
 # tinyvlm's ChatML (data/prompts.py) with nanoVLM's / Idefics3's image splitting (data/image_splitting.py).
 class ChatProcessor:
-    """`encode(prompt, images)` for tinyvlm's own models (and nanoVLM's): `<|im_start|>user\n` + each image's
-    placeholders + the prompt + `<|im_end|>\n<|im_start|>assistant\n`, images split when `config.splitting` says."""
+    """tinyvlm's own models (and nanoVLM's): `<|im_start|>user\\n` + each image's placeholders + the text +
+    `<|im_end|>\\n<|im_start|>assistant\\n` (images after the text with image_position="after_text"), answers closed
+    by `<|im_end|>`; `images` (`ImageInputs`) splits them or not."""
 
-    def __init__(self, config: VLMConfig, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.config, self.tokenizer = config, tokenizer
-        self.images = ImageInputs.from_config(config, tokenizer)
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, images: ImageInputs,
+                 image_position: ImagePosition = "before_text") -> None:
+        self.tokenizer, self.images, self.image_position = tokenizer, images, image_position
+
+    @classmethod
+    def from_config(cls, config: VLMConfig, tokenizer: PreTrainedTokenizerBase) -> ChatProcessor:
+        """As the model's config says: its image position, and its splitting (or one square per image)."""
+        return cls(tokenizer, ImageInputs.from_config(config, tokenizer), config.image_position)
+
+    @property
+    def image_token_id(self) -> int:
+        return token_id(self.tokenizer, IMAGE_TOKEN)
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.images.tokens_per_image
+
+    @property
+    def image_size(self) -> int:
+        return self.images.image_size
+
+    def check(self) -> None:
+        for token in (IM_START, IM_END):
+            token_id(self.tokenizer, token)
+        self.images.check_tokenizer()
 
     def encode(self, prompt: str, images: Sequence[Image.Image]) -> tuple[list[int], torch.Tensor | None]:
         pixels, placeholders = self.images(images)
-        return encode_prompt(self.tokenizer, prompt, image_position=self.config.image_position,
+        return encode_prompt(self.tokenizer, prompt, image_position=self.image_position,
                              placeholders=placeholders), pixels
+
+    def encode_conversation(self, turns: Turns,
+                            images: Sequence[Image.Image]) -> tuple[list[int], list[int], torch.Tensor | None]:
+        ids, targets = encode_conversation(self.tokenizer, turns, image_position=self.image_position,
+                                           placeholders=self.images.placeholders(images))
+        return ids, targets, self.images.pixels(images)
+
+    def save_pretrained(self, directory: Path) -> None:
+        self.tokenizer.save_pretrained(directory)
+
+
+class TemplateError(CheckpointError):
+    """A checkpoint's chat template or processor that breaks what answer-only targets rely on."""
 
 
 # transformers' Idefics3Processor (image splitting, `<row_R_col_C>` / `<global-img>` markers, the chat template).
 class CheckpointProcessor:
-    """`encode(prompt, images)` -> (token ids, pixels [tiles, 3, S, S] or None) through the checkpoint's processor."""
+    """A checkpoint's own transformers processor (Idefics3Processor: SmolVLM's `User:<image>...<end_of_utterance>\\n
+    Assistant: ...<end_of_utterance>\\n`), its chat template and its image processor."""
 
     def __init__(self, processor) -> None:
         self.processor = processor
         self.tokenizer = processor.tokenizer
+        self.end_of_turn = getattr(processor, "end_of_utterance_token", None) or self.tokenizer.eos_token
 
     @classmethod
     def from_pretrained(cls, path: Path) -> CheckpointProcessor:
@@ -57,16 +128,105 @@ class CheckpointProcessor:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{path}: its processor cannot be loaded ({type(e).__name__}: {e})") from None
 
+    @property
+    def image_token_id(self) -> int:
+        return self.processor.image_token_id
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.processor.image_seq_len
+
+    @property
+    def image_size(self) -> int:
+        return self.processor.image_processor.max_image_size["longest_edge"]
+
+    def check(self) -> None:
+        if self.tokenizer.pad_token_id is None:
+            raise CheckpointError("the checkpoint's tokenizer has no pad token")
+        token_id(self.tokenizer, self.end_of_turn)
+
     def encode(self, prompt: str, images: Sequence[Image.Image]) -> tuple[list[int], torch.Tensor | None]:
         """The chat-formatted ids of one user turn (its images first, then `prompt`) with the assistant turn opened,
         and the pixels of the images' tiles in placeholder order (one prompt: no padding images)."""
-        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
-        text = self.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        text = self._template(self._messages([{"user": prompt}], len(images)), prompt=True)
+        return self._process(text, images)
+
+    def encode_conversation(self, turns: Turns,
+                            images: Sequence[Image.Image]) -> tuple[list[int], list[int], torch.Tensor | None]:
+        """The conversation as the chat template writes it, its images expanded by the processor (the ids and pixels
+        `encode` gives a prompt), with targets on each answer's tokens and the end-of-turn token closing it.
+
+        Where each answer lies is found on token ids: the template's text up to an answer (the assistant turn opened)
+        and up to its end must tokenize to prefixes of the whole conversation's ids, or a TemplateError says which
+        turn breaks this. Images are found the same way: the processor's ids equal the template's outside the
+        `<image>` tokens it expands, all of which come before the first answer."""
+        if not turns:
+            raise ValueError("a conversation needs at least one user/assistant turn")
+        messages = self._messages(turns, len(images))
+        text = self._template(messages, prompt=False)
+        ids, pixels = self._process(text, images)
+        plain = self._tokenize(text)  # each image still one <image> token
+        image_at = [i for i, token in enumerate(plain) if token == self.image_token_id]
+        if len(image_at) != len(images):
+            raise TemplateError(f"the chat template wrote {len(image_at)} image tokens for {len(images)} images")
+        first, after_images = (image_at[0], image_at[-1] + 1) if image_at else (len(plain), 0)
+        shift = len(ids) - len(plain)  # the tokens the images' expansion added
+        if ids[:first] != plain[:first] or ids[after_images + shift:] != plain[after_images:]:
+            raise TemplateError("the processor's ids differ from the chat template's outside the expanded images")
+        end_of_turn = token_id(self.tokenizer, self.end_of_turn)
+        is_answer = [False] * len(ids)
+        for turn in range(len(turns)):
+            start = self._prefix_length(plain, messages[:2 * turn + 1], True, turn, "the assistant turn opened")
+            stop = self._prefix_length(plain, messages[:2 * turn + 2], False, turn, "the answer")
+            if start < after_images:
+                raise TemplateError(f"turn {turn}: the answer starts before the images end")
+            closing = [i for i in range(start, stop) if plain[i] == end_of_turn]
+            if not closing:
+                raise TemplateError(f"turn {turn}: the chat template does not close the answer with {self.end_of_turn}")
+            for i in range(start + shift, closing[0] + 1 + shift):
+                is_answer[i] = True
+        targets = [token if learn else IGNORE_INDEX for token, learn in zip(ids[1:], is_answer[1:])]
+        return ids, targets + [IGNORE_INDEX], pixels
+
+    def save_pretrained(self, directory: Path) -> None:
+        """The whole processor (tokenizer, image processor settings, chat template): a checkpoint with these files
+        is asked through this class again (`load_for_inference`)."""
+        self.processor.save_pretrained(directory)
+
+    def _messages(self, turns: list[dict[str, str]], num_images: int) -> list[dict]:
+        """Chat-template messages for the turns (a turn without "assistant" is a user message alone), the images at
+        the start of the first user message."""
+        for turn in turns:
+            for text in turn.values():
+                if self.processor.image_token in text:
+                    raise PromptError(f"the text holds {self.processor.image_token}, which the chat template would "
+                                      f"take for an image: {text[:60]!r}")
+        messages = []
+        for i, turn in enumerate(turns):
+            content = [{"type": "image"}] * (num_images if i == 0 else 0) + [{"type": "text", "text": turn["user"]}]
+            messages.append({"role": "user", "content": content})
+            if "assistant" in turn:
+                messages.append({"role": "assistant", "content": [{"type": "text", "text": turn["assistant"]}]})
+        return messages
+
+    def _template(self, messages: list[dict], prompt: bool) -> str:
+        return self.processor.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=False)
+
+    def _tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text)["input_ids"]
+
+    def _process(self, text: str, images: Sequence[Image.Image]) -> tuple[list[int], torch.Tensor | None]:
         inputs = self.processor(text=text, images=[list(images)] if images else None, return_tensors="pt")
         ids = inputs["input_ids"][0].tolist()
-        if not images:
-            return ids, None
-        return ids, inputs["pixel_values"][0]
+        return ids, inputs["pixel_values"][0] if images else None
+
+    def _prefix_length(self, ids: list[int], messages: list[dict], prompt: bool, turn: int, what: str) -> int:
+        """The length of the template's ids for `messages`, checked to be a prefix of the whole conversation's."""
+        prefix = self._tokenize(self._template(messages, prompt))
+        if ids[:len(prefix)] != prefix:
+            raise TemplateError(f"turn {turn}: the chat template's text up to {what} does not tokenize to a prefix of "
+                                f"the whole conversation's ids, so the answer's tokens cannot be told apart")
+        return len(prefix)
 
 
 def load_for_inference(checkpoint: str | Path | None, device: torch.device, allow_pickle: bool = False,
@@ -77,4 +237,4 @@ def load_for_inference(checkpoint: str | Path | None, device: torch.device, allo
     model, tokenizer = load_checkpoint(path, device, allow_pickle)
     if tokenizer is None:  # the checkpoint ships its own processor
         return model, CheckpointProcessor.from_pretrained(path)
-    return model, ChatProcessor(model.config, tokenizer)
+    return model, ChatProcessor.from_config(model.config, tokenizer)

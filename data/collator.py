@@ -9,11 +9,11 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from data.bad_records import record_images
+from data.chat_processors import ChatProcessor, ConversationEncoder
 from data.image_splitting import ImageInputs, as_image_inputs
 from data.packing import pack_rows
 from data.processors import ImageProcessor
-from data.prompts import IGNORE_INDEX, encode_conversation
-from data.tokenizer import IMAGE_TOKEN, token_id
+from data.prompts import IGNORE_INDEX
 from models.config import ImagePosition
 
 Side = Literal["left", "right"]
@@ -40,10 +40,13 @@ class VQACollator:
     """Records {"images": [PIL], "texts": [{"user", "assistant"}]} → a batch dict of tensors.
 
     input_ids, attention_mask, targets: LongTensor [B, T]; images: FloatTensor [N, 3, H, W], in the order their
-    placeholders appear (row by row). `processor` is an `ImageProcessor` (one square of `tokens_per_image` tokens per
-    image) or `ImageInputs` (`ImageInputs.from_config(model_config, tokenizer)`: split images when the config says so,
-    each tile one of the N images). With `pack`, a row holds several records (see `data.packing`) and the attention
-    mask numbers them 1, 2, ... (0 for padding); otherwise a row is one record and the mask is 1 or 0.
+    placeholders appear (row by row). Each record is encoded by a conversation encoder (`data.chat_processors`:
+    `encode_conversation(turns, images)` -> ids, answer-only targets, pixels): built here, tinyvlm's ChatML
+    (`ChatProcessor`) with `processor`, an `ImageProcessor` (one square of `tokens_per_image` tokens per image) or
+    `ImageInputs` (`ImageInputs.from_config(model_config, tokenizer)`: split images when the config says so, each tile
+    one of the N images); or any encoder given to `VQACollator.for_encoder` (a checkpoint's own chat template and
+    image processor: `CheckpointProcessor`). With `pack`, a row holds several records (see `data.packing`) and the
+    attention mask numbers them 1, 2, ... (0 for padding); otherwise a row is one record and the mask is 1 or 0.
 
     A record whose ids exceed `max_length` is dropped, never truncated (`collate` also says which); None records
     (bad ones that `CheckedRecords` skipped) are left out. A batch that loses every record holds one padding row with
@@ -55,15 +58,27 @@ class VQACollator:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, processor: ImageProcessor | ImageInputs,
                  tokens_per_image: int, max_length: int, padding_side: Side = "right", ensure_image: bool = False,
                  image_position: ImagePosition = "before_text", pack: bool = False):
+        encoder = ChatProcessor(tokenizer, as_image_inputs(processor, tokens_per_image, tokenizer), image_position)
+        self._setup(encoder, max_length, padding_side, ensure_image, pack)
+
+    @classmethod
+    def for_encoder(cls, encoder: ConversationEncoder, max_length: int, padding_side: Side = "right",
+                    ensure_image: bool = False, pack: bool = False) -> VQACollator:
+        """A collator whose records `encoder` encodes (e.g. `ChatProcessor.from_config(config, tokenizer)`, or a
+        checkpoint's `CheckpointProcessor`)."""
+        collator = cls.__new__(cls)
+        collator._setup(encoder, max_length, padding_side, ensure_image, pack)
+        return collator
+
+    def _setup(self, encoder: ConversationEncoder, max_length: int, padding_side: Side, ensure_image: bool,
+               pack: bool) -> None:
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
-        if tokenizer.pad_token_id is None:
+        if encoder.tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; call data.prepare_tokenizer(tokenizer) first")
-        self.tokenizer, self.images = tokenizer, as_image_inputs(processor, tokens_per_image, tokenizer)
-        self.images.check_tokenizer()  # fail now, not at the first batch
-        self.tokens_per_image = self.images.tokens_per_image
-        self.max_length, self.padding_side = max_length, padding_side
-        self.ensure_image, self.image_position, self.pack = ensure_image, image_position, pack
+        self.encoder, self.tokenizer = encoder, encoder.tokenizer
+        self.encoder.check()  # fail now, not at the first batch
+        self.max_length, self.padding_side, self.ensure_image, self.pack = max_length, padding_side, ensure_image, pack
 
     def __call__(self, records: list[dict | None]) -> dict[str, torch.Tensor]:
         return self.collate(records)[0]
@@ -74,18 +89,15 @@ class VQACollator:
         for position, record in enumerate(records):
             if record is None:
                 continue
-            images = record_images(record)
-            ids, targets = encode_conversation(self.tokenizer, record["texts"], image_position=self.image_position,
-                                               placeholders=self.images.placeholders(images))
+            ids, targets, pixels = self.encoder.encode_conversation(record["texts"], record_images(record))
             if len(ids) > self.max_length:
                 too_long.append(position)
                 continue
-            pixels = self.images.pixels(images)  # [tiles, 3, S, S]: one per image unless split
-            samples.append((ids, targets, [] if pixels is None else [pixels]))
-        size = self.images.image_size
+            samples.append((ids, targets, [] if pixels is None else [pixels]))  # pixels: a tile per image, or split
+        size, per_image = self.encoder.image_size, self.encoder.tokens_per_image
         if self.ensure_image and not any(images for _, _, images in samples):
-            image_ids = [token_id(self.tokenizer, IMAGE_TOKEN)] * self.tokens_per_image
-            samples.append((image_ids, [IGNORE_INDEX] * self.tokens_per_image, [torch.zeros(1, 3, size, size)]))
+            image_ids = [self.encoder.image_token_id] * per_image
+            samples.append((image_ids, [IGNORE_INDEX] * per_image, [torch.zeros(1, 3, size, size)]))
         if not samples:
             samples = [([self.tokenizer.pad_token_id], [IGNORE_INDEX], [])]
         rows = pack_rows([len(ids) for ids, _, _ in samples]) if self.pack else [[i] for i in range(len(samples))]

@@ -80,7 +80,7 @@ class Engine:
         """`processor` turns text prompts and PIL images into model inputs (data/chat_processors.py); a tokenizer is
         taken as tinyvlm's ChatML with it. Without one, requests give token ids and pixels."""
         if processor is not None and not isinstance(processor, (ChatProcessor, CheckpointProcessor)):
-            processor = ChatProcessor(model.config, processor)
+            processor = ChatProcessor.from_config(model.config, processor)
         self.model, self.processor = model.eval(), processor
         self.tokenizer = None if processor is None else processor.tokenizer
         self.blocks = BlockManager(num_blocks, block_size)

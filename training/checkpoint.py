@@ -1,4 +1,5 @@
-"""Resumable checkpoints: the `save_pretrained` layout, the tokenizer, the run config and the training state.
+"""Resumable checkpoints: the `save_pretrained` layout, the tokenizer (or a checkpoint's whole processor), the run
+config and the training state.
 
 Each checkpoint is written into a staging directory, fsynced, then renamed to `step_NNNNNN`; old ones are renamed away
 before they are deleted. A crash at any moment leaves the previous checkpoints intact and no half-written or
@@ -59,10 +60,12 @@ def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> 
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer: torch.optim.Optimizer, run_config,
+def save_checkpoint(run_dir: Path, step: int, model, processor, optimizer: torch.optim.Optimizer, run_config,
                     keep: int, extra: dict[str, Any] | None = None, ranks: Ranks = Ranks()) -> Path:
     """Write `run_dir/step_NNNNNN` atomically; keep the newest `keep` checkpoints. Every rank calls it: under FSDP2
-    each rank writes its shards; rank 0 writes everything else and renames the checkpoint into place.
+    each rank writes its shards; rank 0 writes everything else and renames the checkpoint into place. `processor` is
+    the tokenizer or the run's chat processor: whatever its `save_pretrained` writes is what inference needs besides
+    the model (a SmolVLM / Idefics3 start: the processor files, so the checkpoint is asked with its chat template).
 
     A failed write (disk full, quota, permissions) removes the staging directory and raises CheckpointError; the
     checkpoints already there are untouched.
@@ -79,7 +82,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer: torch
             save_sharded(model, optimizer, staging / SHARDED)
             barrier()
         if ranks.is_main:
-            _write(staging, step, unwrap(model), tokenizer, optimizer, run_config,
+            _write(staging, step, unwrap(model), processor, optimizer, run_config,
                    {**(extra or {}), "sharded_world_size": ranks.world_size if is_sharded(model) else 0})
     except (OSError, SafetensorError, CheckpointException) as e:
         shutil.rmtree(staging, ignore_errors=True)
@@ -103,7 +106,7 @@ def _retire(checkpoint: Path) -> Path:
     return checkpoint.rename(checkpoint.with_name(f".retired_{checkpoint.name}"))
 
 
-def _write(staging: Path, step: int, model, tokenizer, optimizer, run_config, extra: dict[str, Any]) -> None:
+def _write(staging: Path, step: int, model, processor, optimizer, run_config, extra: dict[str, Any]) -> None:
     """Every file of a checkpoint into `staging`, each fsynced, and the directories themselves. A sharded model's
     weights and optimizer state are already in `staging/sharded`; here it gets just its config."""
     sharded = extra["sharded_world_size"] > 0
@@ -111,7 +114,7 @@ def _write(staging: Path, step: int, model, tokenizer, optimizer, run_config, ex
         atomic_write(staging / "config.json", model.config.save_json)
     else:
         model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
+    processor.save_pretrained(staging)
     run_config.save_json(staging / RUN_CONFIG)
     tensors, optimizer_meta = ({}, None) if sharded else _optimizer_tensors(optimizer)
     tensors["rng.torch"] = torch.get_rng_state()

@@ -93,8 +93,25 @@ class RunConfig(Config):
     # A Hugging Face tokenizer (directory, hub id, .gguf or package://pkg/file.gguf); None trains a byte-level BPE
     # on the training texts. Image and pad tokens are added and the LM vocabulary is sized to fit.
     tokenizer: str | None = None
+    # A whole pretrained VLM to fine-tune (local directory, run directory or hub id): tinyvlm's own checkpoint, a
+    # SmolVLM / Idefics3 one or a nanoVLM one. Its architecture (model.*: leave the section out), weights, image
+    # splitting and tokenizer (or processor and chat template) come with it, and the training data is encoded the way
+    # it was trained. Like `tokenizer`, where a fresh run starts, not a model field: a run resumed from its own
+    # checkpoint loads that checkpoint, never this.
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
+        if self.init_from is not None:
+            start = f"init_from ({self.init_from})"
+            check(bool(self.init_from.strip()), "init_from: expected a checkpoint directory or hub id, got ''")
+            for part in ("vision", "language"):
+                pretrained = getattr(self.model, part).pretrained
+                check(pretrained is None, f"{start} brings the whole model: model.{part}.pretrained ({pretrained}) "
+                      "must be null")
+            check(self.tokenizer is None, f"{start} brings its own tokenizer: tokenizer ({self.tokenizer}) must be "
+                  "null")
+            check(self.train.vision_pretrain_steps == 0, f"{start} brings a trained ViT: "
+                  f"train.vision_pretrain_steps ({self.train.vision_pretrain_steps}) must be 0")
         if self.train.vision_pretrain_steps:
             check(self.data.source == "synthetic",
                   f"train.vision_pretrain_steps ({self.train.vision_pretrain_steps}) needs data.source=synthetic, "
@@ -108,6 +125,25 @@ class RunConfig(Config):
             grid = self.model.vision.grid_size
             check(grid % 3 == 0, f"train.vision_pretrain_steps: the patch grid ({grid}x{grid}) must split evenly into "
                   "the scenes' 3x3 cells")
+
+
+def check_fresh_start(config: RunConfig) -> None:
+    """What a fresh run's config may not hold (a resumed run's saved config holds its model's real architecture):
+    with init_from, any model field, since the architecture and image splitting come from that checkpoint."""
+    if config.init_from is None:
+        return
+    defaults, ours = _flat(VLMConfig().to_dict()), _flat(config.model.to_dict())
+    changed = [key for key in defaults if ours[key] != defaults[key]]
+    if changed:
+        raise ConfigError(f"init_from ({config.init_from}) brings the model's architecture and image splitting: "
+                          f"leave model.{changed[0]} out (it is set to {ours[changed[0]]!r})")
+
+
+def _flat(values: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in values.items():
+        flat.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return flat
 
 
 def load_yaml(path: str | Path) -> dict:

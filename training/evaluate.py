@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from data import ImageInputs, ImageProcessor, encode_prompt, left_pad
+from data import ImageInputs, ImageProcessor, left_pad
+from data.chat_processors import ChatProcessor, ConversationEncoder
 from data.image_splitting import as_image_inputs
 from models import VisionLanguageModel
 from training.loss import LossWeight, target_weights
@@ -39,19 +40,22 @@ def validation_loss(model: VisionLanguageModel, batches: Iterable[dict], device:
     return total / (weight or 1)
 
 
-def answer(model: VisionLanguageModel, tokenizer, processor: ImageProcessor | ImageInputs, records: list[dict],
-           device: torch.device, max_new_tokens: int = 64, batch_size: int = 64) -> list[str]:
-    """Greedy answers to the first question of each record, in batches of left-padded prompts (images as `processor`
-    gives them: an ImageProcessor's one square each, or ImageInputs, split when the model's config says so)."""
+def answer(model: VisionLanguageModel, tokenizer, processor: ConversationEncoder | ImageProcessor | ImageInputs,
+           records: list[dict], device: torch.device, max_new_tokens: int = 64, batch_size: int = 64) -> list[str]:
+    """Greedy answers to the first question of each record, in batches of left-padded prompts asked the way the model
+    was trained: `processor` is the run's chat processor (data/chat_processors.py: its `encode` builds each prompt),
+    or an ImageProcessor (one square per image) / ImageInputs (split when the model's config says so) for tinyvlm's
+    ChatML with the model's image position."""
     model.eval()
     answers = []
-    inputs = as_image_inputs(processor, model.config.tokens_per_image, tokenizer)
+    if not hasattr(processor, "encode"):
+        inputs = as_image_inputs(processor, model.config.tokens_per_image, tokenizer)
+        processor = ChatProcessor(tokenizer, inputs, model.config.image_position)
     for start in range(0, len(records), batch_size):
         chunk = records[start : start + batch_size]
-        prompts = [encode_prompt(tokenizer, r["texts"][0]["user"], image_position=model.config.image_position,
-                                 placeholders=inputs.placeholders(r["images"])) for r in chunk]
-        ids, mask = left_pad(prompts, tokenizer.pad_token_id)
-        pixels = [p for p in (inputs.pixels(r["images"]) for r in chunk) if p is not None]
+        encoded = [processor.encode(r["texts"][0]["user"], r["images"]) for r in chunk]
+        ids, mask = left_pad([prompt for prompt, _ in encoded], tokenizer.pad_token_id)
+        pixels = [p for _, p in encoded if p is not None]
         images = torch.cat(pixels).to(device) if pixels else None
         room = model.config.language.max_position_embeddings - ids.shape[1]
         tokens = model.generate(ids.to(device), images, mask.to(device), max_new_tokens=min(max_new_tokens, room),
@@ -112,7 +116,8 @@ def save_prediction_grid(records: list[dict], predictions: list[str], path: Path
         if record["images"]:
             ax.imshow(record["images"][0])
         right = normalize(prediction) == normalize(record["texts"][0]["assistant"])
-        ax.set_title(title, fontsize=TITLE_POINTS, color="green" if right else "red")
+        # parse_math off: a "$" in a question or answer (chartqa's "$5") is text, not the start of mathtext
+        ax.set_title(title, fontsize=TITLE_POINTS, color="green" if right else "red", parse_math=False)
     figure.savefig(path)
     plt.close(figure)
 

@@ -74,7 +74,7 @@ class Trainer:
     config: RunConfig
     model: nn.Module  # wrapped for DDP / FSDP2 when distributed
     forward: Callable[..., Any]  # the model, or its torch.compile'd form
-    tokenizer: Any
+    processor: Any  # the chat processor (data/chat_processors.py): its tokenizer and conversation format
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     batches: Iterator[dict[str, Any]]  # from `data.loader.training_loader`
@@ -191,6 +191,6 @@ def _save(trainer: Trainer, state: TrainState) -> Path:
     if not distributed.all_finite(trainer.model):
         raise TrainingError(f"the weights hold NaN/inf at step {state.step}: not saved; the checkpoints in "
                             f"{trainer.output_dir} are intact")
-    return save_checkpoint(trainer.output_dir, state.step, trainer.model, trainer.tokenizer, trainer.optimizer,
+    return save_checkpoint(trainer.output_dir, state.step, trainer.model, trainer.processor, trainer.optimizer,
                            trainer.config, trainer.config.train.keep_checkpoints, extra=state.saved(),
                            ranks=trainer.ranks)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from data import CheckedRecords, ImageInputs, ImageProcessor
+from data import CheckedRecords
 from models import VisionLanguageModel
 from training.evaluate import answer, exact_match, save_loss_curve, save_prediction_grid
 from training.loop import Trainer, TrainState
@@ -14,14 +14,15 @@ GRID_EXAMPLES = 16
 
 
 def write_results(model: VisionLanguageModel, trainer: Trainer, state: TrainState,
-                  processor: ImageProcessor | ImageInputs, validation_records: CheckedRecords) -> dict:
-    """Score `model` (the trained model, unwrapped) on held-out questions, write the artifacts; return the metrics."""
+                  validation_records: CheckedRecords) -> dict:
+    """Score `model` (the trained model, unwrapped) on held-out questions asked through the run's chat processor,
+    write the artifacts; return the metrics."""
     tc, output_dir, metrics = trainer.config.train, trainer.output_dir, state.summary()
     model.to(trainer.device)
     count = min(tc.eval_questions, len(validation_records))
     records = [r for r in map(validation_records.__getitem__, range(count)) if r]
     if records:
-        predictions = answer(model, trainer.tokenizer, processor, records, trainer.device)
+        predictions = answer(model, trainer.processor.tokenizer, trainer.processor, records, trainer.device)
         metrics.update(exact_match(records, predictions))
         save_prediction_grid(records[:GRID_EXAMPLES], predictions[:GRID_EXAMPLES], output_dir / "predictions.png")
         with_image = [r for r in records if r["images"]]

@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from data import CheckedRecords, ImageInputs, ImageProcessor, VQACollator, build_datasets, text_lengths
+from data import CheckedRecords, ImageProcessor, VQACollator, build_datasets, text_lengths
+from data.chat_processors import ChatProcessor
 from data.loader import training_loader
 from data.sampler import ResumableBatchSampler
 from models.config import check
 from training import distributed, loop
 from training.checkpoint import RUN_CONFIG, load_training_state
-from training.config import RunConfig
+from training.config import RunConfig, check_fresh_start
 from training.optim import build_optimizer, build_scheduler, check_same_parts, freeze_parts
 from training.results import write_results
-from training.setup import build_model, build_tokenizer, load_for_resume, unsharded
+from training.setup import build_model, build_tokenizer, load_for_resume, load_pretrained, unsharded
 from training.vision_pretraining import pretrain_vision
 
 
@@ -39,26 +41,33 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
                 else contextlib.nullcontext())
     say, report = distributed.main_rank_only(ranks, print), distributed.main_rank_only(ranks, tqdm.write)
 
+    if not resume:
+        check_fresh_start(config)
     train_data, validation_data = build_datasets(config.data)
-    model, tokenizer = load_for_resume(resume) if resume else (None, build_tokenizer(config, train_data))
-    model = model or build_model(config, tokenizer)
-    config = RunConfig(model.config, config.data, config.train, config.tokenizer)
+    if resume:
+        model, processor = load_for_resume(resume)  # its own checkpoint: never init_from again
+    elif config.init_from:
+        model, processor = load_pretrained(config)
+    else:
+        tokenizer = build_tokenizer(config, train_data)
+        model = build_model(config, tokenizer)
+        processor = ChatProcessor.from_config(model.config, tokenizer)  # split if config.model.splitting says so
+    config = dataclasses.replace(config, model=model.config)
     _check(config, resume)
-    processor = ImageProcessor.from_config(config.model.vision)
     if tc.vision_pretrain_steps and not resume:
         say(f"vision pre-training: {tc.vision_pretrain_steps} steps of {tc.vision_pretrain_batch_size} scenes",
             flush=True)
-        pretrain_vision(model.vision.to(device), processor, config.data.shapes, tc.vision_pretrain_steps,
-                        tc.vision_pretrain_batch_size, tc.vision_pretrain_lr, tc.seed, device, report=say)
+        pretrain_vision(model.vision.to(device), ImageProcessor.from_config(config.model.vision), config.data.shapes,
+                        tc.vision_pretrain_steps, tc.vision_pretrain_batch_size, tc.vision_pretrain_lr, tc.seed, device,
+                        report=say)
         distributed.broadcast_parameters(model.vision)  # GPU kernels need not be bit-exact across ranks
     freeze_parts(model, tc)
     model = distributed.wrap(model.to(device), tc.parallel, ranks, device)
     optimizer = build_optimizer(distributed.unwrap(model), tc, device)
     state = loop.TrainState.resumed(load_training_state(resume, model, optimizer, ranks), tc) if resume \
         else loop.TrainState()
-    images = ImageInputs.from_config(config.model, tokenizer)  # split if config.model.splitting says so
-    collator = VQACollator(tokenizer, images, config.model.tokens_per_image, tc.max_length,
-                           ensure_image=ranks.distributed, image_position=config.model.image_position, pack=tc.packing)
+    # Records encoded the way the model is asked: tinyvlm's ChatML, or a checkpoint's own chat template and images.
+    collator = VQACollator.for_encoder(processor, tc.max_length, ensure_image=ranks.distributed, pack=tc.packing)
     train_records = CheckedRecords(train_data, config.data.on_bad_record, "train", report=report)
     validation_records = CheckedRecords(validation_data, config.data.on_bad_record, "validation", report=report)
     lengths = text_lengths(train_data) if tc.group_by_length else None
@@ -69,7 +78,7 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
                           for s in range(0, shown, tc.batch_size)]
     batches = iter(training_loader(train_records, sampler, collator, tc.num_workers, tc.prefetch_factor,
                                    pin_memory=device.type == "cuda"))
-    trainer = loop.Trainer(config, model, torch.compile(model) if tc.compile else model, tokenizer, optimizer,
+    trainer = loop.Trainer(config, model, torch.compile(model) if tc.compile else model, processor, optimizer,
                            build_scheduler(optimizer, tc, state.step), batches, validation_batches, ranks, device,
                            autocast, _wandb_run(config, ranks))
     say(f"model: {sum(p.numel() for p in distributed.unwrap(model).parameters()) / 1e6:.2f}M parameters, "
@@ -83,7 +92,7 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     final_model = unsharded(model, config, Path(tc.output_dir) / f"step_{tc.max_steps:06d}", ranks)
     if not ranks.is_main:
         return state.summary()
-    return write_results(final_model, trainer, state, images, validation_records)
+    return write_results(final_model, trainer, state, validation_records)
 
 
 def _check(config: RunConfig, resume: Path | None) -> None:

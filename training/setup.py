@@ -1,8 +1,11 @@
-"""The model and tokenizer a run trains: built from the config, or read from the checkpoint it resumes."""
+"""The model and chat processor (tokenizer and conversation format) a run trains: built from the config, loaded from
+the pretrained VLM it starts from (`init_from`), or read from the checkpoint it resumes."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import torch
 
 from data import (
     IMAGE_TOKEN,
@@ -13,9 +16,10 @@ from data import (
     stop_token_ids,
     token_id,
 )
+from data.chat_processors import ChatProcessor, CheckpointProcessor, ConversationEncoder, load_for_inference
 from models import VisionLanguageModel, VLMConfig
-from models.checkpoints import SHARDED
-from models.loading import resolve
+from models.checkpoints import PROCESSOR_FILES, SHARDED
+from models.loading import CheckpointError, resolve
 from training import distributed
 from training.config import RunConfig
 
@@ -46,15 +50,42 @@ def build_model(config: RunConfig, tokenizer) -> VisionLanguageModel:
     return model
 
 
-def load_for_resume(checkpoint: Path) -> tuple[VisionLanguageModel, object]:
-    """The model and tokenizer of a checkpoint to resume; a sharded (FSDP2) one gets its weights from its shards
-    later."""
+def load_pretrained(config: RunConfig) -> tuple[VisionLanguageModel, ConversationEncoder]:
+    """The model and chat processor `config.init_from` names, loaded as inference loads them (`load_for_inference`):
+    tinyvlm's own checkpoint with its tokenizer, a nanoVLM one with the tokenizer it was trained with, a SmolVLM /
+    Idefics3 one with its own processor (chat template, image processor). The model keeps its vocabulary: the
+    tokenizer must fit it."""
+    model, processor = load_for_inference(config.init_from, torch.device("cpu"), config.train.allow_pickle)
+    model.train()
+    vocab, tokens = model.config.language.vocab_size, len(processor.tokenizer)
+    if tokens > vocab:
+        raise CheckpointError(f"{config.init_from}: its tokenizer has {tokens} tokens, more than the model's "
+                              f"{vocab} embeddings")
+    expected = (model.config.image_token_id, model.config.tokens_per_image)
+    if (processor.image_token_id, processor.tokens_per_image) != expected:
+        raise CheckpointError(f"{config.init_from}: its processor writes {processor.tokens_per_image} image tokens of "
+                              f"id {processor.image_token_id} per tile, the model expects {expected[1]} of id "
+                              f"{expected[0]}")
+    # Backbones a tinyvlm checkpoint was once built from are history here: the run starts from this checkpoint.
+    settings: dict = {"vision.pretrained": None, "language.pretrained": None}
+    if not model.config.stop_token_ids and isinstance(processor, ChatProcessor):  # answers end with <|im_end|>
+        settings["stop_token_ids"] = stop_token_ids(processor.tokenizer)
+    model.config = model.config.replace(settings)
+    return model, processor
+
+
+def load_for_resume(checkpoint: Path) -> tuple[VisionLanguageModel, ConversationEncoder]:
+    """The model and chat processor of a checkpoint to resume (its own processor files when it has them, else its
+    tokenizer with tinyvlm's ChatML); a sharded (FSDP2) one gets its weights from its shards later."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     if (checkpoint / SHARDED).is_dir():
-        return VisionLanguageModel(VLMConfig.from_json(checkpoint / "config.json")), tokenizer
-    return VisionLanguageModel.from_pretrained(checkpoint), tokenizer
+        model = VisionLanguageModel(VLMConfig.from_json(checkpoint / "config.json"))
+    else:
+        model = VisionLanguageModel.from_pretrained(checkpoint)
+    if any((checkpoint / name).is_file() for name in PROCESSOR_FILES):
+        return model, CheckpointProcessor.from_pretrained(checkpoint)
+    return model, ChatProcessor.from_config(model.config, AutoTokenizer.from_pretrained(checkpoint))
 
 
 def unsharded(model, config: RunConfig, checkpoint: Path, ranks: distributed.Ranks) -> VisionLanguageModel | None:

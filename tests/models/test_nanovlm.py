@@ -10,131 +10,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file, save_model
-from torch import nn
+from safetensors.torch import load_file, save_file
 
 from models import CheckpointError, LanguageConfig, ProjectorConfig, VisionConfig, VisionLanguageModel, VLMConfig
 from models.nanovlm import config_from_nanovlm, nanovlm_tokenizer
+from tests.models.helpers import (
+    BASE_VOCAB,
+    CHAT_TEMPLATE,
+    EXTRA_TOKENS,
+    base_tokenizer_dir,
+    nanovlm_config,
+    save_backbones,
+    tiny_fields,
+    write_nanovlm,
+)
 
-CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-                 "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-                 "{% endif %}")
-# nanoVLM's extra tokens: the image placeholder, the global-image marker, and a marker per tile of an 8x8 grid.
-EXTRA_TOKENS = {"image_token": "<|image|>", "global_image_token": "<|global_image|>",
-                **{f"r{r}c{c}": f"<row_{r}_col_{c}>" for r in range(1, 9) for c in range(1, 9)}}
-BASE_VOCAB = 100
 IMAGE, GLOBAL, R1C1, R1C2 = BASE_VOCAB, BASE_VOCAB + 1, BASE_VOCAB + 2, BASE_VOCAB + 3
-
-
-def nanovlm_config(**fields) -> dict:
-    """config.json as nanoVLM writes it (`json.dumps(asdict(cfg))`): every field of its VLMConfig, in order, with
-    its defaults (huggingface/nanoVLM models/config.py), then `fields`."""
-    config = {
-        "vit_hidden_dim": 768, "vit_inter_dim": 3072, "vit_patch_size": 16, "vit_img_size": 512, "vit_n_heads": 12,
-        "vit_dropout": 0.0, "vit_n_blocks": 12, "vit_ln_eps": 1e-6, "vit_cls_flag": False,
-        "vit_model_type": "google/siglip2-base-patch16-512",
-        "lm_hidden_dim": 960, "lm_inter_dim": 2560, "lm_rms_eps": 1e-5, "lm_re_base": 100000,
-        "lm_max_position_embeddings": 8192, "lm_base_vocab_size": 49152, "extra_token_amount": 66,
-        "lm_vocab_size": 49218, "lm_n_heads": 15, "lm_n_kv_heads": 5, "lm_dropout": 0.0, "lm_n_blocks": 32,
-        "lm_attn_scaling": 1.0, "lm_max_length": 4096, "lm_use_tokens": False, "lm_tie_weights": True,
-        "lm_model_type": "HuggingFaceTB/SmolLM2-360M-Instruct", "lm_tokenizer": "HuggingFaceTB/SmolLM2-360M-Instruct",
-        "lm_chat_template": CHAT_TEMPLATE, "mp_pixel_shuffle_factor": 4, "mp_image_token_length": 64,
-        "max_img_size": 2048, "resize_to_max_side_len": True, "vlm_extra_tokens": dict(EXTRA_TOKENS),
-        "vlm_load_backbone_weights": True, "vlm_checkpoint_path": "checkpoints", "hf_repo_name": "nanoVLM",
-    }
-    return {**config, **fields}
-
-
-def tiny_fields(tie: bool) -> dict:
-    """The nanoVLM config fields of the tiny backbones below (values away from nanoVLM's defaults, so that a field
-    read from the wrong place changes the logits)."""
-    return dict(vit_hidden_dim=32, vit_inter_dim=64, vit_patch_size=8, vit_img_size=32, vit_n_heads=4, vit_n_blocks=2,
-                vit_ln_eps=1e-3, lm_hidden_dim=64, lm_inter_dim=128, lm_rms_eps=1e-3, lm_re_base=5000,
-                lm_max_position_embeddings=256, lm_base_vocab_size=BASE_VOCAB, lm_vocab_size=BASE_VOCAB + 66,
-                lm_n_heads=4, lm_n_kv_heads=2, lm_n_blocks=2, lm_tie_weights=tie, mp_pixel_shuffle_factor=2,
-                mp_image_token_length=4, max_img_size=64)
-
-
-def save_backbones(directory: Path, tie: bool) -> tuple[Path, Path]:
-    """A random SiglipVisionModel and LlamaForCausalLM (sizes as in `tiny_fields`), saved with save_pretrained."""
-    from transformers import LlamaConfig, LlamaForCausalLM, SiglipVisionConfig, SiglipVisionModel
-
-    torch.manual_seed(1)
-    siglip = SiglipVisionModel(SiglipVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8,
-        layer_norm_eps=1e-3, vision_use_head=False))
-    llama = LlamaForCausalLM(LlamaConfig(
-        vocab_size=BASE_VOCAB + 66, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rope_theta=5000.0, rms_norm_eps=1e-3,
-        tie_word_embeddings=tie))
-    with torch.no_grad():  # larger than the default init, so that every weight visibly moves the logits
-        for p in [*siglip.parameters(), *llama.parameters()]:
-            p.normal_(0, 0.2 if p.dim() > 1 else 1.0)
-    siglip.save_pretrained(directory / "siglip")
-    llama.save_pretrained(directory / "llama")
-    return directory / "siglip", directory / "llama"
-
-
-def module_of(tensors: dict[str, torch.Tensor], buffers: tuple[str, ...] = ()) -> nn.Module:
-    """An nn.Module whose state_dict has exactly these names (dotted paths become submodules)."""
-    root = nn.Module()
-    for name, tensor in tensors.items():
-        *path, leaf = name.split(".")
-        module = root
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, nn.Module())
-            module = getattr(module, part)
-        if name in buffers:
-            module.register_buffer(leaf, tensor)
-        else:
-            module.register_parameter(leaf, nn.Parameter(tensor))
-    return root
-
-
-def write_nanovlm(directory: Path, siglip_dir: Path, llama_dir: Path, projector: torch.Tensor, config: dict) -> None:
-    """The weights of these transformers checkpoints (and a projector) as nanoVLM saves them, after nanoVLM's own
-    backbone loaders (ViT.from_pretrained, LanguageModel.from_pretrained) have named them: q, k, v concatenated into
-    `qkv_proj`, the position embedding as [1, N, C], RoPE's inv_freq buffer, a tied head shared with the token
-    embedding; written by `safetensors.torch.save_model(model)` and `json.dumps(asdict(cfg), indent=4)`."""
-    vit = {k.removeprefix("vision_model."): v for k, v in load_file(siglip_dir / "model.safetensors").items()}
-    lm = load_file(llama_dir / "model.safetensors")
-    sd = {"vision_encoder.patch_embedding.conv.weight": vit["embeddings.patch_embedding.weight"],
-          "vision_encoder.patch_embedding.conv.bias": vit["embeddings.patch_embedding.bias"],
-          "vision_encoder.patch_embedding.position_embedding": vit["embeddings.position_embedding.weight"][None]}
-    for i in range(config["vit_n_blocks"]):
-        hf, ours = f"encoder.layers.{i}.", f"vision_encoder.blocks.{i}."
-        for part in ("weight", "bias"):
-            sd[f"{ours}ln1.{part}"] = vit[f"{hf}layer_norm1.{part}"]
-            sd[f"{ours}attn.qkv_proj.{part}"] = torch.cat([vit[f"{hf}self_attn.{p}_proj.{part}"] for p in "qkv"], 0)
-            sd[f"{ours}attn.out_proj.{part}"] = vit[f"{hf}self_attn.out_proj.{part}"]
-            sd[f"{ours}ln2.{part}"] = vit[f"{hf}layer_norm2.{part}"]
-            sd[f"{ours}mlp.fc1.{part}"] = vit[f"{hf}mlp.fc1.{part}"]
-            sd[f"{ours}mlp.fc2.{part}"] = vit[f"{hf}mlp.fc2.{part}"]
-    sd["vision_encoder.layer_norm.weight"] = vit["post_layernorm.weight"]
-    sd["vision_encoder.layer_norm.bias"] = vit["post_layernorm.bias"]
-    sd["MP.proj.weight"] = projector
-    sd["decoder.token_embedding.weight"] = lm["model.embed_tokens.weight"]
-    head_dim = config["lm_hidden_dim"] // config["lm_n_heads"]
-    sd["decoder.rotary_embd.inv_freq"] = 1.0 / (config["lm_re_base"] ** (torch.arange(0, head_dim, 2).float()
-                                                                         / head_dim))
-    for i in range(config["lm_n_blocks"]):
-        hf, ours = f"model.layers.{i}.", f"decoder.blocks.{i}."
-        for p in ("q", "k", "v"):
-            sd[f"{ours}attn.{p}_proj.weight"] = lm[f"{hf}self_attn.{p}_proj.weight"]
-        sd[f"{ours}attn.out_proj.weight"] = lm[f"{hf}self_attn.o_proj.weight"]
-        for p in ("gate", "up", "down"):
-            sd[f"{ours}mlp.{p}_proj.weight"] = lm[f"{hf}mlp.{p}_proj.weight"]
-        sd[f"{ours}norm1.weight"] = lm[f"{hf}input_layernorm.weight"]
-        sd[f"{ours}norm2.weight"] = lm[f"{hf}post_attention_layernorm.weight"]
-    sd["decoder.norm.weight"] = lm["model.norm.weight"]
-    sd["decoder.head.weight"] = lm.get("lm_head.weight", lm["model.embed_tokens.weight"])
-    model = module_of({k: v.clone() for k, v in sd.items()}, buffers=("decoder.rotary_embd.inv_freq",))
-    if config["lm_tie_weights"]:  # nanoVLM: self.head.weight = self.token_embedding.weight
-        model.decoder.head.weight = model.decoder.token_embedding.weight
-    directory.mkdir(parents=True, exist_ok=True)
-    save_model(model, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps(config, indent=4))
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
@@ -282,22 +173,6 @@ def test_weights_that_do_not_fit_fail_in_one_line(checkpoints, tmp_path, change,
     with pytest.raises(CheckpointError) as error:
         VisionLanguageModel.from_pretrained(broken)
     assert message in str(error.value) and "\n" not in str(error.value)
-
-
-def base_tokenizer_dir(directory: Path, specials: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")):
-    """A small BPE tokenizer laid out like SmolLM2-Instruct's: <|endoftext|>, <|im_start|>, <|im_end|> at ids 0-2,
-    EOS <|im_end|>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=list(specials), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(["what colour is the sky? blue, the sky is blue"] * 10, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", bos_token="<|im_start|>")
-    tokenizer.save_pretrained(directory)
-    return len(tokenizer)
 
 
 def test_tokenizer_adds_the_extra_tokens_as_nanovlm_does(tmp_path):

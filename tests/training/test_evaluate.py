@@ -63,3 +63,13 @@ def test_prediction_grid_titles_never_overlap(tmp_path, monkeypatch):
         assert page.x0 <= title.x0 and title.x1 <= page.x1 and page.y0 <= title.y0 and title.y1 <= page.y1, i
         for j, (other_title, other_image) in enumerate(cells):
             assert i == j or (apart(title, other_title) and apart(title, other_image)), (i, j)
+
+
+def test_dollar_signs_in_titles_are_text(tmp_path):
+    """Regression: a "$" in a question, answer or prediction (chartqa's "$5", a random model's bytes) made matplotlib
+    parse the title as mathtext and the run's results failed (ParseException) after training."""
+    image = Image.new("RGB", (32, 32), "red")
+    records = [{"images": [image], "texts": [{"user": "What did it cost in $?", "assistant": "$5"}]},
+               {"images": [image], "texts": [{"user": "What did it cost?", "assistant": "5"}]}]
+    save_prediction_grid(records, ["$4", "ci$B^$he"], tmp_path / "predictions.png")
+    assert (tmp_path / "predictions.png").is_file()
