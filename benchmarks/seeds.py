@@ -1,0 +1,96 @@
+"""Train a config on several seeds (and thread counts) and print the distribution of its held-out scores: the
+table the README shows for the tiny default. What a newcomer sees is one draw from it.
+
+    python benchmarks/seeds.py                                     # configs/tiny.yaml, seeds 0-4, 2 threads
+    python benchmarks/seeds.py --seeds 0 1 2 --threads 1 2          # 6 runs
+    python benchmarks/seeds.py --set train.max_steps=100 --seeds 0  # a quick look at the script itself
+
+Each run is `python train.py --config CONFIG --train.seed S --train.num_threads T --train.output_dir OUT/sS-tT`, one
+after another (runs side by side would slow each other); its metrics.json gives the row. The table has one row per
+run, then min / median / max of each column, with the machine, torch version and minutes per run. Writes
+benchmarks/results/seeds-<config>.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def train(config: Path, seed: int, threads: int, out: Path, overrides: list[str]) -> dict:
+    """One training run; its metrics.json plus the wall time in minutes."""
+    command = [sys.executable, "train.py", "--config", str(config), "--train.seed", str(seed),
+               "--train.num_threads", str(threads), "--train.output_dir", str(out)]
+    for override in overrides:
+        key, _, value = override.partition("=")
+        command += [f"--{key}", value]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"error: seed {seed}, {threads} threads: train.py exited {done.returncode}: "
+                         f"{(done.stderr.strip().splitlines() or ['(no output)'])[-1]}")
+    metrics = json.loads((out / "metrics.json").read_text())
+    return {"seed": seed, "threads": threads, "minutes": (time.perf_counter() - start) / 60, **metrics}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else what platform knows."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.processor() or platform.machine()
+
+
+def table(rows: list[dict], title: str) -> str:
+    columns = ["accuracy", *sorted(k for k in rows[0] if k.startswith("accuracy/")), "validation_loss", "minutes"]
+    columns = [c for c in columns if all(c in r for r in rows)]
+    names = [c.removeprefix("accuracy/") for c in columns]
+    lines = [f"**{title}**", "", "| run | " + " | ".join(names) + " |", "|---" * (len(columns) + 1) + "|"]
+    for r in rows:
+        lines.append(f"| seed {r['seed']}, {r['threads']} thr | " + " | ".join(f"{r[c]:.3f}" for c in columns) + " |")
+    for name, statistic in (("min", min), ("median", statistics.median), ("max", max)):
+        lines.append(f"| **{name}** | " + " | ".join(f"{statistic(r[c] for r in rows):.3f}" for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=Path("configs/tiny.yaml"))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--threads", type=int, nargs="+", default=[2])
+    parser.add_argument("--set", nargs="*", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="config overrides for every run, e.g. train.max_steps=100")
+    parser.add_argument("--runs", type=Path, default=Path("runs/seeds"), help="where the runs go")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    import torch
+
+    rows = []
+    for threads in args.threads:
+        for seed in args.seeds:
+            rows.append(train(args.config, seed, threads, args.runs / f"s{seed}-t{threads}", args.set))
+            print(f"seed {seed}, {threads} threads: accuracy {rows[-1].get('accuracy', float('nan')):.3f} "
+                  f"in {rows[-1]['minutes']:.1f} min", flush=True)
+    title = (f"{args.config} {' '.join(args.set)}: held-out exact match per seed; {cpu_name()}, "
+             f"{os.cpu_count()} cores, torch {torch.__version__}")
+    text = table(rows, title)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"seeds-{args.config.stem}"
+    stem.with_suffix(".md").write_text(text + "\n")
+    stem.with_suffix(".json").write_text(json.dumps({"title": title, "rows": rows}, indent=2) + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
