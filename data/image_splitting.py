@@ -1,8 +1,10 @@
 """Image splitting (SmolVLM / Idefics3, nanoVLM): one image becomes a grid of encoder-sized tiles plus a downscaled
 global image, each shown to the ViT as an image of its own, with marker tokens in the prompt naming each tile's place.
 
-    pixels, placeholders = prepare_images(model.config, tokenizer, [image])        # the one entry point
+    pixels, placeholders = prepare_images(model.config, tokenizer, [image])
     ids = encode_prompt(tokenizer, question, image_position=model.config.image_position, placeholders=placeholders)
+
+Inference goes through `data.chat_processors.ChatProcessor.encode(prompt, images)`, which does both steps.
 
 `config.splitting` (models.config.SplitConfig) picks the layout; disabled, an image is one square (`ImageProcessor`)
 and its placeholder `<|image|>` x tokens_per_image, as before splitting existed. Layouts:
@@ -342,7 +344,7 @@ def as_image_inputs(processor: ImageProcessor | ImageInputs, tokens_per_image: i
     return processor if isinstance(processor, ImageInputs) else ImageInputs(processor, tokens_per_image, tokenizer)
 
 
-# tinyvlm's own entry point (nanoVLM generate.py / Idefics3Processor(images=...) do this inline).
+# The images half of ChatProcessor.encode, on its own (nanoVLM generate.py / Idefics3Processor do this inline).
 def prepare_images(config: VLMConfig, tokenizer: PreTrainedTokenizerBase,
                    images: Sequence[Image.Image]) -> tuple[Tensor | None, list[list[int]]]:
     """The model inputs for a prompt's images, as the model's config says (split or not): pixels [N_tiles, 3, S, S]
