@@ -33,7 +33,9 @@ def load_jsonl(path: str | Path) -> Dataset:
 
     A line is {"images": ["a.png", ...], "texts": [{"user": ..., "assistant": ...}, ...]}, or has
     "conversations": [{"role": "user" | "assistant", "content": ...}, ...] in place of "texts"; a text-only record
-    has no "images", or "images": [] or null.
+    has no "images", or "images": [] or null. Lines may carry a "question_type" string (every line, or none): the
+    held-out exact-match scores are then given per type ("caption" is left out of the overall accuracy). Other fields
+    are dropped.
     """
     path = Path(path)
     try:
@@ -44,7 +46,13 @@ def load_jsonl(path: str | Path) -> Dataset:
                for number, line in enumerate(lines, 1) if line.strip()]
     if not records:
         raise DataSourceError(f"{path}: no records")
-    dataset = Dataset.from_list(records, features=Features({"images": List(Value("string")), "texts": _TEXTS}))
+    features = {"images": List(Value("string")), "texts": _TEXTS}
+    typed = {"question_type" in record for record in records}
+    if typed == {True, False}:
+        raise DataSourceError(f"{path}: some lines have a 'question_type' and others not; give every line one, or none")
+    if typed == {True}:
+        features["question_type"] = Value("string")
+    dataset = Dataset.from_list(records, features=Features(features))
     return dataset.with_transform(_open_images)
 
 
@@ -55,7 +63,12 @@ def _parse_line(line: str, where: str, root: Path) -> dict[str, Any]:
         raise DataSourceError(f"{where}: not valid JSON ({e.msg})") from None
     if not isinstance(row, dict):
         raise DataSourceError(f"{where}: expected a JSON object")
-    return {"images": _image_paths(record_images(row), where, root), "texts": _turns(row, where)}
+    record = {"images": _image_paths(record_images(row), where, root), "texts": _turns(row, where)}
+    if "question_type" in row:
+        if not isinstance(row["question_type"], str):
+            raise DataSourceError(f"{where}: 'question_type' must be a string")
+        record["question_type"] = row["question_type"]
+    return record
 
 
 def _image_paths(images: Any, where: str, root: Path) -> list[str]:
@@ -91,7 +104,7 @@ def _is_turn(turn: Any) -> bool:
 
 
 def _open_images(batch: dict[str, list]) -> dict[str, list]:
-    return {"images": [[load_image(path) for path in paths] for paths in batch["images"]], "texts": batch["texts"]}
+    return {**batch, "images": [[load_image(path) for path in paths] for paths in batch["images"]]}
 
 
 def load_imagefolder(directory: str | Path, split: str = "train") -> Dataset:

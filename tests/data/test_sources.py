@@ -158,3 +158,20 @@ def test_build_datasets_synthetic_and_jsonl(images, shapes_tokenizer):
 def test_jsonl_null_images_mean_no_images(images):
     write_jsonl(images / "data.jsonl", [{"images": None, "texts": [{"user": "No image.", "assistant": "ok"}]}])
     assert load_jsonl(images / "data.jsonl")[0] == {"images": [], "texts": [{"user": "No image.", "assistant": "ok"}]}
+
+
+def test_jsonl_question_types_are_kept_for_per_type_scores(images):
+    rows = [{"images": ["pics/red.png"], "texts": [{"user": f"q{i}", "assistant": "red"}], "question_type": kind}
+            for i, kind in enumerate(["colour", "shape", "colour"])]
+    write_jsonl(images / "typed.jsonl", rows)
+    dataset = load_jsonl(images / "typed.jsonl")
+    assert [r["question_type"] for r in dataset] == ["colour", "shape", "colour"]
+    assert colour(dataset[0]["images"][0]) == RED
+    train, validation = build_datasets(DataConfig(source="jsonl", path=str(images / "typed.jsonl"), holdout=1))
+    assert sorted(r["question_type"] for r in [*train, *validation]) == ["colour", "colour", "shape"]
+    write_jsonl(images / "mixed.jsonl", [*rows, {"texts": [{"user": "q", "assistant": "a"}]}])
+    with pytest.raises(DataSourceError, match="mixed.jsonl: some lines have a 'question_type' and others not"):
+        load_jsonl(images / "mixed.jsonl")
+    write_jsonl(images / "number.jsonl", [{**rows[0], "question_type": 3}])
+    with pytest.raises(DataSourceError, match="number.jsonl:1: 'question_type' must be a string"):
+        load_jsonl(images / "number.jsonl")
