@@ -25,9 +25,13 @@ class TrainConfig(Config):
     # Pack each batch's samples into as few rows as its longest sample allows (data/packing.py): the same samples
     # and the same loss, on fewer padding tokens.
     packing: bool = True
-    # Before step 1 of a fresh run on the synthetic shapes: train the ViT to name each patch's shape, colour and size
-    # (training/vision_pretraining.py), for a ViT that starts from scratch. 0 skips it.
+    # Before step 1 of a fresh run, for a ViT that starts from scratch: pre-train it for this many steps (0 skips it)
+    # with `vision_pretrain_objective`: "cells" (synthetic shapes only: name each patch's shape, colour and size, from
+    # the scene generator's labels; training/vision_pretraining.py), "answers" (any source, no labels: answer the
+    # training records' own questions through a one-layer reader; training/answer_pretraining.py), or "auto" (cells
+    # on the synthetic shapes, answers on any other source).
     vision_pretrain_steps: int = 0
+    vision_pretrain_objective: Literal["auto", "cells", "answers"] = "auto"
     vision_pretrain_batch_size: int = 64
     vision_pretrain_lr: float = 1e-3
     lr_projector: float = 3e-3  # a learning rate of 0 freezes that part
@@ -100,6 +104,14 @@ class RunConfig(Config):
     # checkpoint loads that checkpoint, never this.
     init_from: str | None = None
 
+    def vision_pretrain_objective(self) -> Literal["cells", "answers"]:
+        """The ViT pre-training objective this run uses: `train.vision_pretrain_objective`, with auto resolved by
+        the data source."""
+        objective = self.train.vision_pretrain_objective
+        if objective == "auto":
+            return "cells" if self.data.source == "synthetic" else "answers"
+        return objective
+
     def __post_init__(self) -> None:
         if self.init_from is not None:
             start = f"init_from ({self.init_from})"
@@ -113,15 +125,16 @@ class RunConfig(Config):
             check(self.train.vision_pretrain_steps == 0, f"{start} brings a trained ViT: "
                   f"train.vision_pretrain_steps ({self.train.vision_pretrain_steps}) must be 0")
         if self.train.vision_pretrain_steps:
-            check(self.data.source == "synthetic",
-                  f"train.vision_pretrain_steps ({self.train.vision_pretrain_steps}) needs data.source=synthetic, "
-                  f"whose scene generator gives its labels; set it to 0 for data.source={self.data.source}")
-            check(self.model.vision.image_size == self.data.shapes.image_size,
-                  f"train.vision_pretrain_steps: model.vision.image_size ({self.model.vision.image_size}) must equal "
-                  f"data.shapes.image_size ({self.data.shapes.image_size})")
+            check(self.data.source == "synthetic" or self.train.vision_pretrain_objective != "cells",
+                  f"train.vision_pretrain_objective=cells needs data.source=synthetic, whose scene generator gives its "
+                  f"labels; use answers (or auto) for data.source={self.data.source}")
             check(self.model.vision.pretrained is None,
                   f"train.vision_pretrain_steps would overwrite the pretrained ViT {self.model.vision.pretrained}; "
                   "set it to 0")
+        if self.train.vision_pretrain_steps and self.vision_pretrain_objective() == "cells":
+            check(self.model.vision.image_size == self.data.shapes.image_size,
+                  f"train.vision_pretrain_steps: model.vision.image_size ({self.model.vision.image_size}) must equal "
+                  f"data.shapes.image_size ({self.data.shapes.image_size})")
             grid = self.model.vision.grid_size
             check(grid % 3 == 0, f"train.vision_pretrain_steps: the patch grid ({grid}x{grid}) must split evenly into "
                   "the scenes' 3x3 cells")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from data.loader import training_loader
 from data.sampler import ResumableBatchSampler
 from models.config import check
 from training import distributed, loop
+from training.answer_pretraining import pretrain_vision_on_answers
 from training.checkpoint import RUN_CONFIG, load_training_state
 from training.config import RunConfig, check_fresh_start
 from training.optim import build_optimizer, build_scheduler, check_same_parts, freeze_parts
@@ -54,12 +56,9 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
         processor = ChatProcessor.from_config(model.config, tokenizer)  # split if config.model.splitting says so
     config = dataclasses.replace(config, model=model.config)
     _check(config, resume)
+    train_records = CheckedRecords(train_data, config.data.on_bad_record, "train", report=report)
     if tc.vision_pretrain_steps and not resume:
-        say(f"vision pre-training: {tc.vision_pretrain_steps} steps of {tc.vision_pretrain_batch_size} scenes",
-            flush=True)
-        pretrain_vision(model.vision.to(device), ImageProcessor.from_config(config.model.vision), config.data.shapes,
-                        tc.vision_pretrain_steps, tc.vision_pretrain_batch_size, tc.vision_pretrain_lr, tc.seed, device,
-                        report=say)
+        _pretrain_vision(config, model, processor, train_records, device, say)
         distributed.broadcast_parameters(model.vision)  # GPU kernels need not be bit-exact across ranks
     freeze_parts(model, tc)
     model = distributed.wrap(model.to(device), tc.parallel, ranks, device)
@@ -68,7 +67,6 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
         else loop.TrainState()
     # Records encoded the way the model is asked: tinyvlm's ChatML, or a checkpoint's own chat template and images.
     collator = VQACollator.for_encoder(processor, tc.max_length, ensure_image=ranks.distributed, pack=tc.packing)
-    train_records = CheckedRecords(train_data, config.data.on_bad_record, "train", report=report)
     validation_records = CheckedRecords(validation_data, config.data.on_bad_record, "validation", report=report)
     lengths = text_lengths(train_data) if tc.group_by_length else None
     sampler = ResumableBatchSampler(len(train_records), tc.batch_size, tc.seed, state.samples_seen, ranks.rank,
@@ -93,6 +91,23 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     if not ranks.is_main:
         return state.summary()
     return write_results(final_model, trainer, state, validation_records)
+
+
+def _pretrain_vision(config: RunConfig, model, chat: ChatProcessor, train_records: CheckedRecords,
+                     device: torch.device, say) -> None:
+    """Pre-train the from-scratch ViT in place with the run's objective (see RunConfig.vision_pretrain_objective)."""
+    tc, objective = config.train, config.vision_pretrain_objective()
+    say(f"vision pre-training ({objective}): {tc.vision_pretrain_steps} steps of {tc.vision_pretrain_batch_size} "
+        "images", flush=True)
+    processor, vision = ImageProcessor.from_config(config.model.vision), model.vision.to(device)
+    common = dict(steps=tc.vision_pretrain_steps, batch_size=tc.vision_pretrain_batch_size, lr=tc.vision_pretrain_lr,
+                  seed=tc.seed, device=device, report=say)
+    if objective == "cells":
+        pretrain_vision(vision, processor, config.data.shapes, **common)
+    else:
+        encode = functools.partial(chat.tokenizer.encode, add_special_tokens=False)
+        pretrain_vision_on_answers(vision, processor, train_records, encode, model.config.language.vocab_size,
+                                   **common)
 
 
 def _check(config: RunConfig, resume: Path | None) -> None:

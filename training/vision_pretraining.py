@@ -55,19 +55,31 @@ def pretrain_vision(vision: VisionTransformer, processor: ImageProcessor, shapes
     head = nn.Linear(vision.config.hidden_size, sum(sizes)).to(device)
     nn.init.normal_(head.weight, std=0.02, generator=torch.Generator(head.weight.device).manual_seed(seed))
     nn.init.zeros_(head.bias)
-    optimizer = torch.optim.AdamW([*vision.parameters(), *head.parameters()], lr=lr, weight_decay=0.0)
-    cells, rng, losses = patch_cells(vision.config.grid_size), random.Random(f"vision-pretraining:{seed}"), []
-    vision.train()
-    for step in range(steps):
+    cells, rng = patch_cells(vision.config.grid_size), random.Random(f"vision-pretraining:{seed}")
+
+    def batch_loss() -> torch.Tensor:
         images, labels = scene_batch(shapes, processor, cells, batch_size, rng)
         logits = head(vision(images.to(device))).split(sizes, dim=-1)
         labels = labels.to(device)
-        loss = sum(F.cross_entropy(part.flatten(0, 1), labels[..., k].flatten())
+        return sum(F.cross_entropy(part.flatten(0, 1), labels[..., k].flatten())
                    for k, part in enumerate(logits)) / len(sizes)
+
+    vision.train()
+    return head, optimize(batch_loss, [*vision.parameters(), *head.parameters()], steps, lr, report)
+
+
+def optimize(batch_loss: Callable[[], torch.Tensor], parameters: list[nn.Parameter], steps: int, lr: float,
+             report: Callable[[str], None]) -> list[float]:
+    """`steps` AdamW steps (constant `lr`, no weight decay) on `batch_loss()`, a fresh batch's loss at each call;
+    returns the losses, reported every 100 steps."""
+    optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        loss = batch_loss()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach())  # read only when reporting: no host sync per step
         if (step + 1) % 100 == 0 or step + 1 == steps:
             report(f"vision pre-training step {step + 1}/{steps}: loss {losses[-1].item():.4f}")
-    return head, torch.stack(losses).tolist() if losses else []
+    return torch.stack(losses).tolist() if losses else []

@@ -57,9 +57,8 @@ TINY_CHANGES = {
                                   "model.vision.image_std": (0.25,) * 4},  # a mean and std per channel
     "model.vision.pretrained": {"model.vision.pretrained": "some/siglip", "train.vision_pretrain_steps": 0},
     "model.projector.pixel_shuffle_factor": {"model.projector.pixel_shuffle_factor": 3},  # must divide the 3x3 grid
-    "data.source": {"data.source": "jsonl", "data.path": "data.jsonl", "train.vision_pretrain_steps": 0},
-    "data.validation_path": {"data.source": "jsonl", "data.path": "data.jsonl", "data.validation_path": "val.jsonl",
-                             "train.vision_pretrain_steps": 0},  # for jsonl and imagefolder only
+    "data.source": {"data.source": "jsonl", "data.path": "data.jsonl"},
+    "data.validation_path": {"data.source": "jsonl", "data.path": "data.jsonl", "data.validation_path": "val.jsonl"},
     "data.shapes.train_turns": {"data.shapes.train_turns": 2, "data.shapes.train_question_types": QUESTION_TYPES},
     "train.decay_steps": {"train.decay_steps": 200},  # 0 or at least warmup_steps (100)
     "init_from": {"init_from": "some/vlm", "train.vision_pretrain_steps": 0},  # a whole VLM brings a trained ViT
@@ -124,8 +123,10 @@ def test_boolean_and_numeric_overrides_parse():
     (["--train.max_steps"], "--train.max_steps needs a value"),
     (["max_steps"], "unexpected argument 'max_steps'"),
     (["--model.language.num_kv_heads", "3"], r"num_heads \(\d+\) must be divisible by language.num_kv_heads \(3\)"),
-    (["--data.source", "jsonl", "--data.path", "x.jsonl"],
-     r"vision_pretrain_steps \(400\) needs data.source=synthetic.* set it to 0"),
+    (["--data.source", "jsonl", "--data.path", "x.jsonl", "--train.vision_pretrain_objective", "cells"],
+     r"vision_pretrain_objective=cells needs data.source=synthetic.* use answers \(or auto\) for data.source=jsonl"),
+    (["--train.vision_pretrain_objective", "labels"],
+     "train.vision_pretrain_objective: 'labels' is not one of 'auto', 'cells', 'answers'"),
     (["--model.vision.patch_size", "12"], r"the patch grid \(4x4\) must split evenly into the scenes' 3x3 cells"),
     (["--model.vision.image_size", "96"], r"model.vision.image_size \(96\) must equal data.shapes.image_size \(48\)"),
 ])
