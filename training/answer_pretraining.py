@@ -54,10 +54,11 @@ def bag(token_lists: Sequence[Sequence[int]], device: torch.device) -> tuple[tor
 
 def answer_loss(logits: torch.Tensor, answers: Sequence[Sequence[int]]) -> torch.Tensor:
     """Mean over the batch of the cross-entropy against each answer's token distribution (its words, equally)."""
-    targets = torch.zeros_like(logits)
-    for row, ids in enumerate(answers):
-        targets[row].index_add_(0, torch.tensor(ids, device=logits.device),
-                                torch.full((len(ids),), 1 / len(ids), device=logits.device))
+    rows = torch.tensor([row for row, ids in enumerate(answers) for _ in ids], device=logits.device)
+    words = torch.tensor([i for ids in answers for i in ids], device=logits.device)
+    shares = torch.tensor([1 / len(ids) for ids in answers for _ in ids], device=logits.device, dtype=logits.dtype)
+    # accumulate: a word the answer repeats counts twice
+    targets = torch.zeros_like(logits).index_put_((rows, words), shares, accumulate=True)
     return -(targets * logits.log_softmax(-1)).sum(-1).mean()
 
 
