@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import json
 import math
 import random
@@ -29,10 +28,11 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 from PIL import Image, ImageDraw
 
+from data.synthetic import Split, split_by_hash
 from models.config import check, one_line
 from models.errors import TinyVLMError
 
@@ -74,8 +74,6 @@ TEMPLATES = {
 ANSWERS = {"colour": tuple(COLOURS), "shape": SHAPES, "size": tuple(SIZES), "position": tuple(POSITIONS),
            "background": ("yes", "no")}
 
-Split = Literal["train", "validation"]
-
 
 class Scene(NamedTuple):
     """One object on a background; the fields are also the answers to the first four question types."""
@@ -110,9 +108,8 @@ def sample_scene(rng: random.Random) -> Scene:
 
 
 def split_of(scene: Scene) -> Split:
-    """The split a scene belongs to, from a stable hash of its content (not Python's per-process `hash`)."""
-    bucket = int.from_bytes(hashlib.sha256(",".join(scene).encode()).digest()[:8], "big") / 2**64
-    return "validation" if bucket < VALIDATION_FRACTION else "train"
+    """The split a scene belongs to, from its content."""
+    return split_by_hash(",".join(scene), VALIDATION_FRACTION)
 
 
 @functools.cache

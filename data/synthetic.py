@@ -76,11 +76,17 @@ def sample_scene(rng: random.Random) -> Scene:
     return tuple(sorted(Item(cell, shape, rng.choice(colors), rng.choice(sizes)) for shape, cell in zip(shapes, cells)))
 
 
-def split_of(scene: Scene, validation_fraction: float) -> Split:
-    """The split a scene belongs to, from a stable hash of its content (not Python's per-process `hash`)."""
-    key = ";".join(f"{item.cell},{item.shape},{item.color},{item.size}" for item in scene).encode()
-    bucket = int.from_bytes(hashlib.sha256(key).digest()[:8], "big") / 2**64
+def split_by_hash(key: str, validation_fraction: float) -> Split:
+    """The split of the scene whose canonical content is `key`, from a stable hash (not Python's per-process `hash`):
+    the same key lands in the same split on every machine, and `validation_fraction` of all keys in validation."""
+    bucket = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
     return "validation" if bucket < validation_fraction else "train"
+
+
+def split_of(scene: Scene, validation_fraction: float) -> Split:
+    """The split a scene belongs to, from its content."""
+    return split_by_hash(";".join(f"{item.cell},{item.shape},{item.color},{item.size}" for item in scene),
+                         validation_fraction)
 
 
 def sample_scene_of(split: Split, rng: random.Random, validation_fraction: float) -> Scene:
