@@ -41,7 +41,8 @@ class AnswerReader(nn.Module):
 
     def forward(self, tokens: torch.Tensor, question_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         query = self.question(question_ids, offsets)  # [B, D]
-        read = self.attend(query[:, None], self.norm(tokens), self.norm(tokens), need_weights=False)[0][:, 0]
+        tokens = self.norm(tokens)
+        read = self.attend(query[:, None], tokens, tokens, need_weights=False)[0][:, 0]
         return self.out(torch.cat([read, query], dim=-1))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from data import CheckedRecords, ImageProcessor, VQACollator, build_datasets, te
 from data.chat_processors import ChatProcessor
 from data.loader import training_loader
 from data.sampler import ResumableBatchSampler
+from models import VisionLanguageModel
 from models.config import check
 from training import distributed, loop
 from training.answer_pretraining import pretrain_vision_on_answers
@@ -93,8 +95,8 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     return write_results(final_model, trainer, state, validation_records)
 
 
-def _pretrain_vision(config: RunConfig, model, chat: ChatProcessor, train_records: CheckedRecords,
-                     device: torch.device, say) -> None:
+def _pretrain_vision(config: RunConfig, model: VisionLanguageModel, chat: ChatProcessor, train_records: CheckedRecords,
+                     device: torch.device, say: Callable[..., None]) -> None:
     """Pre-train the from-scratch ViT in place with the run's objective (see RunConfig.vision_pretrain_objective)."""
     tc, objective = config.train, config.vision_pretrain_objective()
     say(f"vision pre-training ({objective}): {tc.vision_pretrain_steps} steps of {tc.vision_pretrain_batch_size} "
