@@ -26,6 +26,7 @@ import torch
 
 from data import CAPTION_PROMPT, load_image
 from data.chat_processors import load_for_inference
+from data.detokenizer import IncrementalDetokenizer
 from models import GenerationError, TinyVLMError, kv_cache_bytes
 from models.checkpoints import pick_device
 from models.loading import atomic_write
@@ -64,15 +65,12 @@ def run(args: argparse.Namespace) -> None:
                     eos_token_id=model.config.stop_ids, pad_token_id=tokenizer.pad_token_id,
                     compile=args.compile, generator=torch.Generator(device).manual_seed(args.seed))
     if args.num_samples == 1:  # stream: print what each new token adds to the decoded text
-        generated, shown = [], ""
+        detokenizer = IncrementalDetokenizer(tokenizer)
         for token in model.stream(ids, pixels, **settings):
             if int(token) in model.config.stop_ids:
                 break
-            generated.append(int(token))
-            text = tokenizer.decode(generated, skip_special_tokens=True)
-            print(text[len(shown):], end="", flush=True)
-            shown = text
-        print()
+            print(detokenizer.add([int(token)]), end="", flush=True)
+        print(detokenizer.finish())
     else:
         for i, row in enumerate(model.generate(ids, pixels, **settings).tolist()):
             print(f"[{i + 1}] {tokenizer.decode(row, skip_special_tokens=True).strip()}")

@@ -15,7 +15,7 @@ and go to the back of the free list, so the most recently used prefixes are evic
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
 NULL_BLOCK = 0
@@ -42,7 +42,8 @@ class BlockManager:
                              f"got {num_blocks} x {block_size}")
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: deque[int] = deque(range(1, num_blocks))
+        # unreferenced blocks, least recently freed first: an ordered set, O(1) to take, reclaim (a prefix hit) or free
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self.cached: dict[int, int] = {}  # chain hash -> block id (full blocks, in use or free)
         self.hits = self.lookups = 0  # full prompt blocks found in the prefix cache, and looked up
 
@@ -129,13 +130,13 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free.append(block_id)
+                self.free[block_id] = None
         table.clear()
 
     def _take(self) -> int:
         if not self.free:
             raise MemoryError("no free KV-cache block")
-        block_id = self.free.popleft()
+        block_id, _ = self.free.popitem(last=False)
         self._unregister(block_id)
         self.blocks[block_id].ref_count = 1
         return block_id
@@ -143,7 +144,7 @@ class BlockManager:
     def _reference(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            self.free.remove(block_id)
+            del self.free[block_id]
         block.ref_count += 1
 
     def _unregister(self, block_id: int) -> None:
@@ -153,10 +154,9 @@ class BlockManager:
         block.hash, block.keys = None, ()
 
     def check(self) -> None:
-        """Invariants (for tests): the free list holds exactly the unreferenced blocks, each once; the null block is
-        never handed out; every cached hash points at a block that carries it."""
+        """Invariants (for tests): the free list holds exactly the unreferenced blocks; the null block is never handed
+        out; every cached hash points at a block that carries it."""
         free = set(self.free)
-        assert len(free) == len(self.free), "a block is twice in the free list"
         assert NULL_BLOCK not in free and self.blocks[NULL_BLOCK].ref_count == 0
         for block in self.blocks[1:]:
             assert block.ref_count >= 0

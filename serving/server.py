@@ -30,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from data.chat_processors import load_for_inference
+from data.detokenizer import IncrementalDetokenizer
 from models.checkpoints import pick_device
 from models.errors import TinyVLMError
 from serving.async_engine import AsyncEngine, EngineFailure, QueueFull
@@ -45,8 +46,9 @@ class Completion:
     """One request's samples as text: incremental detokenization, stop strings, finish reasons."""
 
     def __init__(self, tokenizer, n: int, stop_strings: list[str]) -> None:
-        self.tokenizer, self.stop_strings = tokenizer, stop_strings
-        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.stop_strings = stop_strings
+        self.longest_stop = max(map(len, stop_strings), default=0)
+        self.detokenizers = [IncrementalDetokenizer(tokenizer) for _ in range(n)]
         self.texts = [""] * n  # text sent so far
         self.finish_reasons: list[str | None] = [None] * n
 
@@ -57,20 +59,23 @@ class Completion:
             if self.finish_reasons[i]:
                 deltas.append("")
                 continue
-            self.tokens[i] += new
-            text = self.tokenizer.decode(self.tokens[i], skip_special_tokens=True)
-            reason = output.finish_reasons[i]
-            for stop in self.stop_strings:
-                if stop in text:
-                    text, reason = text[: text.index(stop)], "stop"
-            if reason is None:  # hold back a partial character and what could be the start of a stop string
-                text = text.rstrip("\ufffd")
+            detokenizer, reason = self.detokenizers[i], output.finish_reasons[i]
+            detokenizer.add(new)
+            if reason is not None:
+                detokenizer.finish()
+            text = detokenizer.text
+            # a stop string not found before overlaps the text not yet sent
+            start = max(0, len(self.texts[i]) - self.longest_stop + 1)
+            for stop in self.stop_strings:  # the earliest stop string wins
+                if (at := text.find(stop, start)) >= 0:
+                    text, reason = text[:at], "stop"
+            if reason is None:  # hold back what could be the start of a stop string
                 held = max((k for stop in self.stop_strings for k in range(1, len(stop)) if text.endswith(stop[:k])),
                            default=0)
                 text = text[: len(text) - held]
             self.finish_reasons[i] = reason
             deltas.append(text[len(self.texts[i]) :])
-            self.texts[i] = text if len(text) >= len(self.texts[i]) else self.texts[i]
+            self.texts[i] = text
         return deltas
 
     @property
@@ -129,7 +134,7 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
         return {**head, "object": "chat.completion", "choices": choices, "usage": usage(completion, prompt_tokens)}
 
     def usage(completion: Completion, prompt_tokens: int) -> dict:
-        generated = sum(len(tokens) for tokens in completion.tokens)
+        generated = sum(len(detokenizer.tokens) for detokenizer in completion.detokenizers)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
                 "total_tokens": prompt_tokens + generated}
 

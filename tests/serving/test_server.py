@@ -20,8 +20,8 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from data import ImageProcessor, encode_prompt  # noqa: E402
 from serving.async_engine import AsyncEngine  # noqa: E402
-from serving.engine import Engine  # noqa: E402
-from serving.server import create_app  # noqa: E402
+from serving.engine import Engine, Output  # noqa: E402
+from serving.server import Completion, create_app  # noqa: E402
 from tests.models.helpers import base_tokenizer, chat_vlm  # noqa: E402
 
 
@@ -257,3 +257,22 @@ def test_load_200_concurrent_streams_some_cancelled(served):
                 assert answer == expected[i % len(prompts)], i
         assert sum(answer is None for _, answer in results) > 0
     assert _rss_mib() - before < 50, (before, _rss_mib())
+
+
+def test_completion_text_holds_back_cut_characters_and_stop_string_starts():
+    tokenizer = base_tokenizer()
+    decoded = []
+    decode = tokenizer.decode
+    tokenizer.decode = lambda ids, **kwargs: decoded.append(len(ids)) or decode(ids, **kwargs)
+    filler = "the sky is blue " * 40
+    ids = tokenizer.encode(filler + "é😀 ENDing", add_special_tokens=False)
+    completion = Completion(tokenizer, 1, ["NOT HERE", "END"])
+    deltas = []
+    for i, token in enumerate(ids):
+        last = i == len(ids) - 1
+        deltas += completion.update(Output("r", [[token]], last, ["length" if last else None]))
+        if completion.done:
+            break
+    assert "".join(deltas) == filler + "é😀 " and completion.finish_reasons == ["stop"]
+    assert not any("\ufffd" in delta or "E" in delta for delta in deltas)  # nothing of the stop string went out
+    assert sum(decoded) < 6 * len(ids)  # each step decodes a few recent tokens, not all of them
