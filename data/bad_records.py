@@ -54,10 +54,12 @@ class CheckedRecords(Dataset):
     from each batch instead (data/loader.py).
     """
 
-    def __init__(self, dataset, policy: Policy, name: str = "train", report: Callable[[str], None] | None = None):
+    def __init__(self, dataset, policy: Policy, name: str = "train", report: Callable[[str], None] | None = None,
+                 check_texts: Callable[[list[dict[str, str]]], None] | None = None):
         if policy not in ("skip", "fail"):
             raise ValueError(f"policy must be 'skip' or 'fail', got {policy!r}")
         self.dataset, self.policy, self.name = dataset, policy, name
+        self.check_texts = check_texts  # the model's format refusing a text (a typed <image>): a bad record too
         self.report = report or _to_stderr
         self.num_bad = self.num_read = 0
 
@@ -78,7 +80,10 @@ class CheckedRecords(Dataset):
     def _read(self, index: int, fetch: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
         self.num_read += 1
         try:
-            return checked_record(fetch())
+            record = checked_record(fetch())
+            if self.check_texts is not None:
+                self.check_texts(record["texts"])
+            return record
         except Exception as e:  # noqa: BLE001 -- whatever reading one record raises (PIL, Arrow, a transform) makes it bad
             return self._bad(index, e)
 

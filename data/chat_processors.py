@@ -46,6 +46,9 @@ class ConversationEncoder(Protocol):
     def check(self) -> None:
         """Raise now (not at the first batch) if the tokenizer lacks a token the encoding needs."""
 
+    def check_texts(self, turns: Turns) -> None:
+        """Raise PromptError for a text this format cannot keep as text (training skips such a record)."""
+
     def encode(self, prompt: str, images: Sequence[Image.Image]) -> tuple[list[int], torch.Tensor | None]:
         """One user turn with the assistant turn opened: (ids, pixels)."""
 
@@ -89,6 +92,9 @@ class ChatProcessor:
         for token in (IM_START, IM_END):
             token_id(self.tokenizer, token)
         self.images.check_tokenizer()
+
+    def check_texts(self, turns: Turns) -> None:
+        """Nothing to refuse: a typed special-token string ("<|image|>") stays ordinary text (data/prompts.py)."""
 
     def encode(self, prompt: str, images: Sequence[Image.Image]) -> tuple[list[int], torch.Tensor | None]:
         pixels, placeholders = self.images(images)
@@ -193,14 +199,18 @@ class CheckpointProcessor:
         is asked through this class again (`load_for_inference`)."""
         self.processor.save_pretrained(directory)
 
-    def _messages(self, turns: list[dict[str, str]], num_images: int) -> list[dict]:
-        """Chat-template messages for the turns (a turn without "assistant" is a user message alone), the images at
-        the start of the first user message."""
+    def check_texts(self, turns: Turns) -> None:
+        """Raise PromptError where a text holds the image placeholder (`<image>`): the processor would expand it."""
         for turn in turns:
             for text in turn.values():
                 if self.processor.image_token in text:
                     raise PromptError(f"the text holds {self.processor.image_token}, which the chat template would "
                                       f"take for an image: {text[:60]!r}")
+
+    def _messages(self, turns: list[dict[str, str]], num_images: int) -> list[dict]:
+        """Chat-template messages for the turns (a turn without "assistant" is a user message alone), the images at
+        the start of the first user message."""
+        self.check_texts(turns)
         messages = []
         for i, turn in enumerate(turns):
             content = [{"type": "image"}] * (num_images if i == 0 else 0) + [{"type": "text", "text": turn["user"]}]

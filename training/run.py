@@ -58,7 +58,8 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
         processor = ChatProcessor.from_config(model.config, tokenizer)  # split if config.model.splitting says so
     config = dataclasses.replace(config, model=model.config)
     _check(config, resume)
-    train_records = CheckedRecords(train_data, config.data.on_bad_record, "train", report=report)
+    train_records = CheckedRecords(train_data, config.data.on_bad_record, "train", report=report,
+                                   check_texts=processor.check_texts)
     if tc.vision_pretrain_steps and not resume:
         _pretrain_vision(config, model, processor, train_records, device, say)
         distributed.broadcast_parameters(model.vision)  # GPU kernels need not be bit-exact across ranks
@@ -69,7 +70,8 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
         else loop.TrainState()
     # Records encoded the way the model is asked: tinyvlm's ChatML, or a checkpoint's own chat template and images.
     collator = VQACollator.for_encoder(processor, tc.max_length, ensure_image=ranks.distributed, pack=tc.packing)
-    validation_records = CheckedRecords(validation_data, config.data.on_bad_record, "validation", report=report)
+    validation_records = CheckedRecords(validation_data, config.data.on_bad_record, "validation", report=report,
+                                        check_texts=processor.check_texts)
     lengths = text_lengths(train_data) if tc.group_by_length else None
     sampler = ResumableBatchSampler(len(train_records), tc.batch_size, tc.seed, state.samples_seen, ranks.rank,
                                     ranks.world_size, lengths)

@@ -18,7 +18,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import generate
-from data import IGNORE_INDEX, PromptError, VQACollator, build_datasets
+from data import IGNORE_INDEX, BadRecordError, CheckedRecords, PromptError, VQACollator, build_datasets
 from data.chat_processors import ChatProcessor, CheckpointProcessor, TemplateError, load_for_inference
 from models import (
     CheckpointError,
@@ -379,6 +379,18 @@ def test_a_typed_image_token_is_a_prompt_error(smolvlm):
     encoder = CheckpointProcessor.from_pretrained(smolvlm[0])
     with pytest.raises(PromptError, match="holds <image>, which the chat template would take for an image"):
         encoder.encode_conversation([{"user": "<image>\nwhat?", "assistant": "red"}], [photo(40, 40)])
+
+
+def test_a_typed_image_token_in_training_data_is_a_bad_record_not_a_stopped_run(smolvlm):
+    encoder = CheckpointProcessor.from_pretrained(smolvlm[0])
+    records = [{"images": [photo(40, 40)], "texts": [{"user": user, "assistant": "red"}]}
+               for user in ("what colour?", "see <image> here")]
+    skipping = CheckedRecords(records, "skip", report=lambda _: None, check_texts=encoder.check_texts)
+    assert skipping[0] is not None and skipping[1] is None and skipping.num_bad == 1
+    assert VQACollator.for_encoder(encoder, 512)([skipping[0], skipping[1]])["images"].shape[0] > 0
+    failing = CheckedRecords(records, "fail", check_texts=encoder.check_texts)
+    with pytest.raises(BadRecordError, match=r"train record 1 is bad \(PromptError: the text holds <image>"):
+        failing[1]
 
 
 @pytest.mark.parametrize("overrides, message", [
