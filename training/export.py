@@ -15,13 +15,14 @@ from pathlib import Path
 from torch.distributed.checkpoint import CheckpointException
 
 from models import CheckpointError, ConfigError, VisionLanguageModel, VLMConfig
-from models.checkpoints import SHARDED
+from models.checkpoints import PROCESSOR_FILES, SHARDED
 from models.config import one_line
 from training.distributed import read_sharded_weights
 
 
 def export(checkpoint: Path, out: Path | None = None) -> Path:
-    """Write config.json + model.safetensors (and the tokenizer files) of a sharded checkpoint into `out`."""
+    """Write config.json + model.safetensors (and the processor or tokenizer files) of a sharded checkpoint into
+    `out`."""
     if not (checkpoint / SHARDED).is_dir():
         raise CheckpointError(f"{checkpoint}: not a sharded checkpoint (no {SHARDED}/ directory)")
     out = out or checkpoint
@@ -29,24 +30,32 @@ def export(checkpoint: Path, out: Path | None = None) -> Path:
     read_sharded_weights(checkpoint / SHARDED, model)
     model.save_pretrained(out)
     if out != checkpoint:
-        from transformers import AutoTokenizer
-
-        AutoTokenizer.from_pretrained(checkpoint).save_pretrained(out)
+        copy_processor(checkpoint, out)
     return out
 
 
 def export_idefics3(checkpoint: Path, out: Path) -> Path:
-    """Write the tinyvlm checkpoint as a transformers Idefics3 one (and its tokenizer files, when it has some)."""
+    """Write the tinyvlm checkpoint as a transformers Idefics3 one (and its processor or tokenizer files)."""
     from models.checkpoints import find_checkpoint
     from models.idefics3 import export_idefics3 as write_idefics3
 
     checkpoint = find_checkpoint(checkpoint)
     write_idefics3(VisionLanguageModel.from_pretrained(checkpoint), out)
-    if (checkpoint / "tokenizer_config.json").is_file():
+    copy_processor(checkpoint, out)
+    return out
+
+
+def copy_processor(checkpoint: Path, out: Path) -> None:
+    """What inference needs besides the weights: the checkpoint's whole transformers processor where it has one (a
+    SmolVLM fine-tune: image splitting settings and chat template too), else its tokenizer files, if any."""
+    if any((checkpoint / name).is_file() for name in PROCESSOR_FILES):
+        from transformers import AutoProcessor
+
+        AutoProcessor.from_pretrained(checkpoint).save_pretrained(out)
+    elif (checkpoint / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(checkpoint).save_pretrained(out)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

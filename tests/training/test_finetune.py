@@ -42,6 +42,7 @@ from tests.models.helpers import (
 from tests.training.helpers import small_config
 from training import loop
 from training.config import load_run_config
+from training.export import export_idefics3
 from training.run import train
 
 pytestmark = pytest.mark.filterwarnings("ignore:Glyph .* missing from font")  # a random LM's answers in the plot
@@ -379,6 +380,17 @@ def test_a_typed_image_token_is_a_prompt_error(smolvlm):
     encoder = CheckpointProcessor.from_pretrained(smolvlm[0])
     with pytest.raises(PromptError, match="holds <image>, which the chat template would take for an image"):
         encoder.encode_conversation([{"user": "<image>\nwhat?", "assistant": "red"}], [photo(40, 40)])
+
+
+def test_an_exported_smolvlm_keeps_its_processor(smolvlm, tmp_path):
+    export_idefics3(smolvlm[0], tmp_path / "out")
+    model, encoder = load_for_inference(tmp_path / "out", torch.device("cpu"))
+    assert isinstance(encoder, CheckpointProcessor)  # image splitting and chat template, not a bare tokenizer
+    original = CheckpointProcessor.from_pretrained(smolvlm[0])
+    image = photo(70, 50)
+    ids, pixels = encoder.encode("what colour?", [image])
+    expected_ids, expected_pixels = original.encode("what colour?", [image])
+    assert ids == expected_ids and torch.equal(pixels, expected_pixels)
 
 
 def test_a_typed_image_token_in_training_data_is_a_bad_record_not_a_stopped_run(smolvlm):
