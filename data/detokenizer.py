@@ -26,20 +26,20 @@ class IncrementalDetokenizer:
     def add(self, token_ids: Iterable[int]) -> str:
         """Take new tokens; returns the text they complete ("" while a character is still cut)."""
         self.tokens.extend(token_ids)
-        before = self._decode(self.tokens[self._window : self._read])
-        after = self._decode(self.tokens[self._window :])
-        if len(after) <= len(before) or after.endswith(CUT_CHARACTER):
-            return ""
-        new = after[len(before) :]
-        self._window, self._read = self._read, len(self.tokens)
-        self.text += new
-        return new
+        new = self._pending()
+        return "" if not new or new.endswith(CUT_CHARACTER) else self._take(new)
 
     def finish(self) -> str:
         """The text still held back (a character the last tokens left cut, as U+FFFD): call when no tokens follow."""
+        return self._take(self._pending())
+
+    def _pending(self) -> str:
+        """The text the tokens after `_read` add: the window decoded with them, less the window decoded without."""
         before = self._decode(self.tokens[self._window : self._read])
-        new = self._decode(self.tokens[self._window :])[len(before) :]
-        self._window = self._read = len(self.tokens)
+        return self._decode(self.tokens[self._window :])[len(before) :]
+
+    def _take(self, new: str) -> str:
+        self._window, self._read = self._read, len(self.tokens)
         self.text += new
         return new
 
