@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torchvision.transforms import v2
 
 from data import ImageLoadError, ImageProcessor, load_image
 from models.config import VisionConfig
@@ -129,3 +130,14 @@ def test_processor_resizes_to_a_square_and_reads_vision_config():
     tensor = processor(Image.new("RGBA", (100, 30), (0, 0, 0, 0)))  # transparent: white after compositing
     assert tensor.shape == (3, 48, 48)
     torch.testing.assert_close(tensor, torch.ones(3, 48, 48))
+
+
+@pytest.mark.parametrize("size", [(32, 32), (50, 20), (7, 90)])
+def test_processor_matches_torchvision_bit_for_bit(size):
+    """The hand-rolled fast path returns torchvision's v2 pipeline (resize, to [0, 1], normalise) exactly."""
+    mean, std = (0.9, 0.886, 0.878), (0.13, 0.15, 0.19)
+    reference = v2.Compose([v2.Resize((32, 32), antialias=True), v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
+                            v2.Normalize(list(mean), list(std))])
+    rgb = np.random.default_rng(1).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    image = Image.fromarray(rgb)
+    assert torch.equal(ImageProcessor(32, mean, std)(image), reference(image))

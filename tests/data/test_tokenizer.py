@@ -21,6 +21,7 @@ from data import (
     text_lengths,
     token_id,
 )
+from data.prompts import encode_text
 from data.synthetic import CELLS, COLORS, SHAPES
 
 SPECIALS = (IM_START, IM_END, IMAGE_TOKEN, PAD_TOKEN)
@@ -105,6 +106,18 @@ def test_typed_special_token_text_stays_text(shapes_tokenizer):
     prompt = encode_prompt(shapes_tokenizer, sneaky, num_images=0, tokens_per_image=3)
     assert image_id not in prompt and prompt.count(end_id) == 1
     assert sneaky in shapes_tokenizer.decode(prompt)
+
+
+def test_encodings_are_memoised_per_tokenizer_and_vocabulary(plain_tokenizer, shapes_tokenizer):
+    """encode_text caches its results: two tokenizers never share an entry, and a token added later is used."""
+    assert encode_text(plain_tokenizer, "hello world") == plain_tokenizer.encode("hello world")
+    assert encode_text(shapes_tokenizer, "hello world") == shapes_tokenizer.encode("hello world")
+    before = encode_text(plain_tokenizer, "hello zyx")
+    plain_tokenizer.add_tokens(["zyx"])
+    after = encode_text(plain_tokenizer, "hello zyx")
+    assert after != before and after == plain_tokenizer.encode("hello zyx", add_special_tokens=False)
+    after.append(0)  # callers own the list they get
+    assert encode_text(plain_tokenizer, "hello zyx") == plain_tokenizer.encode("hello zyx", add_special_tokens=False)
 
 
 def test_prepare_tokenizer_adds_what_is_missing_once(plain_tokenizer):
