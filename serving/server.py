@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 import time
@@ -86,14 +87,7 @@ class Completion:
 def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_tokens: int = 256,
                max_images: int = 4) -> FastAPI:
     app = FastAPI(title="tinyvlm")
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_, exc: RequestValidationError) -> JSONResponse:
-        problem = exc.errors()[0] if exc.errors() else {}
-        if problem.get("type") == "json_invalid":
-            return error(400, "the request body is not valid JSON")
-        where = ".".join(str(p) for p in problem.get("loc", ()) if p != "body")
-        return error(400, f"{where + ': ' if where else ''}{problem.get('msg', 'invalid request')}")
+    app.add_exception_handler(RequestValidationError, invalid_request)
 
     @app.get("/health")
     async def health() -> dict:
@@ -118,34 +112,49 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
             return error(429, str(e), "rate_limit_error")
         except TinyVLMError as e:
             return error(400, str(e))
-        completion = Completion(tokenizer, chat_request.n, chat_request.stop_strings)
-        created = int(time.time())
-        prompt_tokens = group.num_prompt
-        head = {"id": request_id, "created": created, "model": chat_request.model or model_name}
+        reply = Reply(engine, stream, Completion(tokenizer, chat_request.n, chat_request.stop_strings), request_id,
+                      {"id": request_id, "created": int(time.time()), "model": chat_request.model or model_name},
+                      group.num_prompt)
         if chat_request.stream:
             include_usage = bool(chat_request.stream_options and chat_request.stream_options.include_usage)
-            events = stream_events(stream, completion, request_id, head, include_usage, prompt_tokens)
-            return StreamingResponse(events, media_type="text/event-stream")
-        async for item in outputs(stream, completion, request_id, http):
+            return StreamingResponse(reply.events(include_usage), media_type="text/event-stream")
+        return await reply.whole(http)
+
+    return app
+
+
+async def invalid_request(_, exc: RequestValidationError) -> JSONResponse:
+    """A request the protocol's models refuse: a 400 naming the field, as OpenAI's API answers."""
+    problem = exc.errors()[0] if exc.errors() else {}
+    if problem.get("type") == "json_invalid":
+        return error(400, "the request body is not valid JSON")
+    where = ".".join(str(p) for p in problem.get("loc", ()) if p != "body")
+    return error(400, f"{where + ': ' if where else ''}{problem.get('msg', 'invalid request')}")
+
+
+@dataclasses.dataclass
+class Reply:
+    """One submitted request's answer: its engine outputs as one chat.completion, or as server-sent chunks."""
+
+    engine: AsyncEngine
+    stream: asyncio.Queue
+    completion: Completion
+    request_id: str
+    head: dict  # id, created, model: in every response body
+    prompt_tokens: int
+
+    async def whole(self, http: Request) -> dict | JSONResponse:
+        async for item in self.outputs(http):
             if isinstance(item, EngineFailure):
                 return error(500, item.message, "server_error")
         choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-                   for i, (text, reason) in enumerate(zip(completion.texts, completion.finish_reasons))]
-        return {**head, "object": "chat.completion", "choices": choices, "usage": usage(completion, prompt_tokens)}
+                   for i, (text, reason) in enumerate(zip(self.completion.texts, self.completion.finish_reasons))]
+        return {**self.head, "object": "chat.completion", "choices": choices, "usage": self.usage()}
 
-    def usage(completion: Completion, prompt_tokens: int) -> dict:
-        generated = sum(len(detokenizer.tokens) for detokenizer in completion.detokenizers)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
-                "total_tokens": prompt_tokens + generated}
-
-    async def stream_events(stream: asyncio.Queue, completion: Completion, request_id: str, head: dict,
-                            include_usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
-        def event(choices: list, **extra) -> str:
-            return f"data: {json.dumps({**head, 'object': 'chat.completion.chunk', 'choices': choices, **extra})}\n\n"
-
-        yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                     for i in range(len(completion.texts))])
-        async for item in outputs(stream, completion, request_id, None):
+    async def events(self, include_usage: bool) -> AsyncIterator[str]:
+        yield self.event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                          for i in range(len(self.completion.texts))])
+        async for item in self.outputs(None):
             if isinstance(item, EngineFailure):
                 yield f"data: {json.dumps({'error': {'message': item.message, 'type': 'server_error'}})}\n\n"
                 return
@@ -153,19 +162,27 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
             choices = [{"index": i, "delta": {"content": delta} if delta else {}, "finish_reason": reason}
                        for i, (delta, reason) in enumerate(zip(deltas, reasons)) if delta or reason]
             if choices:
-                yield event(choices)
+                yield self.event(choices)
         if include_usage:
-            yield event([], usage=usage(completion, prompt_tokens))
+            yield self.event([], usage=self.usage())
         yield "data: [DONE]\n\n"
 
-    async def outputs(stream: asyncio.Queue, completion: Completion, request_id: str, http: Request | None):
+    def event(self, choices: list, **extra) -> str:
+        return f"data: {json.dumps({**self.head, 'object': 'chat.completion.chunk', 'choices': choices, **extra})}\n\n"
+
+    def usage(self) -> dict:
+        generated = sum(len(detokenizer.tokens) for detokenizer in self.completion.detokenizers)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": generated,
+                "total_tokens": self.prompt_tokens + generated}
+
+    async def outputs(self, http: Request | None):
         """Each step's (deltas, newly final reasons) until every sample is done; a request whose client goes away
-        (or whose samples all hit stop strings) is aborted, which frees its blocks."""
-        finished = False
+        (`http` polled while nothing arrives) or whose samples all hit stop strings is aborted, freeing its blocks."""
+        completion, finished = self.completion, False
         try:
             while not completion.done:
                 try:
-                    item = await asyncio.wait_for(stream.get(), timeout=0.5)
+                    item = await asyncio.wait_for(self.stream.get(), timeout=0.5)
                 except TimeoutError:
                     if http is not None and await http.is_disconnected():
                         return
@@ -180,9 +197,7 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
                 yield deltas, [r if r != b else None for r, b in zip(completion.finish_reasons, before)]
         finally:
             if not finished:  # the client went away, or stop strings ended every sample
-                engine.abort(request_id)
-
-    return app
+                self.engine.abort(self.request_id)
 
 
 def main(argv: list[str] | None = None) -> int:
