@@ -52,11 +52,11 @@ def _other_value(value: Any, annotation: Any) -> Any:
 TINY_CHANGES = {
     "model.vision.image_size": {"model.vision.image_size": 96, "data.shapes.image_size": 96},  # must stay equal
     "data.shapes.image_size": {"model.vision.image_size": 96, "data.shapes.image_size": 96},
-    "model.vision.patch_size": {"model.vision.patch_size": 8},  # 32 does not divide 48
+    "model.vision.patch_size": {"model.vision.patch_size": 16, "model.projector.pixel_shuffle_factor": 1},  # 3x3 grid
     "model.vision.num_channels": {"model.vision.num_channels": 4, "model.vision.image_mean": (0.5,) * 4,
                                   "model.vision.image_std": (0.25,) * 4},  # a mean and std per channel
     "model.vision.pretrained": {"model.vision.pretrained": "some/siglip", "train.vision_pretrain_steps": 0},
-    "model.projector.pixel_shuffle_factor": {"model.projector.pixel_shuffle_factor": 3},  # must divide the 3x3 grid
+    "model.projector.pixel_shuffle_factor": {"model.projector.pixel_shuffle_factor": 3},  # must divide the 6x6 grid
     "data.source": {"data.source": "jsonl", "data.path": "data.jsonl"},
     "data.validation_path": {"data.source": "jsonl", "data.path": "data.jsonl", "data.validation_path": "val.jsonl"},
     "data.shapes.train_turns": {"data.shapes.train_turns": 2, "data.shapes.train_question_types": QUESTION_TYPES},
