@@ -5,6 +5,7 @@ from training.config import RunConfig, load_run_config
 SMALL = {
     "model.vision.image_size": "32", "model.vision.patch_size": "8", "model.vision.hidden_size": "32",
     "model.vision.intermediate_size": "64", "model.vision.num_layers": "1", "model.vision.num_heads": "2",
+    "model.projector.pixel_shuffle_factor": "1",  # 4x4 patches -> 16 image tokens
     "model.language.hidden_size": "48", "model.language.intermediate_size": "96", "model.language.num_layers": "2",
     "model.language.num_heads": "4", "model.language.num_kv_heads": "2",
     "data.shapes.image_size": "32", "data.shapes.num_train": "256", "data.shapes.num_validation": "16",

@@ -41,6 +41,7 @@ def test_loss_falls_and_the_run_leaves_its_artifacts(tmp_path):
 
 # A 3x3 patch grid, so that the ViT can be pre-trained on the scenes' cells; the ViT then stays frozen.
 PRETRAINED_VIT = {"model.vision.image_size": "48", "model.vision.patch_size": "16", "data.shapes.image_size": "48",
+                  "model.projector.pixel_shuffle_factor": "1",
                   "train.vision_pretrain_steps": "3", "train.vision_pretrain_batch_size": "8", "train.lr_vision": "0"}
 
 
