@@ -24,7 +24,7 @@ demo: install
 	$(PY) generate.py --image runs/tiny/heldout_example.png
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"

@@ -9,11 +9,19 @@ labels beyond the records' own texts. Contrasting images with their texts (SigLI
 with one-attribute texts ("What colour is it? pink"), most in-batch negatives are true of the image too, and a
 zero-shot reading of the learned features was near chance for shape. Only the ViT is kept: with `train.lr_vision: 0`
 it is then frozen while the projector and the LM learn to read it, as with the synthetic data's supervised objective
-(training/vision_pretraining.py).
+(training/vision_pretraining.py). Given the VLM's projector, the reader reads the image tokens the LM will see (the
+projector held fixed), so what the ViT learns survives the projector's map: with the tiny default's frozen random
+projector (9 tokens from 36 patches, 512 -> 128 wide), a ViT trained for its own tokens lost most of the shape on the
+way (issue 19).
+
+Where the records carry a `question_type`, the types are drawn in proportion to their running loss squared
+(`LossProportionalTypes`), so a type the ViT cannot read yet (shape, a fifth of the records) gets most of the steps
+until it catches up; without the field, records are drawn uniformly.
 """
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Callable, Sequence
 
@@ -26,6 +34,7 @@ from models.vision_transformer import VisionTransformer
 from training.vision_pretraining import optimize
 
 READER_HEADS = 4
+LOSS_DECAY = 0.9  # per step: a type's running loss averages its last ~10 batches
 
 
 class AnswerReader(nn.Module):
@@ -53,51 +62,97 @@ def bag(token_lists: Sequence[Sequence[int]], device: torch.device) -> tuple[tor
     return torch.tensor([i for ids in token_lists for i in ids]).to(device), offsets.to(device)
 
 
-def answer_loss(logits: torch.Tensor, answers: Sequence[Sequence[int]]) -> torch.Tensor:
-    """Mean over the batch of the cross-entropy against each answer's token distribution (its words, equally)."""
+def answer_losses(logits: torch.Tensor, answers: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Each row's cross-entropy against its answer's token distribution (its words, equally), [B]."""
     rows = torch.tensor([row for row, ids in enumerate(answers) for _ in ids], device=logits.device)
     words = torch.tensor([i for ids in answers for i in ids], device=logits.device)
     shares = torch.tensor([1 / len(ids) for ids in answers for _ in ids], device=logits.device, dtype=logits.dtype)
     # accumulate: a word the answer repeats counts twice
     targets = torch.zeros_like(logits).index_put_((rows, words), shares, accumulate=True)
-    return -(targets * logits.log_softmax(-1)).sum(-1).mean()
+    return -(targets * logits.log_softmax(-1)).sum(-1)
+
+
+class LossProportionalTypes:
+    """Draws records by question type, each type with probability proportional to its running loss squared (an
+    exponential moving average of its rows' answer losses; every type starts equal), then a record of that type
+    uniformly; with no types given, every record uniformly. The squared loss gives a type the ViT reads worst most of
+    the draws while it lags (a fifth of the records asking about shape is otherwise too little signal in the time)."""
+
+    def __init__(self, num_records: int, question_types: Sequence[str] | None, rng: random.Random):
+        self.rng, self.num_records = rng, num_records
+        self.groups: dict[str, list[int]] = {}
+        for index, kind in enumerate(question_types or ()):
+            self.groups.setdefault(kind, []).append(index)
+        self.running_loss = dict.fromkeys(self.groups, 1.0)
+
+    def draw(self) -> tuple[int, str | None]:
+        """A record's index and its type (None without types)."""
+        if not self.groups:
+            return self.rng.randrange(self.num_records), None
+        kinds = list(self.groups)
+        kind = self.rng.choices(kinds, weights=[self.running_loss[k] ** 2 for k in kinds])[0]
+        return self.rng.choice(self.groups[kind]), kind
+
+    def update(self, kinds: Sequence[str | None], losses: Sequence[float]) -> None:
+        """Fold one batch's per-row losses into the running loss of each type it drew."""
+        for kind in set(kinds) - {None}:
+            mean = sum(loss for k, loss in zip(kinds, losses) if k == kind) / kinds.count(kind)
+            self.running_loss[kind] = LOSS_DECAY * self.running_loss[kind] + (1 - LOSS_DECAY) * mean
+
+
+def question_types(dataset: Sequence[dict]) -> list[str] | None:
+    """An Arrow dataset's `question_type` column, read without decoding its images; None when it has none."""
+    if "question_type" not in (getattr(dataset, "column_names", None) or ()):
+        return None
+    return list(dataset.with_format(None)["question_type"])
 
 
 def pretrain_vision_on_answers(vision: VisionTransformer, processor: ImageProcessor, records: Sequence[dict | None],
                                encode: Callable[[str], Sequence[int]], vocab_size: int, steps: int, batch_size: int,
-                               lr: float, seed: int, device: torch.device,
+                               lr: float, seed: int, device: torch.device, question_types: Sequence[str] | None = None,
+                               projector: nn.Module | None = None,
                                report: Callable[[str], None] = print) -> tuple[AnswerReader, list[float]]:
     """Train `vision` in place for `steps` AdamW steps (constant `lr`) to answer the records' questions through an
     `AnswerReader`; `encode` turns a text into token ids. Records are drawn at random (seeded) from `records` (the
     training split: a CheckedRecords, where a bad record reads as None), one turn each; records without an image, and
-    bad ones, are passed over. Returns the reader and the losses; training needs only the ViT afterwards."""
-    reader = AnswerReader(vision.config.hidden_size, vocab_size).to(device)
-    rng = random.Random(f"answer-pretraining:{seed}")
+    bad ones, are passed over; `question_types` (one per record) draws them as `LossProportionalTypes` does. Returns
+    the reader and the losses; training needs only the ViT afterwards. With a `projector` (ViT tokens -> image
+    tokens of `projector.proj.out_features`), the reader reads its tokens; a copy of it, never trained here."""
+    width = vision.config.hidden_size if projector is None else projector.proj.out_features
+    reader = AnswerReader(width, vocab_size).to(device)
+    fixed = nn.Identity() if projector is None else copy.deepcopy(projector).requires_grad_(False)
+    drawing = LossProportionalTypes(len(records), question_types, random.Random(f"answer-pretraining:{seed}"))
 
     def batch_loss() -> torch.Tensor:
-        pixels, questions, answers = _batch(records, processor, encode, batch_size, rng)
-        return answer_loss(reader(vision(pixels.to(device)), *bag(questions, device)), answers)
+        pixels, questions, answers, kinds = _batch(records, processor, encode, batch_size, drawing)
+        losses = answer_losses(reader(fixed(vision(pixels.to(device))), *bag(questions, device)), answers)
+        if drawing.groups:
+            drawing.update(kinds, losses.tolist())
+        return losses.mean()
 
     vision.train()
     return reader, optimize(batch_loss, [*vision.parameters(), *reader.parameters()], steps, lr, report)
 
 
 def _batch(records: Sequence[dict | None], processor: ImageProcessor, encode: Callable[[str], Sequence[int]],
-           batch_size: int, rng: random.Random) -> tuple[torch.Tensor, list[list[int]], list[list[int]]]:
-    """`batch_size` records with an image, drawn at random, one turn of each: first images [B, 3, H, W], questions'
-    and answers' token ids (a turn whose question or answer encodes to nothing is passed over)."""
-    pixels, questions, answers = [], [], []
+           batch_size: int, drawing: LossProportionalTypes
+           ) -> tuple[torch.Tensor, list[list[int]], list[list[int]], list[str | None]]:
+    """`batch_size` records with an image, as `drawing` draws them, one turn of each: first images [B, 3, H, W],
+    questions' and answers' token ids (a turn whose question or answer encodes to nothing is passed over), types."""
+    pixels, questions, answers, kinds = [], [], [], []
     for _ in range(100 * batch_size):
-        record = records[rng.randrange(len(records))]
+        index, kind = drawing.draw()
+        record = records[index]
         if record is None or not record["images"]:
             continue
-        turn = rng.choice(record["texts"])
+        turn = drawing.rng.choice(record["texts"])
         question, answer = list(encode(turn["user"])), list(encode(turn["assistant"]))
         if question and answer:
             pixels.append(processor(record["images"][0]))
             questions.append(question)
             answers.append(answer)
+            kinds.append(kind)
             if len(answers) == batch_size:
-                return torch.stack(pixels), questions, answers
+                return torch.stack(pixels), questions, answers, kinds
     raise ConfigError(f"vision pre-training found {len(answers)} records with an image and a question in "
                       f"{100 * batch_size} draws; set train.vision_pretrain_steps to 0 for data without images")

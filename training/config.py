@@ -31,6 +31,9 @@ class TrainConfig(Config):
     # training records' own questions through a one-layer reader; training/answer_pretraining.py), or "auto" (cells
     # on the synthetic shapes, answers on any other source).
     vision_pretrain_steps: int = 0
+    # The answers objective's own step count (null: vision_pretrain_steps; 0 there skips either objective): it learns
+    # from one question per image where cells names every patch, so it needs more steps.
+    answer_pretrain_steps: int | None = None
     vision_pretrain_objective: Literal["auto", "cells", "answers"] = "auto"
     vision_pretrain_batch_size: int = 64
     vision_pretrain_lr: float = 1e-3
@@ -80,6 +83,8 @@ class TrainConfig(Config):
         self.check_at_least("train", 0, ("lr_projector", "lr_vision", "lr_language", "weight_decay", "warmup_steps",
                                          "grad_clip", "eval_batches", "eval_questions", "num_threads", "decay_steps",
                                          "vision_pretrain_steps", "num_workers"))
+        check(self.answer_pretrain_steps is None or self.answer_pretrain_steps >= 1,
+              f"train.answer_pretrain_steps must be null or at least 1, got {self.answer_pretrain_steps}")
         check(self.vision_pretrain_lr > 0, f"train.vision_pretrain_lr must be positive, got {self.vision_pretrain_lr}")
         check(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
         check(0 < self.adam_beta2 < 1, f"train.adam_beta2 must lie in (0, 1), got {self.adam_beta2}")
@@ -111,6 +116,14 @@ class RunConfig(Config):
         if objective == "auto":
             return "cells" if self.data.source == "synthetic" else "answers"
         return objective
+
+    def vision_pretrain_steps(self) -> int:
+        """The ViT's pre-training steps in this run: 0 when `train.vision_pretrain_steps` is 0, else that, or
+        `train.answer_pretrain_steps` where set and the objective is answers."""
+        tc = self.train
+        if tc.vision_pretrain_steps and tc.answer_pretrain_steps and self.vision_pretrain_objective() == "answers":
+            return tc.answer_pretrain_steps
+        return tc.vision_pretrain_steps
 
     def __post_init__(self) -> None:
         if self.init_from is not None:

@@ -1,6 +1,8 @@
-"""Label-free vision pre-training: the answer loss against a float64 reference, and a ViT that learns from records'
-own questions and answers what their images show (colour and place), for data with no scene labels."""
+"""Label-free vision pre-training: the answer loss against a float64 reference, a ViT that learns from records'
+own questions and answers what their images show (colour and place), for data with no scene labels, also when read
+through the VLM's fixed projector, and the drawing of question types by their running loss."""
 
+import json
 import random
 
 import pytest
@@ -8,9 +10,17 @@ import torch
 from PIL import Image, ImageDraw
 
 from data.processors import ImageProcessor
-from models.config import ConfigError, VisionConfig
+from data.sources import load_jsonl
+from models.config import ConfigError, LanguageConfig, ProjectorConfig, VisionConfig, VLMConfig
+from models.modality_projector import ModalityProjector
 from models.vision_transformer import VisionTransformer
-from training.answer_pretraining import answer_loss, bag, pretrain_vision_on_answers
+from training.answer_pretraining import (
+    LossProportionalTypes,
+    answer_losses,
+    bag,
+    pretrain_vision_on_answers,
+    question_types,
+)
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 160, 50), "blue": (40, 80, 230), "black": (20, 20, 20)}
 SIDES = ("left", "right")
@@ -27,8 +37,8 @@ def test_answer_loss_equals_a_float64_reference():
     torch.manual_seed(0)
     logits, answers = torch.randn(3, 10), [[4], [1, 2, 3], [7, 7, 2]]
     log_probs = logits.double().log_softmax(-1)
-    expected = sum(-sum(log_probs[row, i].item() for i in ids) / len(ids) for row, ids in enumerate(answers)) / 3
-    assert answer_loss(logits, answers).item() == pytest.approx(expected, rel=1e-6)
+    expected = [-sum(log_probs[row, i].item() for i in ids) / len(ids) for row, ids in enumerate(answers)]
+    assert answer_losses(logits, answers).tolist() == pytest.approx(expected, rel=1e-6)
 
 
 def test_bag_gives_embedding_bag_offsets():
@@ -44,24 +54,40 @@ def _record(colour: str, side: str, rng: random.Random) -> dict:
     return {"images": [image], "texts": [{"user": QUESTIONS[kind], "assistant": colour if kind == "colour" else side}]}
 
 
-def _vision(layers: int = 2) -> VisionTransformer:
-    return VisionTransformer(VisionConfig(image_size=48, patch_size=16, hidden_size=32, intermediate_size=64,
+def _vision(layers: int = 2, patch_size: int = 16) -> VisionTransformer:
+    return VisionTransformer(VisionConfig(image_size=48, patch_size=patch_size, hidden_size=32, intermediate_size=64,
                                           num_layers=layers, num_heads=2))
 
 
-def test_the_vit_learns_what_the_answers_say_about_its_images():
+def _projector(vision: VisionTransformer) -> ModalityProjector:
+    """The VLM's projector for this ViT: a 2x2 pixel shuffle of its 6x6 patches into 9 tokens, 48 wide."""
+    config = VLMConfig(vision=vision.config, projector=ProjectorConfig(pixel_shuffle_factor=2),
+                       language=LanguageConfig(vocab_size=len(WORDS), hidden_size=48, intermediate_size=96,
+                                               num_layers=1, num_heads=2, num_kv_heads=1))
+    return ModalityProjector(config)
+
+
+@pytest.mark.parametrize("through_projector", [False, True])
+def test_the_vit_learns_what_the_answers_say_about_its_images(through_projector):
     """After pre-training on records alone, the reader answers held-out images' colour and side questions (chance: 1
-    in 4 and 1 in 2); it reads only the ViT's tokens, so they carry both."""
+    in 4 and 1 in 2); it reads only the ViT's tokens (or the fixed projector's, which stays as it was), so they carry
+    both."""
     torch.manual_seed(0)
     rng = random.Random(0)
     records = [_record(rng.choice(list(COLOURS)), rng.choice(SIDES), rng) for _ in range(400)]
     records[5] = None  # a bad record, passed over
     records[6] = {**records[7], "images": []}  # a text-only record, passed over
-    vision, processor = _vision(), ImageProcessor(48)
+    vision, processor = _vision(patch_size=8 if through_projector else 16), ImageProcessor(48)
+    projector = _projector(vision) if through_projector else None
+    before = {k: v.clone() for k, v in projector.state_dict().items()} if projector else {}
     reader, losses = pretrain_vision_on_answers(vision, processor, records, _encode, len(WORDS), steps=150,
                                                 batch_size=32, lr=3e-3, seed=0, device=torch.device("cpu"),
-                                                report=lambda _: None)
+                                                projector=projector, report=lambda _: None)
     assert len(losses) == 150 and sum(losses[-10:]) < 0.2 * sum(losses[:10])
+    if projector is not None:
+        assert all(torch.equal(before[k], v) for k, v in projector.state_dict().items())
+        assert all(p.grad is None for p in projector.parameters())
+        vision = torch.nn.Sequential(vision, projector)
 
     scenes = [(colour, side) for colour in COLOURS for side in SIDES for _ in range(8)]
     held_out = [_record(colour, side, random.Random(100 + k)) for k, (colour, side) in enumerate(scenes)]
@@ -81,3 +107,39 @@ def test_data_without_images_is_a_one_line_error():
     with pytest.raises(ConfigError, match="set train.vision_pretrain_steps to 0"):
         pretrain_vision_on_answers(_vision(1), ImageProcessor(48), records, lambda t: [0], 4, steps=1, batch_size=2,
                                    lr=1e-3, seed=0, device=torch.device("cpu"), report=lambda _: None)
+
+
+def test_types_are_drawn_in_proportion_to_their_running_loss_squared():
+    drawing = LossProportionalTypes(6, ["a", "b", "a", "c", "b", "a"], random.Random(0))
+    drawing.running_loss = {"a": 2.0, "b": 1.0, "c": 1.0}  # shares 4 : 1 : 1
+    draws = [drawing.draw() for _ in range(12000)]
+    shares = {kind: sum(k == kind for _, k in draws) / len(draws) for kind in "abc"}
+    assert shares == pytest.approx({"a": 4 / 6, "b": 1 / 6, "c": 1 / 6}, abs=0.02)
+    for kind, indices in {"a": [0, 2, 5], "b": [1, 4], "c": [3]}.items():  # then a record of the type, uniformly
+        drawn = [index for index, k in draws if k == kind]
+        assert [drawn.count(i) / len(drawn) for i in indices] == pytest.approx([1 / len(indices)] * len(indices),
+                                                                               abs=0.03)
+
+
+def test_running_losses_fold_in_each_types_batch_mean():
+    drawing = LossProportionalTypes(3, ["a", "b", "c"], random.Random(0))
+    drawing.update(["a", "a", "b"], [3.0, 1.0, 0.5])
+    assert drawing.running_loss == pytest.approx({"a": 0.9 + 0.1 * 2.0, "b": 0.9 + 0.1 * 0.5, "c": 1.0})
+
+
+def test_without_types_every_record_is_drawn_alike():
+    drawing = LossProportionalTypes(4, None, random.Random(0))
+    draws = [drawing.draw() for _ in range(4000)]
+    assert {kind for _, kind in draws} == {None}
+    assert [sum(i == k for i, _ in draws) / 4000 for k in range(4)] == pytest.approx([0.25] * 4, abs=0.03)
+
+
+def test_question_types_come_from_the_jsonl_column_without_opening_images(tmp_path):
+    (tmp_path / "broken.png").write_bytes(b"not an image")  # reading a record would fail on it
+    lines = [{"images": ["broken.png"], "texts": [{"user": "q", "assistant": "a"}], "question_type": kind}
+             for kind in ("colour", "shape")]
+    (tmp_path / "typed.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
+    assert question_types(load_jsonl(tmp_path / "typed.jsonl")) == ["colour", "shape"]  # no image is opened
+    (tmp_path / "plain.jsonl").write_text(json.dumps({k: v for k, v in lines[0].items() if k != "question_type"}))
+    assert question_types(load_jsonl(tmp_path / "plain.jsonl")) is None
+    assert question_types([{"images": [], "texts": []}]) is None

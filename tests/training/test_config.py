@@ -125,6 +125,7 @@ def test_boolean_and_numeric_overrides_parse():
     (["--model.language.num_kv_heads", "3"], r"num_heads \(\d+\) must be divisible by language.num_kv_heads \(3\)"),
     (["--data.source", "jsonl", "--data.path", "x.jsonl", "--train.vision_pretrain_objective", "cells"],
      r"vision_pretrain_objective=cells needs data.source=synthetic.* use answers \(or auto\) for data.source=jsonl"),
+    (["--train.answer_pretrain_steps", "0"], "train.answer_pretrain_steps must be null or at least 1, got 0"),
     (["--train.vision_pretrain_objective", "labels"],
      "train.vision_pretrain_objective: 'labels' is not one of 'auto', 'cells', 'answers'"),
     (["--model.vision.patch_size", "12"], r"the patch grid \(4x4\) must split evenly into the scenes' 3x3 cells"),
@@ -149,3 +150,14 @@ def test_nothing_in_a_config_is_executed(tmp_path):
     with pytest.raises(ConfigError, match=r"evil.yaml: not valid YAML"):
         load_run_config(tmp_path / "evil.yaml", {})
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(("overrides", "steps"), [
+    ({}, 400),  # synthetic shapes: cells, vision_pretrain_steps
+    ({"data.source": "jsonl", "data.path": "x.jsonl"}, 2000),  # any other source: answers, its own step count
+    ({"train.vision_pretrain_objective": "answers"}, 2000),
+    ({"data.source": "jsonl", "data.path": "x.jsonl", "train.answer_pretrain_steps": "null"}, 400),
+    ({"data.source": "jsonl", "data.path": "x.jsonl", "train.vision_pretrain_steps": "0"}, 0),  # 0 skips either
+])
+def test_the_vit_pretrains_for_its_objectives_steps(overrides, steps):
+    assert load_run_config("configs/tiny.yaml", overrides).vision_pretrain_steps() == steps
