@@ -30,11 +30,13 @@ from torch import nn
 
 from data.processors import ImageProcessor
 from models.config import ConfigError
+from models.modality_projector import ModalityProjector
 from models.vision_transformer import VisionTransformer
 from training.vision_pretraining import optimize
 
 READER_HEADS = 4
-LOSS_DECAY = 0.9  # per step: a type's running loss averages its last ~10 batches
+LOSS_DECAY = 0.9  # a type's running loss averages the last ~10 batches that drew it
+MAX_FAILED_DRAWS = 100  # a type none of whose first this many draws gave a usable turn is drawn no more
 
 
 class AnswerReader(nn.Module):
@@ -76,14 +78,19 @@ class LossProportionalTypes:
     """Draws records by question type, each type with probability proportional to its running loss squared (an
     exponential moving average of its rows' answer losses; every type starts equal), then a record of that type
     uniformly; with no types given, every record uniformly. The squared loss gives a type the ViT reads worst most of
-    the draws while it lags (a fifth of the records asking about shape is otherwise too little signal in the time)."""
+    the draws while it lags (a fifth of the records asking about shape is otherwise too little signal in the time).
+    The weighting is per type, whatever its number of records. A type that gives no usable turn in its first
+    MAX_FAILED_DRAWS draws (its records all bad or without an image) is dropped: its loss would never fall."""
 
-    def __init__(self, num_records: int, question_types: Sequence[str] | None, rng: random.Random):
+    def __init__(self, num_records: int, question_types: Sequence[str | None] | None, rng: random.Random):
+        if question_types is not None and len(question_types) != num_records:
+            raise ValueError(f"{len(question_types)} question types for {num_records} records")
         self.rng, self.num_records = rng, num_records
-        self.groups: dict[str, list[int]] = {}
+        self.groups: dict[str | None, list[int]] = {}
         for index, kind in enumerate(question_types or ()):
             self.groups.setdefault(kind, []).append(index)
         self.running_loss = dict.fromkeys(self.groups, 1.0)
+        self._failed = dict.fromkeys(self.groups, 0)  # draws without a usable turn, until the type's first success
 
     def draw(self) -> tuple[int, str | None]:
         """A record's index and its type (None without types)."""
@@ -93,14 +100,25 @@ class LossProportionalTypes:
         kind = self.rng.choices(kinds, weights=[self.running_loss[k] ** 2 for k in kinds])[0]
         return self.rng.choice(self.groups[kind]), kind
 
+    def drew(self, kind: str | None, usable: bool) -> None:
+        """Whether the record drawn for `kind` gave a usable turn; a type that never does is dropped."""
+        if kind not in self._failed:
+            return
+        if usable:
+            del self._failed[kind]
+        else:
+            self._failed[kind] += 1
+            if self._failed[kind] >= MAX_FAILED_DRAWS and len(self.groups) > 1:
+                del self.groups[kind], self._failed[kind]
+
     def update(self, kinds: Sequence[str | None], losses: Sequence[float]) -> None:
         """Fold one batch's per-row losses into the running loss of each type it drew."""
-        for kind in set(kinds) - {None}:
+        for kind in set(kinds):
             mean = sum(loss for k, loss in zip(kinds, losses) if k == kind) / kinds.count(kind)
             self.running_loss[kind] = LOSS_DECAY * self.running_loss[kind] + (1 - LOSS_DECAY) * mean
 
 
-def question_types(dataset: Sequence[dict]) -> list[str] | None:
+def read_question_types(dataset: Sequence[dict]) -> list[str] | None:
     """An Arrow dataset's `question_type` column, read without decoding its images; None when it has none."""
     if "question_type" not in (getattr(dataset, "column_names", None) or ()):
         return None
@@ -109,8 +127,9 @@ def question_types(dataset: Sequence[dict]) -> list[str] | None:
 
 def pretrain_vision_on_answers(vision: VisionTransformer, processor: ImageProcessor, records: Sequence[dict | None],
                                encode: Callable[[str], Sequence[int]], vocab_size: int, steps: int, batch_size: int,
-                               lr: float, seed: int, device: torch.device, question_types: Sequence[str] | None = None,
-                               projector: nn.Module | None = None,
+                               lr: float, seed: int, device: torch.device,
+                               question_types: Sequence[str | None] | None = None,
+                               projector: ModalityProjector | None = None,
                                report: Callable[[str], None] = print) -> tuple[AnswerReader, list[float]]:
     """Train `vision` in place for `steps` AdamW steps (constant `lr`) to answer the records' questions through an
     `AnswerReader`; `encode` turns a text into token ids. Records are drawn at random (seeded) from `records` (the
@@ -127,7 +146,7 @@ def pretrain_vision_on_answers(vision: VisionTransformer, processor: ImageProces
         pixels, questions, answers, kinds = _batch(records, processor, encode, batch_size, drawing)
         losses = answer_losses(reader(fixed(vision(pixels.to(device))), *bag(questions, device)), answers)
         if drawing.groups:
-            drawing.update(kinds, losses.tolist())
+            drawing.update(kinds, losses.tolist())  # a host sync per step: pre-training only
         return losses.mean()
 
     vision.train()
@@ -144,9 +163,11 @@ def _batch(records: Sequence[dict | None], processor: ImageProcessor, encode: Ca
         index, kind = drawing.draw()
         record = records[index]
         if record is None or not record["images"]:
+            drawing.drew(kind, usable=False)
             continue
         turn = drawing.rng.choice(record["texts"])
         question, answer = list(encode(turn["user"])), list(encode(turn["assistant"]))
+        drawing.drew(kind, usable=bool(question and answer))
         if question and answer:
             pixels.append(processor(record["images"][0]))
             questions.append(question)

@@ -31,8 +31,9 @@ class TrainConfig(Config):
     # training records' own questions through a one-layer reader; training/answer_pretraining.py), or "auto" (cells
     # on the synthetic shapes, answers on any other source).
     vision_pretrain_steps: int = 0
-    # The answers objective's own step count (null: vision_pretrain_steps; 0 there skips either objective): it learns
-    # from one question per image where cells names every patch, so it needs more steps.
+    # The answers objective's own step count, in place of vision_pretrain_steps (null: that one; 0 there still skips
+    # pre-training whatever the objective): it learns from one question per image where cells names every patch,
+    # so it needs more steps.
     answer_pretrain_steps: int | None = None
     vision_pretrain_objective: Literal["auto", "cells", "answers"] = "auto"
     vision_pretrain_batch_size: int = 64
@@ -117,9 +118,9 @@ class RunConfig(Config):
             return "cells" if self.data.source == "synthetic" else "answers"
         return objective
 
-    def vision_pretrain_steps(self) -> int:
+    def pretrain_steps(self) -> int:
         """The ViT's pre-training steps in this run: 0 when `train.vision_pretrain_steps` is 0, else that, or
-        `train.answer_pretrain_steps` where set and the objective is answers."""
+        `train.answer_pretrain_steps` in its place where that is set and the objective is answers."""
         tc = self.train
         if tc.vision_pretrain_steps and tc.answer_pretrain_steps and self.vision_pretrain_objective() == "answers":
             return tc.answer_pretrain_steps

@@ -18,7 +18,7 @@ from data.sampler import ResumableBatchSampler
 from models import VisionLanguageModel
 from models.config import check
 from training import distributed, loop
-from training.answer_pretraining import pretrain_vision_on_answers, question_types
+from training.answer_pretraining import pretrain_vision_on_answers, read_question_types
 from training.checkpoint import RUN_CONFIG, load_training_state
 from training.config import RunConfig, check_fresh_start
 from training.optim import build_optimizer, build_scheduler, check_same_parts, freeze_parts
@@ -60,7 +60,7 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     _check(config, resume)
     train_records = CheckedRecords(train_data, config.data.on_bad_record, "train", report=report,
                                    check_texts=processor.check_texts)
-    if config.vision_pretrain_steps() and not resume:
+    if config.pretrain_steps() and not resume:
         _pretrain_vision(config, model, processor, train_records, device, say)
         distributed.broadcast_parameters(model.vision)  # GPU kernels need not be bit-exact across ranks
     freeze_parts(model, tc)
@@ -100,8 +100,10 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
 def _pretrain_vision(config: RunConfig, model: VisionLanguageModel, chat: ChatProcessor, train_records: CheckedRecords,
                      device: torch.device, say: Callable[..., None]) -> None:
     """Pre-train the from-scratch ViT in place with the run's objective (see RunConfig.vision_pretrain_objective)."""
-    tc, objective, steps = config.train, config.vision_pretrain_objective(), config.vision_pretrain_steps()
-    say(f"vision pre-training ({objective}): {steps} steps of {tc.vision_pretrain_batch_size} images", flush=True)
+    tc, objective, steps = config.train, config.vision_pretrain_objective(), config.pretrain_steps()
+    field = "answer_pretrain_steps" if objective == "answers" and tc.answer_pretrain_steps else "vision_pretrain_steps"
+    say(f"vision pre-training ({objective}): {steps} steps (train.{field}) of {tc.vision_pretrain_batch_size} images",
+        flush=True)
     processor, vision = ImageProcessor.from_config(config.model.vision), model.vision.to(device)
     common = dict(steps=steps, batch_size=tc.vision_pretrain_batch_size, lr=tc.vision_pretrain_lr,
                   seed=tc.seed, device=device, report=say)
@@ -110,8 +112,9 @@ def _pretrain_vision(config: RunConfig, model: VisionLanguageModel, chat: ChatPr
     else:
         encode = functools.partial(chat.tokenizer.encode, add_special_tokens=False)
         pretrain_vision_on_answers(vision, processor, train_records, encode, model.config.language.vocab_size,
-                                   question_types=question_types(train_records.dataset),
-                                   projector=model.projector.to(device), **common)
+                                   question_types=read_question_types(train_records.dataset),
+                                   # read through it only where the LM will read through it as it is now
+                                   projector=model.projector.to(device) if tc.lr_projector == 0 else None, **common)
 
 
 def _check(config: RunConfig, resume: Path | None) -> None:

@@ -15,11 +15,13 @@ from models.config import ConfigError, LanguageConfig, ProjectorConfig, VisionCo
 from models.modality_projector import ModalityProjector
 from models.vision_transformer import VisionTransformer
 from training.answer_pretraining import (
+    MAX_FAILED_DRAWS,
     LossProportionalTypes,
+    _batch,
     answer_losses,
     bag,
     pretrain_vision_on_answers,
-    question_types,
+    read_question_types,
 )
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 160, 50), "blue": (40, 80, 230), "black": (20, 20, 20)}
@@ -54,6 +56,12 @@ def _record(colour: str, side: str, rng: random.Random) -> dict:
     return {"images": [image], "texts": [{"user": QUESTIONS[kind], "assistant": colour if kind == "colour" else side}]}
 
 
+def _kind(record: dict | None) -> str | None:
+    """A record's question type, as a JSONL line would carry it (a bad record still has its line's type)."""
+    question = (record or {"texts": [{"user": QUESTIONS["side"]}]})["texts"][0]["user"]
+    return next(kind for kind, text in QUESTIONS.items() if text == question)
+
+
 def _vision(layers: int = 2, patch_size: int = 16) -> VisionTransformer:
     return VisionTransformer(VisionConfig(image_size=48, patch_size=patch_size, hidden_size=32, intermediate_size=64,
                                           num_layers=layers, num_heads=2))
@@ -67,11 +75,11 @@ def _projector(vision: VisionTransformer) -> ModalityProjector:
     return ModalityProjector(config)
 
 
-@pytest.mark.parametrize("through_projector", [False, True])
-def test_the_vit_learns_what_the_answers_say_about_its_images(through_projector):
+@pytest.mark.parametrize(("through_projector", "typed"), [(False, False), (True, True)])
+def test_the_vit_learns_what_the_answers_say_about_its_images(through_projector, typed):
     """After pre-training on records alone, the reader answers held-out images' colour and side questions (chance: 1
-    in 4 and 1 in 2); it reads only the ViT's tokens (or the fixed projector's, which stays as it was), so they carry
-    both."""
+    in 4 and 1 in 2); it reads only the ViT's tokens (or the fixed projector's, which stays as it was and trainable for
+    the VLM), so they carry both; also with the records drawn by their question type's loss."""
     torch.manual_seed(0)
     rng = random.Random(0)
     records = [_record(rng.choice(list(COLOURS)), rng.choice(SIDES), rng) for _ in range(400)]
@@ -80,13 +88,14 @@ def test_the_vit_learns_what_the_answers_say_about_its_images(through_projector)
     vision, processor = _vision(patch_size=8 if through_projector else 16), ImageProcessor(48)
     projector = _projector(vision) if through_projector else None
     before = {k: v.clone() for k, v in projector.state_dict().items()} if projector else {}
+    kinds = [_kind(record) for record in records] if typed else None
     reader, losses = pretrain_vision_on_answers(vision, processor, records, _encode, len(WORDS), steps=150,
                                                 batch_size=32, lr=3e-3, seed=0, device=torch.device("cpu"),
-                                                projector=projector, report=lambda _: None)
+                                                question_types=kinds, projector=projector, report=lambda _: None)
     assert len(losses) == 150 and sum(losses[-10:]) < 0.2 * sum(losses[:10])
     if projector is not None:
         assert all(torch.equal(before[k], v) for k, v in projector.state_dict().items())
-        assert all(p.grad is None for p in projector.parameters())
+        assert all(p.grad is None and p.requires_grad for p in projector.parameters())
         vision = torch.nn.Sequential(vision, projector)
 
     scenes = [(colour, side) for colour in COLOURS for side in SIDES for _ in range(8)]
@@ -134,12 +143,57 @@ def test_without_types_every_record_is_drawn_alike():
     assert [sum(i == k for i, _ in draws) / 4000 for k in range(4)] == pytest.approx([0.25] * 4, abs=0.03)
 
 
-def test_question_types_come_from_the_jsonl_column_without_opening_images(tmp_path):
+def test_question_types_are_read_from_the_jsonl_column_without_opening_images(tmp_path):
     (tmp_path / "broken.png").write_bytes(b"not an image")  # reading a record would fail on it
     lines = [{"images": ["broken.png"], "texts": [{"user": "q", "assistant": "a"}], "question_type": kind}
              for kind in ("colour", "shape")]
     (tmp_path / "typed.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
-    assert question_types(load_jsonl(tmp_path / "typed.jsonl")) == ["colour", "shape"]  # no image is opened
+    assert read_question_types(load_jsonl(tmp_path / "typed.jsonl")) == ["colour", "shape"]  # no image is opened
     (tmp_path / "plain.jsonl").write_text(json.dumps({k: v for k, v in lines[0].items() if k != "question_type"}))
-    assert question_types(load_jsonl(tmp_path / "plain.jsonl")) is None
-    assert question_types([{"images": [], "texts": []}]) is None
+    assert read_question_types(load_jsonl(tmp_path / "plain.jsonl")) is None
+    assert read_question_types([{"images": [], "texts": []}]) is None
+
+
+def test_without_types_records_are_drawn_as_before():
+    """Untyped data keeps the drawing of the first version: a record uniformly, then one of its turns, on one seeded
+    generator (so runs measured before the drawing by type are reproduced)."""
+    rng = random.Random(3)
+    records = [_record(rng.choice(list(COLOURS)), rng.choice(SIDES), rng) for _ in range(50)]
+    drawing = LossProportionalTypes(len(records), None, random.Random("answer-pretraining:7"))
+    _, questions, answers, kinds = _batch(records, ImageProcessor(48), _encode, 16, drawing)
+    reference = random.Random("answer-pretraining:7")
+    expected = []
+    for _ in range(16):
+        turn = reference.choice(records[reference.randrange(len(records))]["texts"])
+        expected.append((_encode(turn["user"]), _encode(turn["assistant"])))
+    assert list(zip(questions, answers)) == expected and kinds == [None] * 16
+
+
+def test_a_type_without_a_usable_record_is_dropped():
+    """Its loss would stay at its start while the others fall, and it would take nearly every draw."""
+    rng = random.Random(0)
+    records = [_record("red", "left", rng) for _ in range(20)] + [None] * 20  # the "broken" type: all bad records
+    drawing = LossProportionalTypes(40, ["fine"] * 20 + ["broken"] * 20, random.Random(0))
+    drawing.running_loss = {"fine": 0.01, "broken": 1.0}
+    for _ in range(3):
+        _, _, _, kinds = _batch(records, ImageProcessor(48), _encode, 32, drawing)
+        assert kinds == ["fine"] * 32
+    assert list(drawing.groups) == ["fine"]
+
+
+def test_a_type_that_once_worked_is_kept_and_the_last_type_is_never_dropped():
+    drawing = LossProportionalTypes(2, ["a", "b"], random.Random(0))
+    drawing.drew("a", usable=True)
+    for _ in range(MAX_FAILED_DRAWS):
+        drawing.drew("a", usable=False)
+        drawing.drew("b", usable=False)
+    assert list(drawing.groups) == ["a"]
+    lone = LossProportionalTypes(1, ["a"], random.Random(0))
+    for _ in range(MAX_FAILED_DRAWS):
+        lone.drew("a", usable=False)
+    assert list(lone.groups) == ["a"]  # the batch's own check then reports data without usable records
+
+
+def test_one_question_type_per_record():
+    with pytest.raises(ValueError, match="3 question types for 2 records"):
+        LossProportionalTypes(2, ["a", "b", "c"], random.Random(0))

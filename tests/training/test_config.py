@@ -154,10 +154,11 @@ def test_nothing_in_a_config_is_executed(tmp_path):
 
 @pytest.mark.parametrize(("overrides", "steps"), [
     ({}, 400),  # synthetic shapes: cells, vision_pretrain_steps
-    ({"data.source": "jsonl", "data.path": "x.jsonl"}, 2000),  # any other source: answers, its own step count
-    ({"train.vision_pretrain_objective": "answers"}, 2000),
+    ({"data.source": "jsonl", "data.path": "x.jsonl"}, 3000),  # any other source: answers, its own step count
+    ({"train.vision_pretrain_objective": "answers"}, 3000),
     ({"data.source": "jsonl", "data.path": "x.jsonl", "train.answer_pretrain_steps": "null"}, 400),
     ({"data.source": "jsonl", "data.path": "x.jsonl", "train.vision_pretrain_steps": "0"}, 0),  # 0 skips either
+    ({"data.source": "jsonl", "data.path": "x.jsonl", "train.vision_pretrain_steps": "100"}, 3000),  # else, not used
 ])
 def test_the_vit_pretrains_for_its_objectives_steps(overrides, steps):
-    assert load_run_config("configs/tiny.yaml", overrides).vision_pretrain_steps() == steps
+    assert load_run_config("configs/tiny.yaml", overrides).pretrain_steps() == steps

@@ -12,6 +12,8 @@ import math
 import pytest
 
 from data.objects import export_jsonl
+from training import run
+from training.answer_pretraining import pretrain_vision_on_answers
 from training.config import load_run_config
 from training.run import train
 
@@ -31,9 +33,17 @@ def test_the_default_recipe_learns_to_read_images_in_a_short_run(tmp_path):
 
 
 @pytest.mark.slow  # ~45 s on 2 cores
-def test_the_default_recipe_learns_from_a_users_own_jsonl(tmp_path):
-    """The ViT pre-trains on the records' own questions and answers (no labels), then the LM learns to read it: the
-    background and the colour, which only the image shows (chance: 1 in 2 and 1 in 6; ~1.0 and ~0.5 this short)."""
+def test_the_default_recipe_learns_from_a_users_own_jsonl(tmp_path, monkeypatch):
+    """The ViT pre-trains on the records' own questions and answers (no labels; by their question type, through the
+    fixed projector), then the LM learns to read it: the background and the colour, which only the image shows
+    (chance: 1 in 2 and 1 in 6; ~1.0 and ~0.5 this short)."""
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return pretrain_vision_on_answers(*args, **kwargs)
+
+    monkeypatch.setattr(run, "pretrain_vision_on_answers", spy)
     paths = export_jsonl(tmp_path / "objects", num_train=1000, num_validation=100)
     steps = {"train.answer_pretrain_steps": "100", "train.max_steps": "200", "train.eval_every": "200",
              "train.save_every": "200"}
@@ -41,5 +51,7 @@ def test_the_default_recipe_learns_from_a_users_own_jsonl(tmp_path):
         **SHORT, **steps, "train.output_dir": str(tmp_path / "run"),
         "data.source": "jsonl", "data.path": str(paths["train"]), "data.validation_path": str(paths["validation"])})
     metrics = train(config)
+    (call,) = calls
+    assert call["steps"] == 100 and call["projector"] is not None and len(set(call["question_types"])) == 5
     assert metrics["validation_loss"] < 0.12 * math.log(config.model.language.vocab_size), metrics  # ~0.53 < 1.3
     assert metrics["accuracy/background"] >= 0.9 and metrics["accuracy/colour"] >= 0.35, metrics

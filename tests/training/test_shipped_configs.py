@@ -66,6 +66,8 @@ def test_a_shipped_config_trains_a_step(path, stand_ins, tmp_path):
         overrides["data.source"] = "synthetic"
     if shipped.train.vision_pretrain_steps:
         overrides["train.vision_pretrain_steps"] = "1"
+    if shipped.train.answer_pretrain_steps:
+        overrides["train.answer_pretrain_steps"] = "1"
     config = load_run_config(path, overrides)
     metrics = train(config)
     assert metrics["step"] == 1 and math.isfinite(metrics["train_loss"]) and metrics["skipped_steps"] == 0
