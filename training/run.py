@@ -101,7 +101,7 @@ def _pretrain_vision(config: RunConfig, model: VisionLanguageModel, chat: ChatPr
                      device: torch.device, say: Callable[..., None]) -> None:
     """Pre-train the from-scratch ViT in place with the run's objective (see RunConfig.vision_pretrain_objective)."""
     tc, objective, steps = config.train, config.vision_pretrain_objective(), config.pretrain_steps()
-    field = "answer_pretrain_steps" if objective == "answers" and tc.answer_pretrain_steps else "vision_pretrain_steps"
+    field = "vision_pretrain_steps" if steps == tc.vision_pretrain_steps else "answer_pretrain_steps"
     say(f"vision pre-training ({objective}): {steps} steps (train.{field}) of {tc.vision_pretrain_batch_size} images",
         flush=True)
     processor, vision = ImageProcessor.from_config(config.model.vision), model.vision.to(device)

@@ -136,13 +136,6 @@ def test_running_losses_fold_in_each_types_batch_mean():
     assert drawing.running_loss == pytest.approx({"a": 0.9 + 0.1 * 2.0, "b": 0.9 + 0.1 * 0.5, "c": 1.0})
 
 
-def test_without_types_every_record_is_drawn_alike():
-    drawing = LossProportionalTypes(4, None, random.Random(0))
-    draws = [drawing.draw() for _ in range(4000)]
-    assert {kind for _, kind in draws} == {None}
-    assert [sum(i == k for i, _ in draws) / 4000 for k in range(4)] == pytest.approx([0.25] * 4, abs=0.03)
-
-
 def test_question_types_are_read_from_the_jsonl_column_without_opening_images(tmp_path):
     (tmp_path / "broken.png").write_bytes(b"not an image")  # reading a record would fail on it
     lines = [{"images": ["broken.png"], "texts": [{"user": "q", "assistant": "a"}], "question_type": kind}
