@@ -63,9 +63,9 @@ def make_runner(method: str, reference, ours):
     settings = dict(do_sample=False, pad_token_id=0)
     if method == "transformers static+compile":
         cuda = ids_device(reference).type == "cuda"
-        settings.update(cache_implementation="static",
-                        compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead" if cuda else "default",
-                                                     _compile_all_devices=not cuda))
+        compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead" if cuda else "default")
+        compile_config._compile_all_devices = not cuda  # transformers compiles on CPU only when told (a class field)
+        settings.update(cache_implementation="static", compile_config=compile_config)
     return lambda ids, n: reference.generate(ids, max_new_tokens=n, min_new_tokens=n, **settings)[:, ids.shape[1]:]
 
 

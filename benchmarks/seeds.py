@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,22 +72,27 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[2])
     parser.add_argument("--set", nargs="*", default=[], metavar="SECTION.FIELD=VALUE",
                         help="config overrides for every run, e.g. train.max_steps=100")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once")
     parser.add_argument("--runs", type=Path, default=Path("runs/seeds"), help="where the runs go")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     import torch
 
-    rows = []
-    for threads in args.threads:
-        for seed in args.seeds:
-            rows.append(train(args.config, seed, threads, args.runs / f"s{seed}-t{threads}", args.set))
-            print(f"seed {seed}, {threads} threads: accuracy {rows[-1].get('accuracy', float('nan')):.3f} "
-                  f"in {rows[-1]['minutes']:.1f} min", flush=True)
-    title = (f"{args.config} {' '.join(args.set)}: held-out exact match per seed; {cpu_name()}, "
-             f"{os.cpu_count()} cores, torch {torch.__version__}")
+    def run(threads: int, seed: int) -> dict:
+        row = train(args.config, seed, threads, args.runs / f"s{seed}-t{threads}", args.set)
+        print(f"seed {seed}, {threads} threads: accuracy {row.get('accuracy', float('nan')):.3f} "
+              f"in {row['minutes']:.1f} min", flush=True)
+        return row
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        rows = list(pool.map(run, *zip(*[(t, s) for t in args.threads for s in args.seeds])))
+    device = dict(o.partition("=")[::2] for o in args.set).get("train.device", "cpu")
+    machine = torch.cuda.get_device_name() if device.startswith("cuda") else f"{cpu_name()}, {os.cpu_count()} cores"
+    title = (f"{args.config} {' '.join(args.set)}: held-out exact match per seed; {machine}, "
+             f"torch {torch.__version__}" + (f", {args.jobs} runs at once" if args.jobs > 1 else ""))
     text = table(rows, title)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"seeds-{args.config.stem}"
+    stem = args.out / (f"seeds-{args.config.stem}" + ("" if device == "cpu" else f"-{device.replace(':', '')}"))
     stem.with_suffix(".md").write_text(text + "\n")
     stem.with_suffix(".json").write_text(json.dumps({"title": title, "rows": rows}, indent=2) + "\n")
     print(text)

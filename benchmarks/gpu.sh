@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU runs, batched into few long commands (a lent GPU is billed while held):
+#
+#   bash benchmarks/gpu.sh seeds OUT   # the tiny default on CUDA (bf16 autocast), seeds 0-4 side by side, + demo answers
+#   bash benchmarks/gpu.sh speed OUT   # decode, time to first token, training throughput and serving, side by side
+#
+# Each writes its tables and logs under OUT (then copy them to benchmarks/results/).
+set -uo pipefail
+mode=${1:?usage: benchmarks/gpu.sh seeds|speed OUT}
+out=${2:?usage: benchmarks/gpu.sh seeds|speed OUT}
+mkdir -p "$out"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline PYTHONUNBUFFERED=1
+python3 - <<'EOF' 2>&1 | tee "$out/machine.txt"
+import os, platform, torch, transformers
+print(torch.cuda.get_device_name(), "|", os.cpu_count(), "cores |", platform.python_version(), "| torch", torch.__version__,
+      "| transformers", transformers.__version__)
+EOF
+
+case $mode in
+seeds)
+  timeout "${SEEDS_TIMEOUT:-540}" python3 benchmarks/seeds.py --set train.device=cuda --jobs 5 --threads 2 \
+    --runs runs/gpu-seeds --out "$out" 2>&1 | tee "$out/seeds.log"
+  for run in runs/gpu-seeds/*/; do
+    for prompt in "What color is the circle?" ""; do
+      echo "$run ${prompt:-(caption)}: $(python3 generate.py --checkpoint "$run" --image "$run/heldout_example.png" \
+        ${prompt:+--prompt "$prompt"} 2>&1 | tail -1)"
+    done
+  done 2>&1 | tee "$out/answers.log"
+  ;;
+speed)
+  timeout 330 python3 benchmarks/decode.py --device cuda --repeats 2 --curve-tokens 16 64 256 --out "$out" 2>&1 \
+    | tee "$out/decode.log"
+  timeout 200 python3 benchmarks/serving.py --device cuda --requests 64 --max-len 128 --out "$out" 2>&1 \
+    | tee "$out/serving.log"
+  timeout 60 python3 benchmarks/train_throughput.py --shape nanovlm-222m --device cuda --out "$out" 2>&1 \
+    | tee "$out/train.log"
+  ;;
+*) echo "unknown mode $mode: seeds or speed" >&2; exit 2 ;;
+esac
