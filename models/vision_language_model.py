@@ -93,10 +93,12 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         embeddings = self.language.token_embedding(input_ids)
         if slots is None:
             slots = input_ids == (-1 if self.config.image_token_id is None else self.config.image_token_id)
-        num_slots = int(slots.sum())
         if features is None and images is not None and len(images):
             features = self.image_features(images)
         num_features = 0 if features is None else features.shape[:-1].numel()
+        # Counting the placeholders reads a value back from the device: eager calls only (train.compile's graph would
+        # break here; its batches come from the collator, which places one placeholder per image token).
+        num_slots = num_features if torch.compiler.is_compiling() else int(slots.sum())
         if num_slots != num_features:
             per_image = self.config.tokens_per_image
             raise InputError(f"the prompts hold {num_slots} image tokens but the images give {num_features} "

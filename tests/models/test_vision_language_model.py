@@ -66,6 +66,20 @@ def test_bf16_autocast_trains_and_matches_float32():
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
+def test_a_packed_training_forward_compiles_as_one_graph():
+    """train.compile: the forward of a packed batch with images is one graph (no host read-back) and gives the
+    eager losses."""
+    torch._dynamo.reset()
+    model = tiny_vlm().train()
+    ids = torch.randint(3, 90, (2, 16), generator=torch.Generator().manual_seed(4))
+    ids[0, 1:5], ids[0, 9:13], ids[1, 2:6] = IMAGE_ID, IMAGE_ID, IMAGE_ID
+    mask = torch.tensor([[1] * 8 + [2] * 8, [1] * 12 + [0] * 4])  # row 0: two packed sequences; row 1: padded
+    images = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    compiled = torch.compile(model, fullgraph=True, backend="eager")  # fullgraph: a graph break is an error
+    _, losses = compiled(ids, images, mask, targets=ids.roll(-1, 1), reduction="none")
+    torch.testing.assert_close(losses, model(ids, images, mask, targets=ids.roll(-1, 1), reduction="none")[1])
+
+
 def test_wrong_number_of_images():
     model = tiny_vlm()
     ids = torch.full((1, 6), 5)
