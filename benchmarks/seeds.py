@@ -88,7 +88,7 @@ def main() -> None:
         rows = list(pool.map(run, *zip(*[(t, s) for t in args.threads for s in args.seeds])))
     device = dict(o.partition("=")[::2] for o in args.set).get("train.device", "cpu")
     machine = torch.cuda.get_device_name() if device.startswith("cuda") else f"{cpu_name()}, {os.cpu_count()} cores"
-    title = (f"{args.config} {' '.join(args.set)}: held-out exact match per seed; {machine}, "
+    title = (f"{' '.join([str(args.config), *args.set])}: held-out exact match per seed; {machine}, "
              f"torch {torch.__version__}" + (f", {args.jobs} runs at once" if args.jobs > 1 else ""))
     text = table(rows, title)
     args.out.mkdir(parents=True, exist_ok=True)

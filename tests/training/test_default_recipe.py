@@ -45,8 +45,7 @@ def test_the_default_recipe_learns_from_a_users_own_jsonl(tmp_path, monkeypatch)
 
     monkeypatch.setattr(run, "pretrain_vision_on_answers", spy)
     paths = export_jsonl(tmp_path / "objects", num_train=1000, num_validation=100)
-    steps = {"train.answer_pretrain_steps": "100", "train.max_steps": "200", "train.eval_every": "200",
-             "train.save_every": "200"}
+    steps = {"train.answer_pretrain_steps": "100", "train.max_steps": "300"}
     config = load_run_config("configs/tiny.yaml", {
         **SHORT, **steps, "train.output_dir": str(tmp_path / "run"),
         "data.source": "jsonl", "data.path": str(paths["train"]), "data.validation_path": str(paths["validation"])})
