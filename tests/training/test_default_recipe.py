@@ -32,11 +32,12 @@ def test_the_default_recipe_learns_to_read_images_in_a_short_run(tmp_path):
     assert json.loads((tmp_path / "metrics.json").read_text())["step"] == 300
 
 
-@pytest.mark.slow  # ~25 s on 2 cores
+@pytest.mark.slow  # ~40-90 s on 2 cores
 def test_the_default_recipe_learns_from_a_users_own_jsonl(tmp_path, monkeypatch):
     """The ViT pre-trains on the records' own questions and answers (no labels; by their question type, through the
     fixed projector), then the LM learns to read it: the background and the colour, which only the image shows
-    (chance: 1 in 2 and 1 in 6; ~1.0 and ~0.5 this short)."""
+    (chance: 1 in 2 and 1 in 6; 1.0 and 0.45 this short, on an AMD EPYC with LM lr 0.002: at 300 steps colour was 0.35,
+    on the bound)."""
     calls = []
 
     def spy(*args, **kwargs):
@@ -45,12 +46,13 @@ def test_the_default_recipe_learns_from_a_users_own_jsonl(tmp_path, monkeypatch)
 
     monkeypatch.setattr(run, "pretrain_vision_on_answers", spy)
     paths = export_jsonl(tmp_path / "objects", num_train=1000, num_validation=100)
-    steps = {"train.answer_pretrain_steps": "100", "train.max_steps": "300"}
+    steps = {"train.answer_pretrain_steps": "100", "train.max_steps": "400", "train.eval_every": "400",
+             "train.save_every": "400"}
     config = load_run_config("configs/tiny.yaml", {
         **SHORT, **steps, "train.output_dir": str(tmp_path / "run"),
         "data.source": "jsonl", "data.path": str(paths["train"]), "data.validation_path": str(paths["validation"])})
     metrics = train(config)
     (call,) = calls
     assert call["steps"] == 100 and call["projector"] is not None and len(set(call["question_types"])) == 5
-    assert metrics["validation_loss"] < 0.12 * math.log(config.model.language.vocab_size), metrics  # ~0.53 < 1.3
+    assert metrics["validation_loss"] < 0.12 * math.log(config.model.language.vocab_size), metrics  # ~0.50 < 1.3
     assert metrics["accuracy/background"] >= 0.9 and metrics["accuracy/colour"] >= 0.35, metrics
