@@ -4,8 +4,10 @@ the ranks):
     TINYVLM_TEST_HANG_RANK=r   rank r hangs (sleeps, alive, in no collective) in the step after its first
     TINYVLM_TEST_DUMP_WEIGHTS  every rank saves its weights before and after training, as
                                train.output_dir/rank{r}_{before,after}.safetensors
+    TINYVLM_TEST_COUNT_LEFTOVERS  every rank prints how many FSDP2 modules are alive when it destroys its process group
 """
 
+import gc
 import os
 import sys
 import time
@@ -14,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parents[2]))
 
 from safetensors.torch import save_file  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
 import train  # noqa: E402
 from training import distributed, loop  # noqa: E402
@@ -44,6 +47,15 @@ def _dumping_weights(run):
     return run_and_dump
 
 
+def _counting_leftovers(destroy):
+    def count_and_destroy(*args, **kwargs):
+        alive = sum(isinstance(o, FSDPModule) for o in gc.get_objects())
+        print(f"rank {RANK} destroys its process group with {alive} FSDP2 modules alive", flush=True)
+        destroy(*args, **kwargs)
+
+    return count_and_destroy
+
+
 def _dump(trainer, when: str) -> None:
     trainer.output_dir.mkdir(parents=True, exist_ok=True)
     model = distributed.unwrap(trainer.model)
@@ -56,4 +68,6 @@ if __name__ == "__main__":
         loop.train_step = _hang_after_first_step(loop.train_step)
     if os.environ.get("TINYVLM_TEST_DUMP_WEIGHTS"):
         loop.run = _dumping_weights(loop.run)
+    if os.environ.get("TINYVLM_TEST_COUNT_LEFTOVERS"):
+        distributed.dist.destroy_process_group = _counting_leftovers(distributed.dist.destroy_process_group)
     sys.exit(train.main())
