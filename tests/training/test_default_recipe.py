@@ -32,7 +32,7 @@ def test_the_default_recipe_learns_to_read_images_in_a_short_run(tmp_path):
     assert json.loads((tmp_path / "metrics.json").read_text())["step"] == 300
 
 
-@pytest.mark.slow  # ~40-90 s on 2 cores
+@pytest.mark.slow  # ~100 s on a 2-core AMD EPYC (Zen 3)
 def test_the_default_recipe_learns_from_a_users_own_jsonl(tmp_path, monkeypatch):
     """The ViT pre-trains on the records' own questions and answers (no labels; by their question type, through the
     fixed projector), then the LM learns to read it: the background and the colour, which only the image shows
