@@ -36,13 +36,17 @@ def main(argv: list[str] | None = None) -> int:
     2 a clear error (bad config, data or checkpoint), 3 lost contact with the other ranks, 130 interrupted."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML run config (default: configs/tiny.yaml)")
-    parser.add_argument("--resume", type=Path, help="a run directory or checkpoint to continue from")
+    parser.add_argument("--resume", type=Path, help="a run directory or checkpoint to continue from; the run goes on "
+                        "in the checkpoint's run directory")
     args, rest = parser.parse_known_args(argv)
     try:
         overrides = parse_overrides(rest)
         if args.resume:
             checkpoint = find_checkpoint(args.resume)
-            config = RunConfig.from_json(checkpoint / RUN_CONFIG).replace(overrides)
+            # The run goes on where its checkpoint lies, not where it was first written: a copied or moved run must
+            # not write into (and prune the checkpoints of) the original. --train.output_dir still wins.
+            config = RunConfig.from_json(checkpoint / RUN_CONFIG).replace(
+                {"train.output_dir": str(checkpoint.parent), **overrides})
             print(f"resuming from {checkpoint}", flush=True)
             train(config, resume=checkpoint)
         else:

@@ -1,13 +1,16 @@
 """A resumed run follows its new config: changed learning rates, weight decay, betas and schedule apply from the step
-it resumes at, exactly as in a fresh run of the new config; freezing or unfreezing a part on resume is refused."""
+it resumes at, exactly as in a fresh run of the new config; freezing or unfreezing a part on resume is refused; a
+run goes on in the directory it is resumed from."""
 
 import contextlib
+import shutil
 
 import pytest
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from models.config import ConfigError
 from tests.training.helpers import small_config
+from train import main
 from training.run import train
 
 CHANGED = {"train.lr_language": "0.002", "train.lr_projector": "0.004", "train.max_steps": "10",
@@ -45,3 +48,19 @@ def test_freezing_or_unfreezing_a_part_on_resume_is_refused(tmp_path, before, af
     with pytest.raises(ConfigError, match=rf"^train.lr_vision cannot change from {before} to {after} on resume"):
         train(small_config(tmp_path, **{**steps, "train.max_steps": "4", "train.lr_vision": after}),
               resume=tmp_path / "step_000002")
+
+
+def test_a_copied_run_resumes_in_the_copy_and_leaves_the_original_alone(tmp_path):
+    """The run_config.json of a copied run still names the original's output_dir: resuming the copy once wrote its
+    new checkpoints there and pruned the original's (train.keep_checkpoints)."""
+    train(small_config(tmp_path / "original", **{"train.max_steps": "2", "train.save_every": "1",
+                                                   "train.eval_every": "10"}))
+    before = sorted(p.name for p in (tmp_path / "original").iterdir())
+    shutil.copytree(tmp_path / "original", tmp_path / "copy")
+    assert main(["--resume", str(tmp_path / "copy"), "--train.max_steps", "4"]) == 0
+    assert sorted(p.name for p in (tmp_path / "original").iterdir()) == before
+    assert sorted(p.name for p in (tmp_path / "copy").glob("step_*")) == ["step_000003", "step_000004"]
+    # an explicit output directory still wins
+    assert main(["--resume", str(tmp_path / "copy" / "step_000004"), "--train.max_steps", "5",
+                 "--train.output_dir", str(tmp_path / "elsewhere")]) == 0
+    assert [p.name for p in (tmp_path / "elsewhere").glob("step_*")] == ["step_000005"]
