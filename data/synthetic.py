@@ -1,7 +1,8 @@
 """Synthetic shapes VQA + captioning data, generated in code: 1-4 coloured shapes on a 3x3 grid, deterministic by seed.
 
 A scene holds at most one shape of each kind (so "the circle" is unambiguous) and one shape per cell. Every question
-has a short lowercase answer and a `question_type`: color, shape, count, presence, position or caption.
+has a short lowercase answer and a `question_type`: color, shape, count, presence, position or caption; training
+records may also ask `verify` ("Is the circle red?"), which validation never asks.
 
 Train/validation split: each scene goes to a split by a stable hash of its canonical content (the sorted
 (cell, shape, colour, size) tuples), so a validation scene never appears in training, whatever the seeds or sizes.
@@ -45,6 +46,10 @@ SIZES = {"small": 0.22, "large": 0.38}  # shape radius as a fraction of the cell
 CELLS = ("top left", "top", "top right", "left", "center", "right", "bottom left", "bottom", "bottom right")
 BACKGROUND = (235, 235, 235)
 QUESTION_TYPES = ("color", "shape", "count", "presence", "position", "caption")
+# Training only (never asked in validation): "Is the circle red?", yes or no, about a shape of the scene; half the
+# time its own colour. The colour comparison that presence needs ("Is there a red circle?" when the circle is blue),
+# asked where no shortcut answers it: the shape named is always there.
+TRAINING_ONLY_TYPES = ("verify",)
 JITTER = 0.05  # a shape's centre moves by up to this fraction of the cell; radius + jitter < 1/2 keeps it in its cell
 _PREPOSITIONS = {"left": "on", "right": "on", "center": "in"}  # every other cell takes "at"
 
@@ -157,8 +162,12 @@ def ask(scene: Scene, question_type: str, rng: random.Random) -> tuple[str, str]
         return f"Where is the {item.shape}?", CELLS[item.cell]
     if question_type == "caption":
         return CAPTION_PROMPT, describe(scene)
+    if question_type == "verify":
+        color = item.color if rng.random() < 0.5 else rng.choice([c for c in COLORS if c != item.color])
+        return f"Is the {item.shape} {color}?", "yes" if color == item.color else "no"
     if question_type != "presence":
-        raise ValueError(f"unknown question type {question_type!r}; expected one of {', '.join(QUESTION_TYPES)}")
+        raise ValueError(f"unknown question type {question_type!r}; expected one of "
+                         f"{', '.join(QUESTION_TYPES + TRAINING_ONLY_TYPES)}")
     color, shape, answer = item.color, item.shape, "yes"
     if rng.random() < 0.5:  # half the time, a colour/shape pair that is genuinely absent
         present = {(i.color, i.shape) for i in scene}
@@ -181,7 +190,8 @@ def make_shapes_dataset(split: Split, num_samples: int, seed: int, image_size: i
     check(split in ("train", "validation"), f"split must be 'train' or 'validation', got {split!r}")
     check(1 <= turns <= len(QUESTION_TYPES), f"turns must lie in [1, {len(QUESTION_TYPES)}], got {turns}")
     check(0 < validation_fraction < 1, f"validation_fraction must lie in (0, 1), got {validation_fraction}")
-    check_question_types(question_types)
+    check_question_types(question_types, known=QUESTION_TYPES if split == "validation" else
+                         QUESTION_TYPES + TRAINING_ONLY_TYPES, name=f"{split} question_types")
     rng = random.Random(f"shapes:{split}:{seed}")
     rows: dict[str, list] = {"images": [], "texts": [], "question_type": [], "noise_seed": []}
     while len(rows["texts"]) < num_samples:
@@ -206,11 +216,12 @@ def make_shapes_dataset(split: Split, num_samples: int, seed: int, image_size: i
     return dataset.with_transform(functools.partial(_add_noise_to_batch, amplitude=noise))
 
 
-def check_question_types(question_types: tuple[str, ...], name: str = "question_types") -> None:
-    """Fail with a clear message unless `question_types` is a non-empty list of known types."""
-    unknown = sorted(set(question_types) - set(QUESTION_TYPES))
+def check_question_types(question_types: tuple[str, ...], name: str = "question_types",
+                         known: tuple[str, ...] = QUESTION_TYPES + TRAINING_ONLY_TYPES) -> None:
+    """Fail with a clear message unless `question_types` is a non-empty list of `known` types."""
+    unknown = sorted(set(question_types) - set(known))
     check(bool(question_types) and not unknown,
-          f"{name} must list question types from {', '.join(QUESTION_TYPES)}; got {list(question_types)}")
+          f"{name} must list question types from {', '.join(known)}; got {list(question_types)}")
 
 
 def _add_noise_to_batch(batch: dict[str, list], amplitude: int) -> dict[str, list]:
@@ -238,6 +249,7 @@ class ShapesConfig(Config):
     noise: int = 0  # uniform per-pixel noise amplitude on the 0-255 scale; 0 = clean images
     train_turns: int = 3  # question/answer turns per training record (validation records always hold one)
     train_question_types: tuple[str, ...] = QUESTION_TYPES  # the cycle of single-turn training records' types
+    # (QUESTION_TYPES and TRAINING_ONLY_TYPES)
     validation_fraction: float = 0.1  # share of all possible scenes reserved for validation
 
     def __post_init__(self) -> None:

@@ -85,6 +85,8 @@ def answer_from_pixels(question: str, scene: dict) -> tuple[str, str]:
         return "presence", "yes" if by_shape.get(m[2], (None, None))[1] == m[1] else "no"
     if m := re.fullmatch(r"Where is the (\w+)\?", question):
         return "position", by_shape[m[1]][0]
+    if m := re.fullmatch(r"Is the (\w+) (\w+)\?", question):
+        return "verify", "yes" if by_shape[m[1]][1] == m[2] else "no"
     assert question == "Describe the image.", question
     return "caption", None
 
@@ -179,6 +181,22 @@ def test_validation_is_single_turn_and_balanced():
     assert all(len(texts) == 1 for texts in validation["texts"])
     presence = [texts[0]["assistant"] for texts in validation["texts"] if texts[0]["user"].startswith("Is there")]
     assert set(presence) == {"yes", "no"} and 0.4 < presence.count("yes") / len(presence) < 0.6
+
+
+def test_verify_questions_name_a_shape_of_the_scene_and_are_answered_yes_half_the_time():
+    train = make_shapes_dataset("train", 400, seed=1, question_types=("verify",))
+    answers = []
+    for record in train:
+        [turn] = record["texts"]
+        kind, expected = answer_from_pixels(turn["user"], read_scene(record["images"][0]))  # KeyError: shape absent
+        assert (kind, turn["assistant"]) == ("verify", expected)
+        answers.append(expected)
+    assert 0.4 < answers.count("yes") / len(answers) < 0.6
+
+
+def test_validation_asks_no_training_only_question_type():
+    with pytest.raises(ConfigError, match="validation"):
+        make_shapes_dataset("validation", 10, seed=0, question_types=("color", "verify"))
 
 
 def test_training_records_cycle_through_the_chosen_question_types():
