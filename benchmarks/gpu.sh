@@ -5,10 +5,21 @@
 #   bash benchmarks/gpu.sh speed OUT   # decode, time to first token, training throughput and serving, side by side
 #
 # Each writes its tables and logs under OUT (then copy them to benchmarks/results/).
+#
+# The lent machines (python3 3.12, torch 2.11) have no `datasets`. Download its wheels here first, into .whl/
+# (ignored through .git/info/exclude), and carry ".whl" with the call:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pyarrow==26.0.1 fsspec==2026.9.0
+# They are installed into /tmp/site, with gpu_site/sitecustomize.py (see there why).
 set -uo pipefail
 mode=${1:?usage: benchmarks/gpu.sh seeds|speed OUT}
 out=${2:?usage: benchmarks/gpu.sh seeds|speed OUT}
 mkdir -p "$out"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && cp benchmarks/gpu_site/sitecustomize.py /tmp/site/ && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 2
+fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline PYTHONUNBUFFERED=1
 python3 - <<'EOF' 2>&1 | tee "$out/machine.txt"
 import os, platform, torch, transformers

@@ -248,8 +248,8 @@ class ShapesConfig(Config):
     seed: int = 0
     noise: int = 0  # uniform per-pixel noise amplitude on the 0-255 scale; 0 = clean images
     train_turns: int = 3  # question/answer turns per training record (validation records always hold one)
-    train_question_types: tuple[str, ...] = QUESTION_TYPES  # the cycle of single-turn training records' types
-    # (QUESTION_TYPES and TRAINING_ONLY_TYPES)
+    # The cycle of single-turn training records' types, from QUESTION_TYPES and TRAINING_ONLY_TYPES.
+    train_question_types: tuple[str, ...] = QUESTION_TYPES
     validation_fraction: float = 0.1  # share of all possible scenes reserved for validation
 
     def __post_init__(self) -> None:

@@ -44,7 +44,12 @@ class TrainConfig(Config):
     weight_decay: float = 0.01  # matrices only; norms, biases and embeddings' gains are not decayed
     adam_beta2: float = 0.95
     warmup_steps: int = 50
-    decay_steps: int = 0  # length of the cosine decay (0: max_steps); set it to stop early and resume later
+    # The cosine decay's length in steps, for a run that stops early and resumes onto the same schedule (0: see
+    # min_lr_tail_fraction).
+    decay_steps: int = 0
+    # With decay_steps 0, the share of max_steps trained at min_lr_ratio after the cosine, which ends at the step
+    # nearest max_steps x (1 - min_lr_tail_fraction): a share, so a shorter max_steps keeps the schedule's shape.
+    min_lr_tail_fraction: float = 0.0
     min_lr_ratio: float = 0.1  # cosine decay ends at this fraction of each learning rate
     grad_clip: float = 1.0  # 0 disables clipping
     # How a sample's n answer tokens share the loss: token (1 each), sample (1/n each: every sample, i.e. every record,
@@ -88,11 +93,21 @@ class TrainConfig(Config):
               f"train.answer_pretrain_steps must be null or at least 1, got {self.answer_pretrain_steps}")
         check(self.vision_pretrain_lr > 0, f"train.vision_pretrain_lr must be positive, got {self.vision_pretrain_lr}")
         check(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
+        check(0 <= self.min_lr_tail_fraction < 1,
+              f"train.min_lr_tail_fraction must lie in [0, 1), got {self.min_lr_tail_fraction}")
         check(0 < self.adam_beta2 < 1, f"train.adam_beta2 must lie in (0, 1), got {self.adam_beta2}")
         check(self.decay_steps == 0 or self.decay_steps >= self.warmup_steps,
               f"train.decay_steps ({self.decay_steps}) must be 0 or at least train.warmup_steps ({self.warmup_steps})")
+        check(self.max_steps <= self.warmup_steps or self.cosine_end() >= self.warmup_steps,
+              f"train.min_lr_tail_fraction ({self.min_lr_tail_fraction}) ends the cosine at step "
+              f"{self.cosine_end()} of train.max_steps ({self.max_steps}), before the warmup ends (train.warmup_steps "
+              f"{self.warmup_steps}): lower one of them or set train.decay_steps")
         check(max(self.lr_projector, self.lr_vision, self.lr_language) > 0,
               "every learning rate is 0: nothing would train")
+
+    def cosine_end(self) -> int:
+        """The step at which the learning rate's cosine reaches min_lr_ratio (see decay_steps)."""
+        return self.decay_steps or round(self.max_steps * (1 - self.min_lr_tail_fraction))
 
 
 @dataclasses.dataclass

@@ -54,10 +54,10 @@ def build_optimizer(model: nn.Module, config: TrainConfig, device: torch.device)
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:
-    """Linear warmup to 1, then cosine decay to min_lr_ratio at decay_steps (or max_steps)."""
+    """Linear warmup to 1, then cosine decay to min_lr_ratio at `config.cosine_end()`, flat after."""
     if step < config.warmup_steps:
         return (step + 1) / config.warmup_steps
-    decay_steps = config.decay_steps or config.max_steps
+    decay_steps = config.cosine_end()
     progress = min(1.0, (step - config.warmup_steps) / max(1, decay_steps - config.warmup_steps))
     return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 

@@ -12,7 +12,7 @@ SMALL = {
     "train.batch_size": "8", "train.eval_questions": "8", "train.eval_batches": "1", "train.warmup_steps": "2",
     "train.log_every": "1", "train.device": "cpu", "train.lr_projector": "0.01", "train.lr_vision": "0.01",
     "train.lr_language": "0.01", "train.vision_pretrain_steps": "0",
-    "train.decay_steps": "0",  # the cosine over max_steps, whatever the test's length (tiny.yaml ends it at 4,000)
+    "train.min_lr_tail_fraction": "0",  # the cosine over all of max_steps (tiny.yaml ends it 20% before)
 }
 
 

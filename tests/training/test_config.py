@@ -126,6 +126,10 @@ def test_boolean_and_numeric_overrides_parse():
     (["--data.source", "jsonl", "--data.path", "x.jsonl", "--train.vision_pretrain_objective", "cells"],
      r"vision_pretrain_objective=cells needs data.source=synthetic.* use answers \(or auto\) for data.source=jsonl"),
     (["--train.answer_pretrain_steps", "0"], "train.answer_pretrain_steps must be null or at least 1, got 0"),
+    (["--train.min_lr_tail_fraction", "1"], r"train.min_lr_tail_fraction must lie in \[0, 1\), got 1.0"),
+    (["--train.min_lr_tail_fraction", "-0.1"], r"train.min_lr_tail_fraction must lie in \[0, 1\), got -0.1"),
+    (["--train.max_steps", "120"], r"train.min_lr_tail_fraction \(0.2\) ends the cosine at step 96 of train.max_steps "
+     r"\(120\), before the warmup ends \(train.warmup_steps 100\): lower one of them or set train.decay_steps"),
     (["--train.vision_pretrain_objective", "labels"],
      "train.vision_pretrain_objective: 'labels' is not one of 'auto', 'cells', 'answers'"),
     (["--model.vision.patch_size", "12"], r"the patch grid \(4x4\) must split evenly into the scenes' 3x3 cells"),

@@ -86,7 +86,7 @@ def reference(tmp_path_factory) -> Path:
 # configs/tiny.yaml as it is (1.5M parameters, ViT pre-trained then frozen), with less data to generate, a shorter
 # vision pre-training and evaluation
 TINY = {"data.shapes.num_train": "640", "data.shapes.num_validation": "16", "train.eval_questions": "8",
-        "train.eval_batches": "1", "train.warmup_steps": "2", "train.log_every": "1", "train.decay_steps": "0",
+        "train.eval_batches": "1", "train.warmup_steps": "2", "train.log_every": "1",
         "train.vision_pretrain_steps": "3",
         "train.vision_pretrain_batch_size": "8", **COMMON}
 

@@ -1,7 +1,9 @@
 """The optimiser recipe: one learning rate per part times the schedule, lr 0 freezes a part, AdamW's decoupled weight
-decay on matrices only, linear warmup then cosine decay to min_lr_ratio over decay_steps (or max_steps)."""
+decay on matrices only, linear warmup then cosine decay to min_lr_ratio over decay_steps (or, when 0, all but
+min_lr_tail_fraction of max_steps)."""
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -11,7 +13,7 @@ from safetensors.torch import load_file
 from tests.models.helpers import tiny_vlm
 from tests.training.helpers import small_config
 from training import run
-from training.config import TrainConfig
+from training.config import TrainConfig, load_run_config
 from training.optim import build_optimizer, build_scheduler, lr_factor
 
 PARTS = ("projector", "vision", "language")
@@ -80,6 +82,35 @@ def test_decay_steps_stops_the_cosine_before_max_steps():
     assert lr_factor(19, config) > config.min_lr_ratio
     assert all(lr_factor(step, config) == pytest.approx(config.min_lr_ratio, abs=1e-15) for step in range(20, 100))
     assert lr_factor(12, config) == pytest.approx(expected_factor(12, 4, 20, 0.2), rel=1e-12)
+
+
+@pytest.mark.parametrize("max_steps, end", [(100, 75), (41, 31), (43, 32), (10, 8)])
+def test_min_lr_tail_fraction_ends_the_cosine_that_share_of_max_steps_early(max_steps, end):
+    """With decay_steps 0, the cosine ends at the step nearest max_steps x (1 - min_lr_tail_fraction) (30.75, 32.25,
+    7.5) and stays at min_lr_ratio."""
+    config = TrainConfig(**{**RECIPE, "max_steps": max_steps, "min_lr_tail_fraction": 0.25})
+    for step in range(max_steps + 3):
+        assert lr_factor(step, config) == pytest.approx(expected_factor(step, 4, end, 0.2), rel=1e-12, abs=1e-15), step
+    assert lr_factor(end - 1, config) > config.min_lr_ratio
+
+
+def test_decay_steps_when_set_overrides_min_lr_tail_fraction():
+    """A run that stops early and resumes keeps its schedule by decay_steps, whatever max_steps and the share say."""
+    config = TrainConfig(**{**RECIPE, "max_steps": 100, "min_lr_tail_fraction": 0.5}, decay_steps=20)
+    without_share = dataclasses.replace(config, min_lr_tail_fraction=0)
+    assert [lr_factor(s, config) for s in range(100)] == [lr_factor(s, without_share) for s in range(100)]
+
+
+def test_the_tiny_default_schedule_keeps_its_shape_when_shortened():
+    """configs/tiny.yaml: cosine to step 4,000 of 5,000, then flat, exactly as `decay_steps: 4000` wrote it; shortened
+    to 200 steps (and the warmup to 10), it ends the cosine at step 160 (with decay_steps 4000, a shortened run stayed
+    on the cosine's first half unless decay_steps was shortened too)."""
+    tiny = load_run_config("configs/tiny.yaml", {}).train
+    absolute = dataclasses.replace(tiny, min_lr_tail_fraction=0.0, decay_steps=4000)
+    assert [lr_factor(s, tiny) for s in range(5000)] == [lr_factor(s, absolute) for s in range(5000)]
+    short = load_run_config("configs/tiny.yaml", {"train.max_steps": "200", "train.warmup_steps": "10"}).train
+    assert lr_factor(159, short) > short.min_lr_ratio
+    assert all(lr_factor(s, short) == pytest.approx(short.min_lr_ratio, abs=1e-15) for s in range(160, 200))
 
 
 def test_one_adamw_step_decays_matrices_but_not_biases_or_norms():
