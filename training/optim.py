@@ -57,8 +57,7 @@ def lr_factor(step: int, config: TrainConfig) -> float:
     """Linear warmup to 1, then cosine decay to min_lr_ratio at `config.cosine_end()`, flat after."""
     if step < config.warmup_steps:
         return (step + 1) / config.warmup_steps
-    decay_steps = config.cosine_end()
-    progress = min(1.0, (step - config.warmup_steps) / max(1, decay_steps - config.warmup_steps))
+    progress = min(1.0, (step - config.warmup_steps) / max(1, config.cosine_end() - config.warmup_steps))
     return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 

@@ -17,9 +17,9 @@ from training.answer_pretraining import pretrain_vision_on_answers
 from training.config import load_run_config
 from training.run import train
 
-SHORT = {"train.max_steps": "300", "train.vision_pretrain_steps": "100",
-         "train.warmup_steps": "30", "train.eval_every": "300", "train.save_every": "300",
-         "train.eval_questions": "120", "data.shapes.num_train": "9600", "data.shapes.num_validation": "120"}
+SHORT = {"train.max_steps": "300", "train.vision_pretrain_steps": "100", "train.warmup_steps": "30",
+         "train.eval_every": "300", "train.save_every": "300", "train.eval_questions": "120",
+         "data.shapes.num_train": "9600", "data.shapes.num_validation": "120"}
 
 
 @pytest.mark.slow  # ~50 s on 2 cores
