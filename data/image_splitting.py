@@ -33,8 +33,6 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
-from torchvision.transforms.v2 import InterpolationMode
-from torchvision.transforms.v2 import functional as tvF
 from transformers import PreTrainedTokenizerBase
 
 from data.processors import ImageProcessor, to_rgb
@@ -50,8 +48,6 @@ NANOVLM_GLOBAL_TOKEN = "<|global_image|>"
 IDEFICS3_MAX_SIDE = 4096  # transformers' MAX_IMAGE_SIZE: no resized side exceeds it
 PIL_FILTERS = {"lanczos": Image.Resampling.LANCZOS, "bicubic": Image.Resampling.BICUBIC,
                "bilinear": Image.Resampling.BILINEAR}
-TORCHVISION_MODES = {"lanczos": InterpolationMode.LANCZOS, "bicubic": InterpolationMode.BICUBIC,
-                     "bilinear": InterpolationMode.BILINEAR}
 DEFAULT_BACKEND: dict[str, Backend] = {"idefics3": "torchvision", "nanovlm": "pil"}
 
 
@@ -232,7 +228,7 @@ class ImageSplitter:
         return height // self.image_size, width // self.image_size
 
     def __call__(self, image: Image.Image) -> tuple[Tensor, int, int]:
-        pixels = tvF.pil_to_tensor(to_rgb(image))  # uint8 [3, H, W]
+        pixels = torch.from_numpy(np.array(to_rgb(image))).permute(2, 0, 1)  # uint8 [3, H, W]
         if self.layout == "idefics3":  # every resize on uint8 images, as transformers does
             pixels = self._resize(pixels, *idefics3_resized_size(*pixels.shape[1:], self.max_image_size))
             pixels = self._resize(pixels, *idefics3_tiled_size(*pixels.shape[1:], self.image_size))
@@ -245,7 +241,7 @@ class ImageSplitter:
         tiles, rows, cols = self._tiles(pixels)
         if rows * cols > 1:
             size = [self.image_size, self.image_size]
-            whole = tvF.resize(pixels, size, interpolation=InterpolationMode.BILINEAR, antialias=True)
+            whole = _torchvision_resize(pixels, size, "bilinear")
             tiles = torch.cat([whole[None], tiles])
         return (tiles - self.mean) / self.std, rows, cols
 
@@ -265,9 +261,17 @@ class ImageSplitter:
     def _resize(self, pixels: Tensor, height: int, width: int) -> Tensor:
         """uint8 [3, h, w] → uint8 [3, height, width] with the configured filter."""
         if self.backend == "torchvision":
-            return tvF.resize(pixels, [height, width], interpolation=TORCHVISION_MODES[self.resample], antialias=True)
+            return _torchvision_resize(pixels, [height, width], self.resample)
         image = Image.fromarray(pixels.permute(1, 2, 0).numpy()).resize((width, height), PIL_FILTERS[self.resample])
         return torch.from_numpy(np.array(image)).permute(2, 0, 1)
+
+
+def _torchvision_resize(pixels: Tensor, size: list[int], resample: Resample) -> Tensor:
+    """torchvision's antialiased tensor resize. Imported here, not at the top: importing torchvision takes ~1-2 s, which
+    every start of train.py and generate.py would pay, while only image splitting uses it."""
+    from torchvision.transforms.v2 import InterpolationMode, functional
+
+    return functional.resize(pixels, size, interpolation=InterpolationMode[resample.upper()], antialias=True)
 
 
 # tinyvlm's own: nanoVLM's BaseDataset._process_images + get_image_string, Idefics3Processor.__call__, for any config.

@@ -12,7 +12,6 @@ from typing import BinaryIO
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
-from torchvision.transforms import v2
 
 from models.config import VisionConfig, one_line
 from models.errors import TinyVLMError
@@ -76,7 +75,6 @@ class ImageProcessor:
     def __init__(self, image_size: int, mean: tuple[float, ...] = (0.5, 0.5, 0.5),
                  std: tuple[float, ...] = (0.5, 0.5, 0.5)):
         self.image_size = image_size
-        self.resize = v2.Resize((image_size, image_size), antialias=True)
         self.mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
 
@@ -87,6 +85,6 @@ class ImageProcessor:
     def __call__(self, image: Image.Image) -> torch.Tensor:
         image = to_rgb(image)
         if image.size != (self.image_size, self.image_size):
-            image = self.resize(image)
+            image = image.resize((self.image_size, self.image_size), Image.Resampling.BILINEAR)  # as v2.Resize does
         pixels = torch.from_numpy(np.array(image)).permute(2, 0, 1)  # uint8 [3, H, W]
         return (pixels.to(torch.float32) * (1 / 255) - self.mean) / self.std

@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
-from torch._dynamo.exc import FailOnRecompileLimitHit
 
 CACHE_BUCKET = 256  # the cache's capacity is rounded up to a multiple of this (never past the context)
 
@@ -43,13 +42,17 @@ class CompiledDecodeStep:
         self.compiled = torch.compile(step, mode="reduce-overhead" if device_type == "cuda" else None, fullgraph=True,
                                       dynamic=False)
         self.eager_shapes: set[tuple[int, int]] = set()
+        # Imported here, not at the top: importing torch._dynamo takes ~2 s, which eager decoding need not pay.
+        from torch._dynamo.exc import FailOnRecompileLimitHit
+
+        self.recompile_limit_hit = FailOnRecompileLimitHit
 
     def __call__(self, token: Tensor, mask: Tensor, cache: list[dict[str, Tensor]], position: Tensor) -> Tensor:
         shape = tuple(mask.shape)
         if shape not in self.eager_shapes:
             try:
                 return self.compiled(token, mask, cache, position)
-            except FailOnRecompileLimitHit:
+            except self.recompile_limit_hit:
                 self.eager_shapes.add(shape)
                 warnings.warn(f"torch.compile's recompile limit is reached: decode steps of shape {shape} (batch, "
                               f"cache) run eagerly (raise torch._dynamo.config.recompile_limit to compile more shapes)",

@@ -181,3 +181,19 @@ def test_inference_imports_nothing_from_training():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_answering_imports_no_module_it_does_not_use(random_checkpoint, image):
+    """Regression: generate.py imported torchvision (used by image splitting only), torch._dynamo (compile=True
+    only) and FSDP2 / torch.distributed.checkpoint (sharded training only), ~3 s of a ~10 s call on 2 cores. A whole
+    answer, in a fresh process, loads none of them."""
+    import subprocess
+    import sys
+
+    heavy = ["torchvision", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp"]
+    code = (f"import sys, generate; code = generate.main(sys.argv[1:]); "
+            f"print(code, [m for m in {heavy!r} if m in sys.modules], file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", code, "--checkpoint", str(random_checkpoint), "--image", str(image),
+                             "--prompt", "What colour is it?", "--max-new-tokens", "3"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.stderr.strip().splitlines()[-1] == "0 []", result.stderr[-2000:]

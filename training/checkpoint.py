@@ -18,12 +18,11 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint import CheckpointException
 
 from models.checkpoints import SHARDED, STATE_JSON, checkpoints
 from models.config import one_line
 from models.loading import CheckpointError, atomic_write
-from training.distributed import Ranks, barrier, is_sharded, load_sharded, save_sharded, unwrap
+from training.distributed import Ranks, ShardError, barrier, is_sharded, load_sharded, save_sharded, unwrap
 
 STATE_TENSORS = "training_state.safetensors"
 RUN_CONFIG = "run_config.json"
@@ -84,7 +83,7 @@ def save_checkpoint(run_dir: Path, step: int, model, processor, optimizer: torch
         if ranks.is_main:
             _write(staging, step, unwrap(model), processor, optimizer, run_config,
                    {**(extra or {}), "sharded_world_size": ranks.world_size if is_sharded(model) else 0})
-    except (OSError, SafetensorError, CheckpointException) as e:
+    except (OSError, SafetensorError, ShardError) as e:
         shutil.rmtree(staging, ignore_errors=True)
         previous = checkpoints(run_dir)
         kept = (f"the newest complete checkpoint, {previous[-1]}, is intact" if previous
@@ -149,7 +148,7 @@ def load_training_state(directory: Path, model, optimizer: torch.optim.Optimizer
     if sharded_world_size:
         try:
             load_sharded(model, optimizer, directory / SHARDED)
-        except CheckpointException as e:
+        except ShardError as e:
             raise CheckpointError(f"{directory}: unreadable shards ({one_line(e, 300)})") from None
     else:
         optimizer.load_state_dict(_optimizer_state(tensors, state["optimizer"]))

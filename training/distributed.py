@@ -3,6 +3,8 @@
 One process per device; `torchrun` sets RANK, WORLD_SIZE and LOCAL_RANK. Without them everything here is a no-op
 and train.py runs as a single process. NCCL on GPU, gloo on CPU; every collective times out after
 `train.dist_timeout` seconds, so a rank that dies never leaves the others waiting forever.
+FSDP2, DTensor and torch.distributed.checkpoint are imported where they are used: importing them takes ~1 s, which
+every single-process start (train.py, generate.py's checkpoint loading) would pay.
 """
 
 from __future__ import annotations
@@ -10,27 +12,24 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import logging
 import os
+import sys
+import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from models.checkpoints import pick_device
+
+
+class ShardError(RuntimeError):
+    """A sharded checkpoint could not be written or read (torch.distributed.checkpoint's CheckpointException)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +88,9 @@ def wrap(model: nn.Module, strategy: str, ranks: Ranks, device: torch.device) ->
         return model
     if strategy == "ddp":
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     mesh = init_device_mesh(device.type, (ranks.world_size,))
     for block in [*model.vision.blocks, *model.language.blocks]:
         fully_shard(block, mesh=mesh)
@@ -101,7 +103,9 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    """Whether FSDP2 shards `model` (where FSDP2 was never imported, nothing is)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 @contextlib.contextmanager
@@ -111,7 +115,7 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         with model.no_sync():
             yield
         return
-    if isinstance(model, FSDPModule):
+    if is_sharded(model):
         model.set_requires_gradient_sync(enabled)
     yield
 
@@ -153,8 +157,14 @@ def broadcast_parameters(module: nn.Module) -> None:
 
 def all_finite(model: nn.Module) -> bool:
     """True when no rank holds a NaN/inf weight (each checks its own shards)."""
-    local = all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()) for p in model.parameters())
+    local = all(bool(torch.isfinite(_local(p)).all()) for p in model.parameters())
     return all_reduce([float(not local)], op="max")[0] == 0
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2's parameters); any other tensor itself."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor.DTensor) else tensor
 
 
 def barrier() -> None:
@@ -162,28 +172,65 @@ def barrier() -> None:
         dist.barrier()
 
 
+@contextlib.contextmanager
+def _shard_errors() -> Iterator[None]:
+    """torch.distributed.checkpoint's errors as ShardError, each failed rank's exception on one line (its own message
+    holds every rank's whole traceback). Its warnings, which it logs with tracebacks to the root logger while it tries
+    one metadata file after another, are dropped: the error names what each try met."""
+    import torch.distributed.checkpoint as dcp
+
+    root = logging.getLogger()
+    root.addFilter(_not_from_distributed_checkpoint)
+    try:
+        yield
+    except dcp.CheckpointException as e:
+        causes = "; ".join(f"rank {rank}: {type(error).__name__}: {error}" for rank, (error, _) in e.failures.items())
+        raise ShardError(causes or str(e)) from e
+    finally:
+        root.removeFilter(_not_from_distributed_checkpoint)
+
+
+def _not_from_distributed_checkpoint(record: logging.LogRecord) -> bool:
+    return "torch/distributed/checkpoint/" not in Path(record.pathname).as_posix()
+
+
 def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     """Every rank writes its shards of the model and optimizer state into `directory` (torch.distributed.checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory)
+    with _shard_errors():
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory)
 
 
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     """Read a `save_sharded` checkpoint into an FSDP2 model and its optimizer (same world size)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=directory)
+    with _shard_errors():
+        dcp.load(state, checkpoint_id=directory)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's weights on rank 0's CPU (a collective under FSDP2: every rank must call it)."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options) if is_sharded(model) else unwrap(model).state_dict()
+    if not is_sharded(model):
+        return unwrap(model).state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def read_sharded_weights(directory: Path, model: nn.Module) -> None:
     """Load the model part of a sharded checkpoint into an ordinary, unsharded `model`, in one process."""
+    import torch.distributed.checkpoint as dcp
+
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=directory, no_dist=True)
+    with _shard_errors(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # no_dist says so already
+        dcp.load(state, checkpoint_id=directory, no_dist=True)
     model.load_state_dict(state["model"])

@@ -12,12 +12,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from torch.distributed.checkpoint import CheckpointException
-
 from models import CheckpointError, ConfigError, VisionLanguageModel, VLMConfig
 from models.checkpoints import PROCESSOR_FILES, SHARDED
 from models.config import one_line
-from training.distributed import read_sharded_weights
+from training.distributed import ShardError, read_sharded_weights
 
 
 def export(checkpoint: Path, out: Path | None = None) -> Path:
@@ -75,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"exported {export_idefics3(args.checkpoint, out)}")
         else:
             print(f"exported {export(args.checkpoint, out)}")
-    except (CheckpointError, CheckpointException, ConfigError) as e:
+    except (CheckpointError, ConfigError, ShardError) as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     return 0
