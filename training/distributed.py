@@ -103,9 +103,13 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    """Whether FSDP2 shards `model` (where FSDP2 was never imported, nothing is)."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
+    return _is_instance(model, "torch.distributed.fsdp", "FSDPModule")
+
+
+def _is_instance(value: object, module: str, name: str) -> bool:
+    """isinstance(value, module.name) without importing `module`: a class never imported has no instances."""
+    loaded = sys.modules.get(module)
+    return loaded is not None and isinstance(value, getattr(loaded, name))
 
 
 @contextlib.contextmanager
@@ -163,8 +167,7 @@ def all_finite(model: nn.Module) -> bool:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (FSDP2's parameters); any other tensor itself."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor.DTensor) else tensor
+    return tensor.to_local() if _is_instance(tensor, "torch.distributed.tensor", "DTensor") else tensor
 
 
 def barrier() -> None:
