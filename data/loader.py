@@ -8,8 +8,10 @@ record under data.on_bad_record=fail) travels the same way and is raised there a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+from collections.abc import Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -59,15 +61,25 @@ def _ignore_ctrl_c(worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def training_loader(records: CheckedRecords, sampler: Sampler[list[int]], collator: VQACollator, num_workers: int,
-                    prefetch_factor: int, pin_memory: bool) -> DataLoader:
-    """Batches of `records` in `sampler`'s order, whatever the number of workers; see `take_bookkeeping`."""
+@contextlib.contextmanager
+def training_batches(records: CheckedRecords, sampler: Sampler[list[int]], collator: VQACollator, num_workers: int,
+                     prefetch_factor: int, pin_memory: bool) -> Iterator[Iterator[dict[str, Any]]]:
+    """Batches of `records` in `sampler`'s order, whatever the number of workers; see `take_bookkeeping`.
+
+    The worker processes end with the block. Left to the garbage collector, they outlived the run, and collecting
+    them later stalled the process ~5 s a worker: a collected reference cycle can close the workers' queues before
+    the loader tells them to stop, so each is waited for until its timeout."""
     if num_workers:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # tokenizers' warning on fork, and its deadlock risk
     workers = {"prefetch_factor": prefetch_factor, "persistent_workers": True,
                "worker_init_fn": _ignore_ctrl_c} if num_workers else {}
-    return DataLoader(_Indexed(records), batch_sampler=sampler, collate_fn=_Collate(collator), num_workers=num_workers,
-                      pin_memory=pin_memory, **workers)
+    batches = iter(DataLoader(_Indexed(records), batch_sampler=sampler, collate_fn=_Collate(collator),
+                              num_workers=num_workers, pin_memory=pin_memory, **workers))
+    try:
+        yield batches
+    finally:
+        if num_workers:
+            batches._shutdown_workers()  # what the iterator's __del__ does; PyTorch has no public close
 
 
 def take_bookkeeping(batch: dict[str, Any]) -> tuple[list[int], list[int]]:

@@ -77,7 +77,7 @@ class Trainer:
     processor: Any  # the chat processor (data/chat_processors.py): its tokenizer and conversation format
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    batches: Iterator[dict[str, Any]]  # from `data.loader.training_loader`
+    batches: Iterator[dict[str, Any]]  # from `data.loader.training_batches`
     validation_batches: list[dict[str, torch.Tensor]]
     ranks: Ranks
     device: torch.device

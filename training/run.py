@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from data import CheckedRecords, ImageProcessor, VQACollator, build_datasets, text_lengths
 from data.chat_processors import ChatProcessor
-from data.loader import training_loader
+from data.loader import training_batches
 from data.sampler import ResumableBatchSampler
 from models import VisionLanguageModel
 from models.config import check
@@ -78,17 +78,16 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     shown = min(len(validation_records), tc.eval_batches * tc.batch_size)
     validation_batches = [collator([validation_records[i] for i in range(s, min(s + tc.batch_size, shown))])
                           for s in range(0, shown, tc.batch_size)]
-    batches = iter(training_loader(train_records, sampler, collator, tc.num_workers, tc.prefetch_factor,
-                                   pin_memory=device.type == "cuda"))
-    trainer = loop.Trainer(config, model, torch.compile(model) if tc.compile else model, processor, optimizer,
-                           build_scheduler(optimizer, tc, state.step), batches, validation_batches, ranks, device,
-                           autocast, _wandb_run(config, ranks))
     say(f"model: {sum(p.numel() for p in distributed.unwrap(model).parameters()) / 1e6:.2f}M parameters, "
         f"{config.model.tokens_per_image} tokens per image, vocabulary {config.model.language.vocab_size}; data: "
         f"{len(train_data)} train / {len(validation_data)} validation samples; device {device}"
         + (f"; {ranks.world_size} ranks ({tc.parallel})" if ranks.distributed else ""), flush=True)
-
-    stopped_by = loop.run(trainer, state)
+    with training_batches(train_records, sampler, collator, tc.num_workers, tc.prefetch_factor,
+                          pin_memory=device.type == "cuda") as batches:
+        trainer = loop.Trainer(config, model, torch.compile(model) if tc.compile else model, processor, optimizer,
+                               build_scheduler(optimizer, tc, state.step), batches, validation_batches, ranks, device,
+                               autocast, _wandb_run(config, ranks))
+        stopped_by = loop.run(trainer, state)
     if stopped_by:
         return {"step": state.step, "stopped_by": stopped_by}
     final_model = unsharded(model, config, Path(tc.output_dir) / f"step_{tc.max_steps:06d}", ranks)

@@ -5,6 +5,7 @@ import contextlib
 import copy
 import itertools
 import json
+import multiprocessing
 
 import pytest
 import torch
@@ -175,6 +176,15 @@ def test_a_step_descends_the_mean_answer_loss(loss_weight, packed):
     for (name, after), old, ref in zip(model.named_parameters(), before.parameters(), reference.parameters()):
         torch.testing.assert_close(old - after, ref.grad.float(), rtol=1e-3, atol=1e-5,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_a_run_ends_its_data_workers_when_it_returns(tmp_path):
+    """Left to the garbage collector, a run's DataLoader workers outlived it, and collecting them later (in the next
+    run of the same process, say) stalled ~5 s a worker."""
+    before = set(multiprocessing.active_children())
+    train(small_config(tmp_path, **{"train.max_steps": "2", "train.save_every": "2", "train.eval_every": "2",
+                                    "train.num_workers": "2"}))
+    assert set(multiprocessing.active_children()) - before == set()
 
 
 def test_progress_to_a_file_is_plain_lines(tmp_path, capsys):
