@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.config import LanguageConfig
+from models.gguf import read_gguf
 from models.kv_cache import KVCache, allocate, attended_slots, paged_flex_attention, write
 from models.loading import CheckpointError, load_checked, read_json, read_weights, rename_keys, resolve, weight_patterns
 
@@ -167,14 +168,6 @@ def config_from_hf(hf: dict) -> LanguageConfig:
     )
 
 
-def _read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
-    """Config and dequantized weights of a Llama GGUF file, through transformers' GGUF reader."""
-    from transformers import AutoModelForCausalLM
-
-    hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return hf_model.config.to_dict(), hf_model.state_dict()
-
-
 # The decoder (Llama 2, Touvron et al. 2023; SmolLM2-compatible).
 class LanguageModel(nn.Module):
     def __init__(self, config: LanguageConfig) -> None:
@@ -280,7 +273,7 @@ class LanguageModel(nn.Module):
         `allow_pickle` also reads `.bin` weights, with `torch.load(weights_only=True)`."""
         path = resolve(source, allow_patterns=weight_patterns(allow_pickle))
         if path.suffix == ".gguf":
-            hf_config, hf_weights = _read_gguf(path)
+            hf_config, hf_weights = read_gguf(path)
             config = config_from_hf(hf_config)
         else:  # check the architecture before reading any weights
             config = config_from_hf(read_json(path / "config.json"))

@@ -1,0 +1,82 @@
+"""GGUF files (models/gguf.py) against transformers: a random GQA Llama written as llama.cpp's converter writes it (its
+tensor names, its rotary permutation of the q / k rows, its metadata keys) loads as our model with transformers'
+logits. tests/models/test_smollm2.py checks a real quantized file the same way."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFWriter
+
+from models import LanguageModel
+from models.loading import CheckpointError
+from tests.models.helpers import save_tiny_llama
+
+LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+               "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def _llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to a Hugging Face q or k projection."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _write_gguf(path, model, architecture: str = "llama") -> None:
+    c, weights = model.config, {name: t.numpy() for name, t in model.state_dict().items()}
+    writer = GGUFWriter(str(path), architecture)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_eos_token_id(c.eos_token_id)
+    tensors = {"token_embd.weight": weights["model.embed_tokens.weight"],
+               "output_norm.weight": weights["model.norm.weight"]}
+    if not c.tie_word_embeddings:
+        tensors["output.weight"] = weights["lm_head.weight"]
+    heads = {"q_proj": c.num_attention_heads, "k_proj": c.num_key_value_heads}
+    for i in range(c.num_hidden_layers):
+        for gguf_name, hf_name in LAYER_NAMES.items():
+            values = weights[f"model.layers.{i}.{hf_name}.weight"]
+            if hf_name.endswith(tuple(heads)):
+                values = _llama_cpp_permute(values, heads[hf_name.removeprefix("self_attn.")])
+            tensors[f"blk.{i}.{gguf_name}.weight"] = values
+    for name, values in tensors.items():
+        writer.add_tensor(name, np.ascontiguousarray(values))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_a_gguf_llama_loads_with_transformers_logits(tmp_path, tie):
+    reference = save_tiny_llama(tmp_path / "hf", tie=tie)
+    _write_gguf(tmp_path / "model.gguf", reference)
+    ours = LanguageModel.from_pretrained(tmp_path / "model.gguf")
+    c = ours.config
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.intermediate_size) == (3, 64, 8, 2, 128)
+    assert (c.rope_theta, c.eos_token_id, c.tie_word_embeddings) == (5000.0, 3, tie)
+    assert c.rms_norm_eps == pytest.approx(1e-5)  # GGUF keeps it as a float32
+    ids = torch.randint(0, 128, (2, 40))
+    with torch.no_grad():
+        expected = reference(ids).logits
+        actual = ours.head(ours(ours.token_embedding(ids))[0])
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+
+
+def test_a_gguf_of_another_architecture_is_refused(tmp_path):
+    reference = save_tiny_llama(tmp_path / "hf", tie=True)
+    _write_gguf(tmp_path / "model.gguf", reference, architecture="qwen2")
+    with pytest.raises(CheckpointError, match=r"GGUF architecture 'qwen2' is not supported \(expected llama\)"):
+        LanguageModel.from_pretrained(tmp_path / "model.gguf")
+
+
+def test_a_file_that_is_not_gguf_is_a_clear_error(tmp_path):
+    (tmp_path / "model.gguf").write_bytes(b"not a GGUF file at all" * 10)
+    with pytest.raises(CheckpointError, match=r"model.gguf: not a readable GGUF file"):
+        LanguageModel.from_pretrained(tmp_path / "model.gguf")
