@@ -31,6 +31,7 @@ _NAMES = [
     (r"^blk\.(\d+)\.ffn_up\.", r"model.layers.\1.mlp.up_proj."),
     (r"^blk\.(\d+)\.ffn_down\.", r"model.layers.\1.mlp.down_proj."),
 ]
+_REQUIRED = ["llama.block_count", "llama.embedding_length", "llama.feed_forward_length", "llama.attention.head_count"]
 
 
 def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -45,42 +46,59 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         reader = GGUFReader(path)
     except (ValueError, OSError) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
-
-    def field(key: str, default: Any = None) -> Any:
-        return reader.fields[key].contents() if key in reader.fields else default
-
-    if (architecture := field("general.architecture")) != "llama":
-        raise CheckpointError(f"{path}: GGUF architecture {architecture!r} is not supported (expected llama)")
-    names = {tensor.name for tensor in reader.tensors}
-    heads = field("llama.attention.head_count")
-    kv_heads = field("llama.attention.head_count_kv", heads)
-    scaling = field("llama.rope.scaling.type", "none")
-    config = {
-        "model_type": "llama",
-        "vocab_size": field("llama.vocab_size", len(field("tokenizer.ggml.tokens", []))),
-        "hidden_size": field("llama.embedding_length"),
-        "intermediate_size": field("llama.feed_forward_length"),
-        "num_hidden_layers": field("llama.block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": field("llama.rope.dimension_count", field("llama.embedding_length") // heads),
-        "max_position_embeddings": field("llama.context_length", 2048),
-        "rope_theta": field("llama.rope.freq_base", 10000.0),
-        "rope_scaling": {"rope_type": "default" if scaling == "none" else scaling},
-        "rms_norm_eps": field("llama.attention.layer_norm_rms_epsilon", 1e-6),
-        "tie_word_embeddings": "output.weight" not in names,
-        "eos_token_id": field("tokenizer.ggml.eos_token_id"),
-    }
+    config = _hf_config(reader, path)
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     weights = {}
     for tensor in reader.tensors:
         name = tensor.name
         for pattern, replacement in _NAMES:
             name = re.sub(pattern, replacement, name)
-        values = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # a copy: not the mapped file
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            values = _unpermute(values, heads if "q_proj" in name else kv_heads)
+        projection = name.removesuffix(".weight").rpartition(".")[2]
+        try:
+            values = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # a copy, not the map
+            if projection in heads:
+                values = _unpermute(values, heads[projection])
+        except (NotImplementedError, ValueError) as e:  # a quantization gguf cannot dequantize, odd shapes
+            kind = tensor.tensor_type.name
+            raise CheckpointError(f"{path}: cannot read tensor {tensor.name} ({kind}: {e})") from None
         weights[name] = torch.from_numpy(values)
     return config, weights
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    return reader.fields[key].contents() if key in reader.fields else default
+
+
+def _hf_config(reader, path: Path) -> dict[str, Any]:
+    """The metadata of a Llama GGUF file as a Hugging Face Llama `config.json` dict (as transformers maps it)."""
+    if (architecture := _field(reader, "general.architecture")) != "llama":
+        raise CheckpointError(f"{path}: GGUF architecture {architecture!r} is not supported (expected llama)")
+    if missing := [key for key in _REQUIRED if key not in reader.fields]:
+        raise CheckpointError(f"{path}: not a complete Llama GGUF file (no {', '.join(missing)} in its metadata)")
+    tensors = {tensor.name for tensor in reader.tensors}
+    heads, hidden = _field(reader, "llama.attention.head_count"), _field(reader, "llama.embedding_length")
+    # Rope scaling comes as a type, an older linear factor, or (Llama 3.1+) a rope_freqs tensor: config_from_hf
+    # refuses it ("rope scaling") rather than the model loading without it.
+    scaling = _field(reader, "llama.rope.scaling.type", "none")
+    if scaling == "none" and ("rope_freqs.weight" in tensors or "llama.rope.scale_linear" in reader.fields):
+        scaling = "llama3" if "rope_freqs.weight" in tensors else "linear"
+    return {
+        # transformers reads a "llama" file named Mistral as Mistral (its sliding window is not in the metadata)
+        "model_type": "mistral" if "mistral" in str(_field(reader, "general.name", "")).lower() else "llama",
+        "vocab_size": _field(reader, "llama.vocab_size", len(_field(reader, "tokenizer.ggml.tokens", []))),
+        "hidden_size": hidden,
+        "intermediate_size": _field(reader, "llama.feed_forward_length"),
+        "num_hidden_layers": _field(reader, "llama.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _field(reader, "llama.attention.head_count_kv", heads),
+        "head_dim": _field(reader, "llama.rope.dimension_count", hidden // heads),
+        "max_position_embeddings": _field(reader, "llama.context_length", 2048),
+        "rope_theta": _field(reader, "llama.rope.freq_base", 10000.0),
+        "rope_scaling": {"rope_type": "default" if scaling == "none" else scaling},
+        "rms_norm_eps": _field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-6),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
 
 
 def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:

@@ -21,19 +21,27 @@ def _llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def _write_gguf(path, model, architecture: str = "llama") -> None:
+def _write_gguf(path, model, architecture: str = "llama", matrices: type = np.float32, drop: str | None = None,
+                name: str | None = None, extra: dict[str, np.ndarray] | None = None) -> None:
+    """`model` as llama.cpp writes it: matrices as float32 or float16; `drop` leaves out one metadata key, `extra`
+    adds tensors."""
     c, weights = model.config, {name: t.numpy() for name, t in model.state_dict().items()}
     writer = GGUFWriter(str(path), architecture)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_vocab_size(c.vocab_size)
-    writer.add_eos_token_id(c.eos_token_id)
+    metadata = {"llama.block_count": (writer.add_uint32, c.num_hidden_layers),
+                "llama.context_length": (writer.add_uint32, c.max_position_embeddings),
+                "llama.embedding_length": (writer.add_uint32, c.hidden_size),
+                "llama.feed_forward_length": (writer.add_uint32, c.intermediate_size),
+                "llama.attention.head_count": (writer.add_uint32, c.num_attention_heads),
+                "llama.attention.head_count_kv": (writer.add_uint32, c.num_key_value_heads),
+                "llama.rope.freq_base": (writer.add_float32, c.rope_parameters["rope_theta"]),
+                "llama.attention.layer_norm_rms_epsilon": (writer.add_float32, c.rms_norm_eps),
+                "llama.vocab_size": (writer.add_uint32, c.vocab_size),
+                "tokenizer.ggml.eos_token_id": (writer.add_uint32, c.eos_token_id)}
+    if name:
+        metadata["general.name"] = (writer.add_string, name)
+    for key, (add, value) in metadata.items():
+        if key != drop:
+            add(key, value)
     tensors = {"token_embd.weight": weights["model.embed_tokens.weight"],
                "output_norm.weight": weights["model.norm.weight"]}
     if not c.tie_word_embeddings:
@@ -45,18 +53,24 @@ def _write_gguf(path, model, architecture: str = "llama") -> None:
             if hf_name.endswith(tuple(heads)):
                 values = _llama_cpp_permute(values, heads[hf_name.removeprefix("self_attn.")])
             tensors[f"blk.{i}.{gguf_name}.weight"] = values
-    for name, values in tensors.items():
-        writer.add_tensor(name, np.ascontiguousarray(values))
+    for tensor_name, values in {**tensors, **(extra or {})}.items():
+        writer.add_tensor(tensor_name, np.ascontiguousarray(values, dtype=matrices if values.ndim == 2 else None))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
 
-@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-def test_a_gguf_llama_loads_with_transformers_logits(tmp_path, tie):
+@pytest.mark.parametrize("tie, matrices", [(True, np.float32), (False, np.float32), (True, np.float16)],
+                         ids=["tied", "untied", "float16"])
+def test_a_gguf_llama_loads_with_transformers_logits(tmp_path, tie, matrices):
     reference = save_tiny_llama(tmp_path / "hf", tie=tie)
-    _write_gguf(tmp_path / "model.gguf", reference)
+    if matrices == np.float16:  # the reference holds exactly what the file can (float16 is exact in float32)
+        with torch.no_grad():
+            for p in reference.parameters():
+                if p.dim() == 2:
+                    p.copy_(p.half())
+    _write_gguf(tmp_path / "model.gguf", reference, matrices=matrices)
     ours = LanguageModel.from_pretrained(tmp_path / "model.gguf")
     c = ours.config
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.intermediate_size) == (3, 64, 8, 2, 128)
@@ -69,10 +83,15 @@ def test_a_gguf_llama_loads_with_transformers_logits(tmp_path, tie):
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
 
 
-def test_a_gguf_of_another_architecture_is_refused(tmp_path):
-    reference = save_tiny_llama(tmp_path / "hf", tie=True)
-    _write_gguf(tmp_path / "model.gguf", reference, architecture="qwen2")
-    with pytest.raises(CheckpointError, match=r"GGUF architecture 'qwen2' is not supported \(expected llama\)"):
+@pytest.mark.parametrize("change, error", [
+    ({"architecture": "qwen2"}, r"GGUF architecture 'qwen2' is not supported \(expected llama\)"),
+    ({"drop": "llama.attention.head_count"}, r"not a complete Llama GGUF file \(no llama.attention.head_count in"),
+    ({"extra": {"rope_freqs.weight": np.ones(4, dtype=np.float32)}}, r"unsupported Llama variant: rope scaling"),
+    ({"name": "Mistral 7B v0.1"}, r"model_type 'mistral' is not supported"),
+], ids=["qwen2", "incomplete", "llama3-rope-freqs", "mistral"])
+def test_a_gguf_this_model_cannot_run_is_refused_in_one_line(tmp_path, change, error):
+    _write_gguf(tmp_path / "model.gguf", save_tiny_llama(tmp_path / "hf", tie=True), **change)
+    with pytest.raises(CheckpointError, match=error):
         LanguageModel.from_pretrained(tmp_path / "model.gguf")
 
 
