@@ -7,14 +7,13 @@ from llama.cpp's rotary layout to Hugging Face's (llama.cpp's convert_hf_to_gguf
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from models.loading import CheckpointError
+from models.loading import CheckpointError, rename_keys
 
 # llama.cpp's tensor names -> Hugging Face Llama's.
 _NAMES = [
@@ -47,13 +46,10 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     except (ValueError, OSError) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
     config = _hf_config(reader, path)
-    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}  # llama.cpp's names
     weights = {}
     for tensor in reader.tensors:
-        name = tensor.name
-        for pattern, replacement in _NAMES:
-            name = re.sub(pattern, replacement, name)
-        projection = name.removesuffix(".weight").rpartition(".")[2]
+        projection = tensor.name.removesuffix(".weight").rpartition(".")[2]
         try:
             values = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # a copy, not the map
             if projection in heads:
@@ -61,8 +57,8 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         except (NotImplementedError, ValueError) as e:  # a quantization gguf cannot dequantize, odd shapes
             kind = tensor.tensor_type.name
             raise CheckpointError(f"{path}: cannot read tensor {tensor.name} ({kind}: {e})") from None
-        weights[name] = torch.from_numpy(values)
-    return config, weights
+        weights[tensor.name] = torch.from_numpy(values)
+    return config, rename_keys(weights, _NAMES)
 
 
 def _field(reader, key: str, default: Any = None) -> Any:
