@@ -7,6 +7,8 @@ import sys
 from collections.abc import Callable
 from typing import Any, Literal
 
+import datasets
+from datasets.features.features import require_decoding
 from torch.utils.data import Dataset
 
 from data.processors import to_rgb
@@ -29,16 +31,40 @@ def record_images(record: dict[str, Any]) -> list:
     return [] if images is None else images
 
 
+_IMAGE = datasets.Image()  # decodes a stored image ({"bytes", "path"}) as `datasets` does: EXIF orientation applied
+
+
 def checked_record(record: dict[str, Any]) -> dict[str, Any]:
-    """The record with its images fully decoded to RGB (corrupt image data fails here, not inside a batch) and its
-    texts checked to be user/assistant pairs of valid Unicode strings; anything else raises."""
+    """The record with its images fully decoded to RGB (stored ones, {"bytes", "path"}, too; corrupt image data fails
+    here, not inside a batch) and its texts checked to be user/assistant pairs of valid Unicode strings; anything else
+    raises."""
     texts = record["texts"]
     if not (isinstance(texts, list) and texts and all(isinstance(turn, dict) and isinstance(turn.get("user"), str)
                                                        and isinstance(turn.get("assistant"), str) for turn in texts)):
         raise ValueError("'texts' must be a non-empty list of user/assistant string pairs")
     for turn in texts:
         (turn["user"] + turn["assistant"]).encode("utf-8")  # a lone surrogate (JSON allows "\ud800") raises here
-    return {**record, "images": [to_rgb(image) for image in record_images(record)]}
+    images = [_IMAGE.decode_example(image) if isinstance(image, dict) else image for image in record_images(record)]
+    return {**record, "images": [to_rgb(image) for image in images]}
+
+
+def _stored_images_view(dataset: Any) -> datasets.Dataset | None:
+    """The dataset as Arrow rows, for reading records with their images still encoded, where that gives the same
+    records: a `datasets.Dataset` with no format or transform whose one column needing decoding is "images", a list
+    of `datasets.Image` (the_cauldron's layout, and the synthetic shapes'). None otherwise.
+
+    `datasets` decodes the first image of every such list twice (once to test whether decoding changes it), which
+    doubles the image decoding of one-image records; `checked_record` decodes each image once instead."""
+    if not isinstance(dataset, datasets.Dataset) or dataset.format["type"] is not None:
+        return None
+    features = dataset.features
+    images = features.get("images")
+    if not (isinstance(images, (datasets.List, datasets.LargeList)) and isinstance(images.feature, datasets.Image)
+            and images.feature.decode and images.feature.mode is None):
+        return None
+    if any(require_decoding(feature) for name, feature in features.items() if name != "images"):
+        return None
+    return dataset.with_format("arrow")
 
 
 def _to_stderr(message: str) -> None:
@@ -59,6 +85,7 @@ class CheckedRecords(Dataset):
         if policy not in ("skip", "fail"):
             raise ValueError(f"policy must be 'skip' or 'fail', got {policy!r}")
         self.dataset, self.policy, self.name = dataset, policy, name
+        self._stored = _stored_images_view(dataset)
         self.check_texts = check_texts  # the model's format refusing a text (a typed <image>): a bad record too
         self.report = report or _to_stderr
         self.num_bad = self.num_read = 0
@@ -72,7 +99,8 @@ class CheckedRecords(Dataset):
     def __getitems__(self, indices: list[int]) -> list[dict[str, Any] | None]:
         """A batch in one read where the dataset supports it (Arrow slices are much faster than rows one by one)."""
         try:
-            records = self.dataset.__getitems__(indices)
+            records = (self._stored[indices].to_pylist() if self._stored is not None
+                       else self.dataset.__getitems__(indices))
         except Exception:  # noqa: BLE001 -- no batch reads, or a bad record somewhere in the batch: go row by row
             return [self[index] for index in indices]
         return [self._read(index, lambda record=record: record) for index, record in zip(indices, records)]

@@ -1,7 +1,10 @@
 """Bad records: skipped and counted, or a BadRecordError naming the record; good records pass through unchanged."""
 
+import io
 import json
 
+import datasets
+import numpy
 import pytest
 from PIL import Image
 
@@ -75,3 +78,45 @@ def test_null_images_mean_a_text_only_record():
     text_only = {"images": None, "texts": [{"user": "hi", "assistant": "ok"}]}
     records = CheckedRecords([text_only], "fail")
     assert records[0] == {"images": [], "texts": [{"user": "hi", "assistant": "ok"}]} and records.num_bad == 0
+
+
+def _png(image: Image.Image, **save) -> dict:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", **save)
+    return {"bytes": buffer.getvalue(), "path": None}
+
+
+@pytest.fixture
+def stored(tmp_path):
+    """the_cauldron's layout: "images" a list of datasets.Image, stored encoded. Record 1 holds two images, the first
+    with an EXIF orientation (decoding turns it upright); record 2's image data is corrupt."""
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotated 90 degrees: stored 16 x 8, upright 8 x 16
+    tall = Image.new("RGB", (16, 8), (200, 0, 0))
+    tall.putpixel((0, 0), (0, 0, 255))
+    images = [[_png(Image.new("RGB", (8, 8), (0, 90, 0)))], [_png(tall, exif=exif), _png(Image.new("RGB", (4, 4)))],
+              [{"bytes": b"\x89PNG broken", "path": None}], [_png(Image.new("RGB", (8, 8), (1, 2, 3)))]]
+    texts = [[{"user": "What color?", "assistant": f"answer {i}"}] for i in range(4)]
+    features = datasets.Features({"images": datasets.List(datasets.Image()),
+                                  "texts": datasets.List({"user": datasets.Value("string"),
+                                                          "assistant": datasets.Value("string")})})
+    return datasets.Dataset.from_dict({"images": images, "texts": texts}, features=features)
+
+
+def test_stored_images_are_decoded_once_each_and_read_as_datasets_reads_them(stored, monkeypatch):
+    """`datasets` decodes the first image of each list twice; reading through CheckedRecords decodes it once, with
+    the same pixels, orientation and texts as the dataset's own reading."""
+    expected = [stored[i] for i in (0, 1, 3)]
+    opened = []
+    open_image = Image.open
+    monkeypatch.setattr(Image, "open", lambda *args, **kwargs: opened.append(1) or open_image(*args, **kwargs))
+    records = CheckedRecords(stored, "skip", report=lambda message: None)
+    batch = records.__getitems__([0, 1, 2, 3])
+    assert len(opened) == 5  # one per image, the corrupt one included
+    assert batch[2] is None and records.num_bad == 1
+    for record, reference in zip([batch[0], batch[1], batch[3]], expected):
+        assert record["texts"] == reference["texts"]
+        assert [image.size for image in record["images"]] == [image.size for image in reference["images"]]
+        assert all(numpy.array_equal(numpy.asarray(image), numpy.asarray(image_ref.convert("RGB")))
+                   for image, image_ref in zip(record["images"], reference["images"]))
+    assert batch[1]["images"][0].size == (8, 16)  # upright
