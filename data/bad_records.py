@@ -64,7 +64,8 @@ def _stored_images_view(dataset: Any) -> datasets.Dataset | None:
         return None
     if any(require_decoding(feature) for name, feature in features.items() if name != "images"):
         return None
-    return dataset.with_format("arrow")
+    format = dataset.format  # its columns, if it shows only some
+    return dataset.with_format("arrow", columns=format["columns"], output_all_columns=format["output_all_columns"])
 
 
 def _to_stderr(message: str) -> None:
@@ -76,8 +77,9 @@ class CheckedRecords(Dataset):
     under policy "fail", or becomes None under "skip" (the collator leaves Nones out), counted in `num_bad`; when
     most records are bad, the data or its format is wrong, and even "skip" stops with a BadRecordError.
 
-    The counts are this process's reads (a DataLoader worker keeps its own): training learns which records were bad
-    from each batch instead (data/loader.py).
+    A dataset's format is read once, here: change it with `with_format` / `with_transform` (a new dataset), not in
+    place. The counts are this process's reads (a DataLoader worker keeps its own): training learns which records
+    were bad from each batch instead (data/loader.py).
     """
 
     def __init__(self, dataset, policy: Policy, name: str = "train", report: Callable[[str], None] | None = None,

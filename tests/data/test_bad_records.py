@@ -99,8 +99,10 @@ def stored(tmp_path):
     texts = [[{"user": "What color?", "assistant": f"answer {i}"}] for i in range(4)]
     features = datasets.Features({"images": datasets.List(datasets.Image()),
                                   "texts": datasets.List({"user": datasets.Value("string"),
-                                                          "assistant": datasets.Value("string")})})
-    return datasets.Dataset.from_dict({"images": images, "texts": texts}, features=features)
+                                                          "assistant": datasets.Value("string")}),
+                                  "question_type": datasets.Value("string")})
+    return datasets.Dataset.from_dict({"images": images, "texts": texts, "question_type": ["color"] * 4},
+                                      features=features)
 
 
 def test_stored_images_are_decoded_once_each_and_read_as_datasets_reads_them(stored, monkeypatch):
@@ -115,8 +117,14 @@ def test_stored_images_are_decoded_once_each_and_read_as_datasets_reads_them(sto
     assert len(opened) == 5  # one per image, the corrupt one included
     assert batch[2] is None and records.num_bad == 1
     for record, reference in zip([batch[0], batch[1], batch[3]], expected):
-        assert record["texts"] == reference["texts"]
+        assert list(record) == list(reference) and record["texts"] == reference["texts"]
+        assert record["question_type"] == reference["question_type"]
         assert [image.size for image in record["images"]] == [image.size for image in reference["images"]]
         assert all(numpy.array_equal(numpy.asarray(image), numpy.asarray(image_ref.convert("RGB")))
                    for image, image_ref in zip(record["images"], reference["images"]))
     assert batch[1]["images"][0].size == (8, 16)  # upright
+
+
+def test_a_dataset_showing_some_columns_reads_only_those(stored):
+    records = CheckedRecords(stored.with_format(None, columns=["images", "texts"]), "fail")
+    assert list(records.__getitems__([0])[0]) == list(records[0]) == ["images", "texts"]
