@@ -55,7 +55,7 @@ def _stored_images_view(dataset: Any) -> datasets.Dataset | None:
 
     `datasets` decodes the first image of every such list twice (once to test whether decoding changes it), which
     doubles the image decoding of one-image records; `checked_record` decodes each image once instead."""
-    if not isinstance(dataset, datasets.Dataset) or dataset.format["type"] is not None:
+    if not isinstance(dataset, datasets.Dataset) or (shown := dataset.format)["type"] is not None:
         return None
     features = dataset.features
     images = features.get("images")
@@ -64,8 +64,7 @@ def _stored_images_view(dataset: Any) -> datasets.Dataset | None:
         return None
     if any(require_decoding(feature) for name, feature in features.items() if name != "images"):
         return None
-    format = dataset.format  # its columns, if it shows only some
-    return dataset.with_format("arrow", columns=format["columns"], output_all_columns=format["output_all_columns"])
+    return dataset.with_format("arrow", columns=shown["columns"], output_all_columns=shown["output_all_columns"])
 
 
 def _to_stderr(message: str) -> None:
