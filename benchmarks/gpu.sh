@@ -3,6 +3,8 @@
 #
 #   bash benchmarks/gpu.sh seeds OUT   # the tiny default on CUDA (bf16 autocast), seeds 0-4 side by side, + demo answers
 #   bash benchmarks/gpu.sh speed OUT   # decode, time to first token, training throughput and serving, side by side
+#   bash benchmarks/gpu.sh serving OUT # issue 41: the engine's GPU tests (CUDA graphs, no syncs), then serving at
+#                                      # 256 and 1,024 requests and nano-vllm's workload against static and transformers
 #
 # Each writes its tables and logs under OUT (then copy them to benchmarks/results/).
 #
@@ -13,8 +15,8 @@
 #     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pyarrow==26.0.1 fsspec==2026.9.0
 # They are installed into /tmp/site, with gpu_site/sitecustomize.py (see there why).
 set -uo pipefail
-mode=${1:?usage: benchmarks/gpu.sh seeds|speed OUT}
-out=${2:?usage: benchmarks/gpu.sh seeds|speed OUT}
+mode=${1:?usage: benchmarks/gpu.sh seeds|speed|serving OUT}
+out=${2:?usage: benchmarks/gpu.sh seeds|speed|serving OUT}
 mkdir -p "$out"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -41,10 +43,18 @@ seeds)
 speed)
   timeout 330 python3 benchmarks/decode.py --device cuda --repeats 2 --curve-tokens 16 64 256 --out "$out" 2>&1 \
     | tee "$out/decode.log"
-  timeout 200 python3 benchmarks/serving.py --device cuda --requests 64 --max-len 128 --out "$out" 2>&1 \
+  timeout 200 python3 benchmarks/serving.py --device cuda --workloads 64 --max-len 128 --out "$out" 2>&1 \
     | tee "$out/serving.log"
   timeout 60 python3 benchmarks/train_throughput.py --shape nanovlm-222m --device cuda --out "$out" 2>&1 \
     | tee "$out/train.log"
   ;;
-*) echo "unknown mode $mode: seeds or speed" >&2; exit 2 ;;
+serving)
+  timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/serving/test_gpu.py 2>&1 \
+    | tee "$out/gpu-tests.log"
+  timeout "${SERVING_TIMEOUT:-400}" python3 benchmarks/serving.py --device cuda --workloads 256 1024 nanovllm \
+    --max-num-seqs 256 --kv-blocks 40000 --max-batch-tokens 8192 --compile-static \
+    --methods engine engine-eager static hf-one hf-cb --baseline-workloads 256 --out "$out" 2>&1 \
+    | tee "$out/serving.log"
+  ;;
+*) echo "unknown mode $mode: seeds, speed or serving" >&2; exit 2 ;;
 esac

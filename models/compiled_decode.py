@@ -63,5 +63,5 @@ class CompiledDecodeStep:
     def mark_static(cache: list[dict[str, Tensor]]) -> None:
         """Lets CUDA graphs write the cache in place instead of copying it each step."""
         for block_cache in cache:
-            for tensor in block_cache.values():
+            for tensor in (block_cache["key"], block_cache["value"]):
                 torch._dynamo.mark_static_address(tensor)

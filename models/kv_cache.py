@@ -1,27 +1,23 @@
-"""The per-block KV cache: a dict {"key", "value"} of [batch, kv_heads, capacity, head_dim] tensors written in place.
+"""The per-block KV cache: a dict {"key", "value", "layout"}; the layout entry says how K/V are stored and read.
 
-A block runs in one of three modes, chosen by what it is given; this module is the one place that says what each
-mode writes and what the attention then spans (`write` and `attended_slots`):
+| layout                          | "key" / "value"            | a call writes             | attention spans       |
+|---------------------------------|----------------------------|---------------------------|-----------------------|
+| no cache (None)                 | -                          | nothing; returns Growing  | the call's tokens     |
+| Growing (nanoVLM's)             | [B, Hkv, tokens so far, D] | appends (torch.cat)       | every token so far    |
+| Preallocated()                  | [B, Hkv, capacity, D]      | slots start_pos .. + T    | slots 0 .. start + T  |
+| Preallocated(shape_static=True) | [B, Hkv, capacity, D]      | the same, index_copy_     | all slots, masked     |
+| Paged                           | [blocks, block, Hkv, D]    | the slots of slot_mapping | its sequence's blocks |
 
-| kv_cache          | start_pos       | writes                                       | attention spans             |
-|-------------------|-----------------|----------------------------------------------|-----------------------------|
-| None              | 0               | nothing; returns {"key", "value"} of the call | the call's own tokens       |
-| preallocated      | int             | slots start_pos .. start_pos + T, in place    | slots 0 .. start_pos + T    |
-| preallocated      | 0-dim tensor    | the same slots, with index_copy_ (no sync)    | the whole capacity, masked  |
-| paged             | [B] tensor      | the pool slots `slot_mapping` names           | the row's blocks, masked    |
+`start_pos` is an int for Growing and Preallocated, a 0-dim device tensor for the shape-static mode (so every step of
+a compiled decode has one shape), and unused by Paged, whose layout carries every token's position. A preallocated
+cache never grows: writing past its capacity raises `CacheCapacityError` (int positions; a tensor position is the
+caller's to check once, before decoding, since reading a device tensor would stall the step).
 
-The tensor mode keeps every shape static (the compiled decode step). A preallocated cache never grows: writing past
-its capacity raises `CacheCapacityError` (int positions; tensor positions are the caller's to check, once, before
-decoding, since checking a device tensor would stall the step).
-
-The paged layout (PagedAttention, Kwon et al. 2023; built and managed by serving/) is the same dict with pool tensors:
-"key"/"value" [num_blocks, block_size, kv_heads, head_dim] shared by every sequence, "block_table" [B, blocks] (each
-row's blocks in order, padded with the null block 0) and "slot_mapping" [B, T] (the pool slot, block * block_size +
-offset, of each new token; padded tokens write to the null block). Each row has its own position (`start_pos` [B]),
-so rows of a batch may be at any point of their sequences: continuous batching, chunked prefill. Attention then
-gathers each row's blocks and runs SDPA under a mask (exact, any block size), or, when the dict also holds a
-FlexAttention "block_mask" and the "query_index" of the real tokens, runs FlexAttention over the pool in place, with
-no gather (`paged_flex_attention`).
+Paged (PagedAttention, Kwon et al. 2023; built and managed by serving/): the tokens of many sequences run as one
+row, [1, N], packed without padding; the pool is shared by every sequence, and the layout says where each sequence's
+tokens live (its block table), where each new token goes (`slot_mapping`), and which queries belong to which sequence
+(`query_start`, as flash attention's cu_seqlens) at which positions. Attention reads the pool through the block tables
+(models/attention.py): gathered + SDPA (exact, the reference and the CPU path), or a Triton kernel in place.
 
 Memory (the formula from the KV-cache articles, with grouped-query attention's fewer kv heads):
     bytes = 2 (K and V) x layers x kv_heads x head_dim x tokens x batch x bytes_per_element
@@ -29,7 +25,7 @@ Memory (the formula from the KV-cache articles, with grouped-query attention's f
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import torch
 from torch import Tensor
@@ -37,18 +33,67 @@ from torch import Tensor
 from models.config import LanguageConfig
 from models.errors import TinyVLMError
 
-KVCache = dict[str, Tensor]
+KVCache = dict  # {"key": Tensor, "value": Tensor, "layout": Growing | Preallocated | Paged}
+PAGED_ATTENTION = ("gather", "triton")
 
 
 class CacheCapacityError(TinyVLMError, IndexError):
     """A write past the end of a preallocated KV cache."""
 
 
-def allocate(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
-             device: torch.device) -> KVCache:
+@dataclasses.dataclass(frozen=True)
+class Growing:
+    """K/V of every token so far, concatenated call by call (what a call without a cache returns)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Preallocated:
+    """A fixed capacity written in place at `start_pos`. shape_static: the position is a 0-dim device tensor and
+    attention spans the whole capacity under a mask, so every decode step has one shape (compiled decoding)."""
+
+    shape_static: bool = False
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Paged:
+    """Where the tokens of a packed call live in a shared block pool (see the module docstring). Sequences s = 0 ..
+    S-1 own queries query_start[s] .. query_start[s + 1] - 1 of the call, the last ones of their first
+    context_lens[s] tokens. `max_query_len` (host-known) sizes the reference path; `attention` picks the kernel."""
+
+    block_table: Tensor  # [S, max blocks] int: each sequence's blocks in order, padded with the null block 0
+    slot_mapping: Tensor  # [N] int64: the pool slot (block * block_size + offset) each new token is written to
+    positions: Tensor  # [N] int64: each token's position in its own sequence
+    query_start: Tensor  # [S + 1] int32: cumulative query counts
+    context_lens: Tensor  # [S] int32: each sequence's tokens in the cache once this call has written
+    max_query_len: int
+    attention: str = "gather"
+
+    def __post_init__(self) -> None:
+        if self.attention not in PAGED_ATTENTION:
+            raise ValueError(f"paged attention must be one of {PAGED_ATTENTION}, got {self.attention!r}")
+
+
+Layout = Growing | Preallocated | Paged
+
+
+def allocate(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+             shape_static: bool = False) -> KVCache:
     shape = (batch, kv_heads, capacity, head_dim)
     return {"key": torch.zeros(shape, dtype=dtype, device=device),
-            "value": torch.zeros(shape, dtype=dtype, device=device)}
+            "value": torch.zeros(shape, dtype=dtype, device=device), "layout": Preallocated(shape_static)}
+
+
+def layout_of(cache: KVCache | None) -> Layout | None:
+    return None if cache is None else cache["layout"]
+
+
+def with_layout(caches: list[KVCache], layout: Layout) -> list[KVCache]:
+    """The same K/V tensors under another layout (e.g. a prefilled cache switched to shape-static decoding)."""
+    return [{**cache, "layout": layout} for cache in caches]
+
+
+def tensors(cache: KVCache) -> dict[str, Tensor]:
+    return {name: value for name, value in cache.items() if name != "layout"}
 
 
 def capacity(cache: KVCache) -> int:
@@ -56,77 +101,63 @@ def capacity(cache: KVCache) -> int:
 
 
 def attended_slots(cache: KVCache | None, start_pos: int | Tensor, num_new: int) -> int:
-    """How many cache slots the attention of a call writing `num_new` tokens at `start_pos` spans (see the table)."""
-    if cache is None:
+    """How many cache slots the attention of a call writing `num_new` tokens at `start_pos` spans (Growing and
+    Preallocated; Paged attention reads its own extent from the layout)."""
+    layout = layout_of(cache)
+    if layout is None:
         return num_new
-    if "block_table" in cache:
-        return cache["block_table"].shape[1] * cache["key"].shape[1]
-    if isinstance(start_pos, int):
-        return start_pos + num_new
-    return capacity(cache)
+    if isinstance(layout, Preallocated) and layout.shape_static:
+        return capacity(cache)
+    return start_pos + num_new
 
 
 def write(cache: KVCache | None, key: Tensor, value: Tensor, start_pos: int | Tensor) -> tuple[KVCache, Tensor, Tensor]:
-    """Store `key`/`value` [B, H, T, D] as the table above says; return the cache and the keys/values to attend over."""
-    if cache is None:
-        return {"key": key, "value": value}, key, value
-    if "block_table" in cache:
-        return cache, *_write_paged(cache, key, value)
+    """Store `key`/`value` [B, H, T, D] as the table above says; return the cache and the keys/values to attend over
+    (the pools themselves for a paged cache)."""
+    layout = layout_of(cache)
+    if layout is None:
+        return {"key": key, "value": value, "layout": Growing()}, key, value
+    if isinstance(layout, Paged):
+        _write_paged(cache, layout, key, value)
+        return cache, cache["key"], cache["value"]
+    if isinstance(layout, Growing):
+        if start_pos != cache["key"].shape[2]:
+            raise ValueError(f"a growing cache of {cache['key'].shape[2]} tokens continues at that position, "
+                             f"not at start_pos {start_pos}")
+        grown = {"key": torch.cat([cache["key"], key], 2), "value": torch.cat([cache["value"], value], 2),
+                 "layout": layout}
+        return grown, grown["key"], grown["value"]
+    if layout.shape_static:
+        if not isinstance(start_pos, Tensor):
+            raise TypeError("a shape-static cache takes its position as a 0-dim device tensor")
+        slots = torch.arange(key.shape[2], device=key.device) + start_pos
+        # Cast as slice assignment does: under autocast the projections give bfloat16 K/V for a float32 cache.
+        cache["key"].index_copy_(2, slots, key.to(cache["key"].dtype))
+        cache["value"].index_copy_(2, slots, value.to(cache["value"].dtype))
+        return cache, cache["key"], cache["value"]
+    if isinstance(start_pos, Tensor):
+        raise TypeError("a preallocated cache takes an int start_pos (Preallocated(shape_static=True) takes tensors)")
     end = start_pos + key.shape[2]
-    if isinstance(start_pos, int):
-        if end > capacity(cache):
-            raise CacheCapacityError(f"writing KV slots {start_pos}..{end - 1} into a cache of {capacity(cache)} "
-                                     f"slots; allocate one that holds every token (allocate_kv_cache(batch, capacity))")
-        cache["key"][:, :, start_pos:end] = key
-        cache["value"][:, :, start_pos:end] = value
-        return cache, cache["key"][:, :, :end], cache["value"][:, :, :end]
-    slots = torch.arange(key.shape[2], device=key.device) + start_pos
-    # Cast as slice assignment does: under autocast the projections give bfloat16 K/V for a float32 cache.
-    cache["key"].index_copy_(2, slots, key.to(cache["key"].dtype))
-    cache["value"].index_copy_(2, slots, value.to(cache["value"].dtype))
-    return cache, cache["key"], cache["value"]
+    if end > capacity(cache):
+        raise CacheCapacityError(f"writing KV slots {start_pos}..{end - 1} into a cache of {capacity(cache)} "
+                                 f"slots; allocate one that holds every token (allocate_kv_cache(batch, capacity))")
+    cache["key"][:, :, start_pos:end] = key
+    cache["value"][:, :, start_pos:end] = value
+    return cache, cache["key"][:, :, :end], cache["value"][:, :, :end]
 
 
-def _write_paged(cache: KVCache, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-    """Scatter the new K/V into the pool at `slot_mapping`; return each row's blocks gathered, [B, H, blocks * size,
-    D], or, for FlexAttention, the whole pool as one sequence, [1, H, num_blocks * size, D] (a view)."""
-    slots, table = cache["slot_mapping"].flatten(), cache["block_table"]
-    attended = []
+def _write_paged(cache: KVCache, layout: Paged, key: Tensor, value: Tensor) -> None:
+    """Scatter the call's K/V [1, Hkv, N, D] into the pool at `slot_mapping` (padded tokens write the null block)."""
     for pool, new in ((cache["key"], key), (cache["value"], value)):
         num_blocks, size, heads, dim = pool.shape
         flat = pool.view(num_blocks * size, heads, dim)
-        flat.index_copy_(0, slots, new.transpose(1, 2).reshape(-1, heads, dim).to(pool.dtype))
-        in_place = "block_mask" in cache
-        attended.append(flat.transpose(0, 1)[None] if in_place else pool[table].flatten(1, 2).transpose(1, 2))
-    return attended[0], attended[1]
-
-
-@functools.cache
-def _compiled_flex_attention():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=False)  # dynamic CPU flex kernels failed to build on torch 2.14
-
-
-def paged_flex_attention(q: Tensor, keys: Tensor, values: Tensor, cache: KVCache) -> Tensor:
-    """Attention of `q` [B, H, T, D] over the pool ([1, Hkv, slots, D]) with FlexAttention, in place: the real tokens
-    of every row (`query_index` into the flattened B x T) form one sequence of queries, padded to the block mask's
-    length; the mask (built from the block tables and positions) says which pool slots each may see."""
-    batch, heads, seq, dim = q.shape
-    index, mask = cache["query_index"], cache["block_mask"]
-    flat = q.transpose(0, 1).reshape(heads, batch * seq, dim)
-    queries = flat.new_zeros(heads, mask.seq_lengths[0], dim)
-    queries[:, : len(index)] = flat[:, index]
-    out = _compiled_flex_attention()(queries[None], keys.to(q.dtype), values.to(q.dtype), block_mask=mask,
-                                     enable_gqa=True)
-    result = torch.zeros_like(flat)
-    result[:, index] = out[0, :, : len(index)]
-    return result.reshape(heads, batch, seq, dim).transpose(0, 1)
+        flat.index_copy_(0, layout.slot_mapping, new[0].transpose(0, 1).to(pool.dtype))
 
 
 def repeat_rows(caches: list[KVCache], repeats: int) -> list[KVCache]:
     """Each batch row's cache copied `repeats` times (row b becomes rows b*repeats .. b*repeats + repeats - 1)."""
-    return [{name: t.repeat_interleave(repeats, dim=0) for name, t in cache.items()} for cache in caches]
+    return [{**{name: t.repeat_interleave(repeats, dim=0) for name, t in tensors(cache).items()},
+             "layout": cache["layout"]} for cache in caches]
 
 
 def kv_cache_bytes(config: LanguageConfig, batch: int, tokens: int, dtype: torch.dtype = torch.bfloat16) -> int:

@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.attention import causal_mask, grouped_attention, paged_attention
 from models.config import LanguageConfig
 from models.gguf import read_gguf
-from models.kv_cache import KVCache, allocate, attended_slots, paged_flex_attention, write
+from models.kv_cache import KVCache, Paged, allocate, attended_slots, layout_of, write
 from models.loading import CheckpointError, load_checked, read_json, read_weights, rename_keys, resolve, weight_patterns
 
 
@@ -54,14 +55,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos.to(x.dtype) + torch.cat([-second, first], dim=-1) * sin.to(x.dtype)
 
 
-def causal_mask(start_pos: int | Tensor, num_queries: int, num_keys: int, device: torch.device) -> Tensor:
-    """[num_queries, num_keys] bool: the query at slot start_pos + i sees the keys in slots 0 .. start_pos + i
-    ([B, num_queries, num_keys] for a start_pos of shape [B, 1]: one per row)."""
-    query_slots = torch.arange(num_queries, device=device) + start_pos
-    return torch.arange(num_keys, device=device) <= query_slots[..., None]
-
-
-# Grouped-query attention (Ainslie et al. 2023) through PyTorch's scaled_dot_product_attention.
+# Grouped-query attention (Ainslie et al. 2023) over any cache layout (models/attention.py).
 class Attention(nn.Module):
     def __init__(self, config: LanguageConfig) -> None:
         super().__init__()
@@ -79,24 +73,14 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         kv_cache, k, v = write(kv_cache, k, v, start_pos)
-        if kv_cache is not None and "block_mask" in kv_cache:  # a paged cache read in place by FlexAttention
-            out = paged_flex_attention(q, k, v, kv_cache)
+        if isinstance(layout_of(kv_cache), Paged):  # the packed tokens of many sequences, one row
+            out = paged_attention(q[0].transpose(0, 1), kv_cache).transpose(0, 1)[None]
         elif mask is None and k.shape[2] == seq:  # plain causal self-attention: the fastest kernels
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            out = self._grouped_attention(q, k, v, causal_mask(start_pos, seq, k.shape[2], x.device) if mask is None
-                                          else mask)
+            out = grouped_attention(q, k, v, causal_mask(start_pos, seq, k.shape[2], x.device) if mask is None
+                                    else mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1)), kv_cache
-
-    def _grouped_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-        """Attention with a boolean mask where each kv head serves its query heads without repeating K/V:
-        the query heads of a group are folded into the sequence axis ([B, Hkv, G*T, D] against [B, Hkv, S, D])."""
-        batch, _, seq, _ = q.shape
-        groups = self.num_heads // self.num_kv_heads
-        q = q.reshape(batch, self.num_kv_heads, groups * seq, self.head_dim)
-        mask = mask.expand(batch, 1, seq, k.shape[2]).unsqueeze(2).expand(-1, -1, groups, -1, -1).flatten(2, 3)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return out.reshape(batch, self.num_heads, seq, self.head_dim)
 
 
 # SwiGLU feed-forward (Shazeer, 2020), as in Llama.
@@ -197,14 +181,22 @@ class LanguageModel(nn.Module):
         attention_mask: [B, L] with 1 for real tokens and 0 for padding over slots 0 .. L-1 (L >= the slots
         attended), or, for rows that pack several sequences, 1, 2, ... for the tokens of each (in order; see
         data/packing.py); None means no padding. kv_cache: one dict per block (see `allocate_kv_cache`), or None for a
-        plain pass. start_pos: an int, a 0-dim tensor for shape-static decoding over the whole cache, or, with a paged
-        cache, a [B] tensor of each row's first position (the modes are listed in models/kv_cache.py).
+        plain pass; its "layout" entry says how it is written and read (models/kv_cache.py). start_pos: an int, or a
+        0-dim tensor for a shape-static cache; a paged cache carries each token's position itself (one row [1, N] of
+        packed sequences, no attention mask).
         Returns the final-normed hidden states and the cache; logits are `head(hidden)`.
         """
         batch, seq, _ = embeddings.shape
         caches = kv_cache if kv_cache is not None else [None] * len(self.blocks)
-        num_keys = attended_slots(caches[0], start_pos, seq)
-        positions, mask = self._positions_and_mask(attention_mask, start_pos, batch, seq, num_keys, embeddings.device)
+        layout = layout_of(caches[0])
+        if isinstance(layout, Paged):
+            if batch != 1 or attention_mask is not None:
+                raise ValueError("a paged call is one row of packed sequences [1, N], with no attention mask")
+            positions, mask = layout.positions[None], None
+        else:
+            num_keys = attended_slots(caches[0], start_pos, seq)
+            positions, mask = self._positions_and_mask(attention_mask, start_pos, batch, seq, num_keys,
+                                                       embeddings.device)
         cos, sin = self.rotary(positions)
         x, new_caches = embeddings, []
         for block, cache in zip(self.blocks, caches):
@@ -220,17 +212,11 @@ class LanguageModel(nn.Module):
         A token's position is the number of real tokens before it in its own sequence (a packed row's sequences are
         numbered 1, 2, ... in order); a token sees the earlier tokens of its sequence, and a pad sees only itself, so
         that no softmax row is empty."""
-        per_row = isinstance(start_pos, Tensor) and start_pos.dim() == 1  # the paged cache: a position per row
-        if per_row:
-            if attention_mask is not None:
-                raise ValueError("per-row positions (a paged cache) take no attention mask: padding is per row there")
-            start_pos = start_pos[:, None]
-        slots = torch.arange(seq, device=device) + start_pos  # [T], or [B, T] with a position per row
+        slots = torch.arange(seq, device=device) + start_pos
         if attention_mask is None:
-            if num_keys == seq and not per_row:
+            if num_keys == seq:
                 return slots.expand(batch, seq), None
-            mask = causal_mask(start_pos, seq, num_keys, device)
-            return slots.expand(batch, seq), mask[:, None] if per_row else mask[None, None]
+            return slots.expand(batch, seq), causal_mask(start_pos, seq, num_keys, device)[None, None]
         sequence = attention_mask[:, :num_keys].long()
         real = sequence > 0
         # Real tokens of the earlier sequences of the row, for each sequence number (never above num_keys):
@@ -246,11 +232,11 @@ class LanguageModel(nn.Module):
         return positions, mask[:, None]
 
     def allocate_kv_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None,
-                          device: torch.device | None = None) -> list[KVCache]:
-        """One preallocated {"key", "value"} dict per block, [batch, kv_heads, capacity, head_dim] each."""
+                          device: torch.device | None = None, shape_static: bool = False) -> list[KVCache]:
+        """One preallocated {"key", "value", "layout"} dict per block, [batch, kv_heads, capacity, head_dim] each."""
         c, weight = self.config, self.token_embedding.weight
-        return [allocate(batch, c.num_kv_heads, capacity, c.head_dim, dtype or weight.dtype, device or weight.device)
-                for _ in range(c.num_layers)]
+        return [allocate(batch, c.num_kv_heads, capacity, c.head_dim, dtype or weight.dtype, device or weight.device,
+                         shape_static) for _ in range(c.num_layers)]
 
     def resize_token_embeddings(self, vocab_size: int) -> None:
         """Grow (or shrink) the vocabulary; new rows start at the mean of the old embeddings."""

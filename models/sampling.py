@@ -29,28 +29,56 @@ class SamplingParams(Config):
         return self.greedy or self.temperature == 0
 
 
-def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """Logits [B, V] with everything outside the top-k, then outside the top-p nucleus, set to -inf.
+@dataclasses.dataclass
+class RowSettings:
+    """Each row's sampling settings as tensors on the logits' device (a batch of requests, one step of the engine).
+    top_k / top_p are plain 0 / 1.0 when no row of the batch uses them (the host knows), so that work is skipped."""
+
+    greedy: Tensor  # [B] bool
+    temperature: Tensor  # [B, 1] float32, 1 on greedy rows
+    top_k: Tensor | int = 0  # [B, 1] int64, 0 keeps every token
+    top_p: Tensor | float = 1.0  # [B, 1] float32, 1 keeps every token
+
+
+def filter_logits(logits: Tensor, top_k: int | Tensor = 0, top_p: float | Tensor = 1.0) -> Tensor:
+    """Logits [B, V] with everything outside the top-k, then outside the top-p nucleus, set to -inf; top_k and top_p
+    are one value for every row, or one per row ([B, 1]) where 0 and 1 leave that row as it is.
 
     The nucleus is the smallest set of most probable tokens whose probability mass reaches top_p."""
-    if 0 < top_k < logits.shape[-1]:
-        kth_largest = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+    vocab = logits.shape[-1]
+    if isinstance(top_k, Tensor):
+        kth_largest = logits.sort(-1, descending=True).values.gather(-1, (top_k - 1).clamp(0, vocab - 1))
+        logits = logits.masked_fill((logits < kth_largest) & (top_k > 0), float("-inf"))
+    elif 0 < top_k < vocab:
+        kth_largest = torch.topk(logits, top_k).values[:, -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-    if top_p < 1.0:
+    if isinstance(top_p, Tensor) or top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
         mass_before = probs.cumsum(-1) - probs
         drop_sorted = mass_before >= top_p
+        if isinstance(top_p, Tensor):
+            drop_sorted &= top_p < 1
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
     return logits
 
 
+def race(probs: Tensor, noise: Tensor) -> Tensor:
+    """argmax(p / E) with E ~ Exp(1) (`noise`, like probs) draws from p (the exponential race), with no host sync
+    unlike torch.multinomial."""
+    return (probs / noise).argmax(-1)
+
+
 def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Tensor:
-    """One token id per row of `logits` [B, V], without a host sync."""
+    """One token id per row of `logits` [B, V], every row with the same settings, without a host sync."""
     if params.is_greedy:
         return logits.argmax(-1)
-    logits = filter_logits(logits.float() / params.temperature, params.top_k, params.top_p)
-    probs = logits.softmax(-1)
-    # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race), with no sync unlike torch.multinomial.
-    race = torch.empty_like(probs).exponential_(1, generator=generator)
-    return (probs / race).argmax(-1)
+    probs = filter_logits(logits.float() / params.temperature, params.top_k, params.top_p).softmax(-1)
+    return race(probs, torch.empty_like(probs).exponential_(1, generator=generator))
+
+
+def sample_rows(logits: Tensor, settings: RowSettings, noise: Tensor) -> Tensor:
+    """One token id per row of `logits` [B, V], each row with its own settings and exponential `noise` [B, V] (a
+    row drawn from the same generator as `sample` draws it gets the same token): one call for a whole batch."""
+    probs = filter_logits(logits.float() / settings.temperature, settings.top_k, settings.top_p).softmax(-1)
+    return torch.where(settings.greedy, logits.argmax(-1), race(probs, noise))

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from models.compiled_decode import CompiledDecodeStep, bucket_capacity, bucket_rows, pad_rows
 from models.config import VLMConfig
 from models.errors import InputError, TinyVLMError
-from models.kv_cache import repeat_rows
+from models.kv_cache import Preallocated, repeat_rows, tensors, with_layout
 from models.language_model import LanguageModel
 from models.loading import (
     CheckpointError,
@@ -88,17 +88,21 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         """Token embeddings [B, T, C] with the projected image patches written at the image-token positions,
         images in the row-major order of their placeholders. `features` (rows of `image_features`, in placeholder
         order) may stand in for `images`: a chunk of a prompt then takes just its part of an image's features.
-        `slots` [B, T] bool says where they go when not every image-token id is a placeholder (the model may
-        generate that id; in a generated token it is just a token)."""
+        `slots` says where they go when not every image-token id is a placeholder (the model may generate that id; in
+        a generated token it is just a token): a [B, T] bool mask, or the placeholders' indices into the flattened
+        B x T tokens, whose count is then known without reading anything back from the device."""
         embeddings = self.language.token_embedding(input_ids)
         if slots is None:
             slots = input_ids == (-1 if self.config.image_token_id is None else self.config.image_token_id)
         if features is None and images is not None and len(images):
             features = self.image_features(images)
         num_features = 0 if features is None else features.shape[:-1].numel()
-        # Counting the placeholders reads a value back from the device: eager calls only (train.compile's graph would
-        # break here; its batches come from the collator, which places one placeholder per image token).
-        num_slots = num_features if torch.compiler.is_compiling() else int(slots.sum())
+        # Counting a mask's placeholders reads a value back from the device: eager calls only (train.compile's graph
+        # would break here; its batches come from the collator, which places one placeholder per image token).
+        if slots.dtype != torch.bool:
+            num_slots = slots.numel()
+        else:
+            num_slots = num_features if torch.compiler.is_compiling() else int(slots.sum())
         if num_slots != num_features:
             per_image = self.config.tokens_per_image
             raise InputError(f"the prompts hold {num_slots} image tokens but the images give {num_features} "
@@ -106,7 +110,10 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         if num_features == 0:
             return embeddings
         # Under autocast the projector returns bfloat16 while embeddings stay float32: splice in the embeddings' dtype.
-        return embeddings.masked_scatter(slots.unsqueeze(-1), features.to(embeddings.dtype))
+        features = features.to(embeddings.dtype)
+        if slots.dtype != torch.bool:
+            return embeddings.flatten(0, 1).index_copy(0, slots, features.flatten(0, -2)).view_as(embeddings)
+        return embeddings.masked_scatter(slots.unsqueeze(-1), features)
 
     def forward(self, input_ids: Tensor, images: Tensor | None = None, attention_mask: Tensor | None = None,
                 targets: Tensor | None = None,
@@ -173,7 +180,8 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
             bucket = bucket_rows(rows)
             mask = pad_rows((torch.ones(rows, capacity, dtype=torch.long, device=input_ids.device)
                              if mask is None else mask), bucket)
-            cache = [{name: pad_rows(t, bucket) for name, t in block_cache.items()} for block_cache in cache]
+            cache = with_layout([{name: pad_rows(t, bucket) for name, t in tensors(block_cache).items()}
+                                 for block_cache in cache], Preallocated(shape_static=True))
             CompiledDecodeStep.mark_static(cache)
         done = torch.zeros(rows, dtype=torch.bool, device=logits.device)
         for step in range(max_new_tokens):

@@ -1,7 +1,7 @@
 """Paged KV-cache bookkeeping: fixed-size blocks, ref counts, a free list, prefix reuse and copy-on-write.
 
 Follows PagedAttention (Kwon et al., SOSP 2023) and vLLM / nano-vllm's block manager. The pool holds `num_blocks`
-blocks of `block_size` token slots per layer (serving/paged_cache.py); block 0 is the null block, never handed out,
+blocks of `block_size` token slots per layer (serving/runner.py); block 0 is the null block, never handed out,
 where padded rows write. A sequence owns a block table (its blocks in order); token t of the sequence lives in slot
 `table[t // block_size] * block_size + t % block_size`.
 
@@ -58,10 +58,11 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def block_hashes(self, keys: Sequence[TokenKey], hashes: list[int]) -> list[int]:
-        """`hashes` extended in place to one chain hash per full block of `keys` (a sequence keeps its list)."""
+    def block_hashes(self, keys: Sequence[TokenKey], hashes: list[int], limit: int | None = None) -> list[int]:
+        """`hashes` extended in place to one chain hash per full block of `keys` (of its first `limit` keys): a
+        sequence keeps its list, so each block is hashed once."""
         size = self.block_size
-        for b in range(len(hashes), len(keys) // size):
+        for b in range(len(hashes), (len(keys) if limit is None else limit) // size):
             hashes.append(chain_hash(hashes[-1] if hashes else None, keys[b * size : (b + 1) * size]))
         return hashes
 
@@ -88,16 +89,21 @@ class BlockManager:
             self._reference(block_id)
         return reused + [self._take() for _ in range(needed)], len(reused) * size
 
-    def commit(self, table: list[int], keys: Sequence[TokenKey], hashes: list[int], num_computed: int) -> None:
-        """Register the sequence's full blocks whose tokens are all computed (the first `num_computed` of `keys`), so
-        later prompts can reuse them. Only computed blocks are registered: a hit never reads K/V still to be written."""
+    def commit(self, table: list[int], keys: Sequence[TokenKey], hashes: list[int], num_computed: int,
+               num_registered: int) -> int:
+        """Register the sequence's full blocks whose tokens are all computed (the first `num_computed` of `keys`) from
+        block `num_registered` on, so later prompts can reuse them; returns how many leading blocks are registered.
+        Only computed blocks are registered: a hit never reads K/V still to be written. A decode step touches only the
+        block that just filled, whatever the context length."""
         size = self.block_size
-        self.block_hashes(keys[:num_computed], hashes)
-        for b in range(num_computed // size):
+        full = num_computed // size
+        self.block_hashes(keys, hashes, full * size)
+        for b in range(num_registered, full):
             block = self.blocks[table[b]]
             if block.hash is None and hashes[b] not in self.cached:
                 block.hash, block.keys = hashes[b], tuple(keys[b * size : (b + 1) * size])
                 self.cached[hashes[b]] = block.id
+        return full
 
     def fork(self, table: list[int]) -> list[int]:
         """Another sequence sharing `table`'s blocks (a parallel sample of the same prompt)."""
@@ -120,9 +126,13 @@ class BlockManager:
         table[-1] = copy
         return last, copy
 
+    def needs_block(self, table: list[int], position: int) -> bool:
+        """Whether the token at `position` needs a block taken from the free list: a new one, or a private copy of a
+        shared last block (copy-on-write). Most decode steps need none."""
+        return position // self.block_size == len(table) or self.blocks[table[-1]].ref_count > 1
+
     def can_append(self, table: list[int], position: int) -> bool:
-        needs_block = position // self.block_size == len(table) or self.blocks[table[-1]].ref_count > 1
-        return not needs_block or self.num_free > 0
+        return not self.needs_block(table, position) or self.num_free > 0
 
     def release(self, table: list[int]) -> None:
         """Drop a sequence's references (finish, abort, preemption); blocks nobody uses go back to the free list."""

@@ -4,8 +4,10 @@
     outputs = engine.generate([Request("What color is the circle?", [image]), Request("Describe the image.")])
 
 or step by step (a server): `add_request`, then `step()` until `has_unfinished()` is False; `abort(request_id)` drops
-a request and frees its blocks. Each step schedules (serving/scheduler.py), runs one forward (serving/runner.py) and
-samples each request with its own settings and generator.
+a request and frees its blocks. Each step schedules (serving/scheduler.py), runs the decode rows and the prompt chunks
+on the device (serving/runner.py), samples every row in one call, each with its request's settings and generator, and
+does the bookkeeping: the host's work per running sequence is a few attribute reads and appends, never a loop over its
+tokens or blocks.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import dataclasses
 import itertools
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
@@ -21,7 +24,6 @@ from torch import Tensor
 from data.chat_processors import ChatProcessor, CheckpointProcessor
 from models import VisionLanguageModel
 from models.errors import TinyVLMError
-from models.sampling import sample
 from serving.block_manager import BlockManager
 from serving.runner import ModelRunner
 from serving.scheduler import Scheduler
@@ -76,16 +78,19 @@ def engine_size(model: VisionLanguageModel, kv_cache_mib: int, block_size: int =
 class Engine:
     def __init__(self, model: VisionLanguageModel, processor: ChatProcessor | CheckpointProcessor | None = None, *,
                  num_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 64,
-                 max_batch_tokens: int = 512, attention: str = "gather") -> None:
+                 max_batch_tokens: int = 512, attention: str = "auto", cuda_graphs: bool | None = None) -> None:
         """`processor` turns text prompts and PIL images into model inputs (data/chat_processors.py); a tokenizer is
-        taken as tinyvlm's ChatML with it. Without one, requests give token ids and pixels."""
+        taken as tinyvlm's ChatML with it. Without one, requests give token ids and pixels. `attention` and
+        `cuda_graphs`: see serving/runner.py (by default the Triton kernel and CUDA graphs on a GPU)."""
         if processor is not None and not isinstance(processor, (ChatProcessor, CheckpointProcessor)):
             processor = ChatProcessor.from_config(model.config, processor)
         self.model, self.processor = model.eval(), processor
         self.tokenizer = None if processor is None else processor.tokenizer
         self.blocks = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_batch_tokens)
-        self.runner = ModelRunner(model, num_blocks, block_size, attention, max_rows=max_num_seqs)
+        self.runner = ModelRunner(model, num_blocks, block_size, max_num_seqs, max_batch_tokens, attention,
+                                  cuda_graphs)
+        self.context = model.config.language.max_position_embeddings
         self.groups: dict[str, Group] = {}
         self._arrivals = itertools.count()
 
@@ -123,7 +128,9 @@ class Engine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(self.runner.device).manual_seed(params.seed)
-        group = Group(request_id, prompt, images, params, frozenset(stop), next(self._arrivals), generator=generator)
+        placeholders = np.flatnonzero(np.asarray(prompt) == config.image_token_id) if images is not None else []
+        group = Group(request_id, prompt, images, np.asarray(placeholders, np.int64), params, frozenset(stop),
+                      next(self._arrivals), generator=generator)
         group.sequences = [Sequence(group, 0, list(prompt), token_keys(prompt, images, config.image_token_id))]
         return group
 
@@ -149,6 +156,7 @@ class Engine:
         """Drop a request (a client that went away) and free its blocks; unknown or finished ids are ignored."""
         group = self.groups.pop(request_id, None)
         if group is not None:
+            self.runner.release(group.sequences)
             self.scheduler.remove(group)
 
     def has_unfinished(self) -> bool:
@@ -156,60 +164,76 @@ class Engine:
 
     # -- stepping ------------------------------------------------------------------------------------------------
     def step(self) -> list[Output]:
-        """Run one forward over the scheduled work; return the new tokens of every request that got some."""
+        """Run one step over the scheduled work; return the new tokens of every request that got some."""
         planned = self.scheduler.schedule()
-        if not planned.work:
+        self.runner.release(planned.preempted)
+        self.runner.admit(planned.admitted)
+        if planned.empty:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("no request can be admitted with an empty KV cache: the admission check is wrong")
             return []
         self.runner.copy_blocks(planned.copies)
-        logits = self.runner.run(planned.work)
-        sampling: dict[Group, list[tuple[Sequence, Tensor]]] = {}
-        for (sequence, count), row in zip(planned.work, logits):
-            sequence.num_computed += count
-            self.blocks.commit(sequence.table, sequence.keys, sequence.hashes, sequence.num_computed)
-            if sequence.num_pending == 0:
-                sampling.setdefault(sequence.group, []).append((sequence, row))
-        outputs = []
-        for group, rows in sampling.items():
-            outputs.append(self._sample(group, rows))
-        return outputs
+        logits = self.runner.forward(planned.decodes, planned.prefills)
+        size = self.blocks.block_size
+        for sequence in planned.decodes:
+            sequence.num_computed += 1
+            if sequence.num_computed % size == 0:  # its last block just filled
+                self._register(sequence)
+        to_sample, rows = list(planned.decodes), None
+        if planned.prefills:  # the chunks that end a prompt are sampled (and fork into its n samples)
+            rows = list(range(len(planned.decodes)))
+            for row, (sequence, count) in enumerate(planned.prefills, start=len(planned.decodes)):
+                sequence.num_computed += count
+                self._register(sequence)
+                if sequence.num_pending == 0:
+                    samples = self._first_samples(sequence.group) if not sequence.group.forked else [sequence]
+                    to_sample += samples
+                    rows += [row] * len(samples)
+        if not to_sample:
+            return []
+        if rows is not None:
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        return self._update(to_sample, self.runner.sample(logits, to_sample))
 
-    def _sample(self, group: Group, rows: list[tuple[Sequence, Tensor]]) -> Output:
-        params = group.params
-        if not group.forked:  # the prompt is done: its n samples start here, sharing its blocks
-            parent, logits = rows[0]
-            for index in range(1, params.n):
-                child = Sequence(group, index, list(parent.tokens), list(parent.keys),
-                                 table=self.blocks.fork(parent.table), hashes=list(parent.hashes),
-                                 num_computed=parent.num_computed)
-                group.sequences.append(child)
-            group.forked = True
-            rows = [(sequence, logits) for sequence in group.sequences]
-        # One draw for all n rows, as generate(num_samples=n) makes it, so seeded results agree.
-        logits = torch.stack([row for _, row in rows]) if len(rows) == params.n else None
-        if logits is None:
-            logits = torch.zeros(params.n, rows[0][1].shape[-1], device=rows[0][1].device)
-            for sequence, row in rows:
-                logits[sequence.index] = row
-        tokens = sample(logits, params, group.generator).tolist()
-        new_tokens = [[] for _ in range(params.n)]
-        context = self.model.config.language.max_position_embeddings
-        for sequence, _ in rows:
-            token = tokens[sequence.index]
+    def _register(self, sequence: Sequence) -> None:
+        """Register the sequence's newly filled blocks for prefix reuse (a decode fills at most one)."""
+        if sequence.num_computed // self.blocks.block_size > sequence.num_registered:
+            sequence.num_registered = self.blocks.commit(sequence.table, sequence.keys, sequence.hashes,
+                                                         sequence.num_computed, sequence.num_registered)
+
+    def _first_samples(self, group: Group) -> list[Sequence]:
+        """The prompt is done: its n samples start here (each from the prompt's logits), sharing its blocks."""
+        self.runner.admit(self.scheduler.fork(group))
+        return group.sequences
+
+    def _update(self, sampled: list[Sequence], tokens: list[int]) -> list[Output]:
+        """Append each sampled token, end the samples that stop, and report each request's new tokens."""
+        outputs: dict[Group, Output] = {}
+        ended: set[Group] = set()  # requests a sample of which ended this step
+        for sequence, token in zip(sampled, tokens):
+            group = sequence.group
+            output = outputs.get(group)
+            if output is None:
+                output = outputs[group] = Output(group.request_id, [[] for _ in range(group.params.n)])
             sequence.append(token)
-            new_tokens[sequence.index].append(token)
+            output.new_tokens[sequence.index].append(token)
             if token in group.stop_ids:
                 sequence.finish_reason = "stop"
-            elif len(sequence.outputs) >= params.max_tokens or len(sequence.tokens) >= context:
+            elif (len(sequence.tokens) - group.num_prompt >= group.params.max_tokens
+                  or len(sequence.tokens) >= self.context):
                 sequence.finish_reason = "length"
-            if sequence.finish_reason:
-                self.blocks.release(sequence.table)
-        finished = group.finished
-        if finished:
-            self.scheduler.remove(group)
-            self.groups.pop(group.request_id, None)
-        return Output(group.request_id, new_tokens, finished, [s.finish_reason for s in group.sequences])
+            else:
+                continue
+            self.runner.release([sequence])
+            self.scheduler.finish(sequence)
+            ended.add(group)
+        for group, output in outputs.items():
+            output.finish_reasons = [sequence.finish_reason for sequence in group.sequences]
+            if group in ended and group.finished:
+                output.finished = True
+                self.scheduler.remove(group)
+                del self.groups[group.request_id]
+        return list(outputs.values())
 
     # -- offline -------------------------------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request], progress=None) -> list[Result]:

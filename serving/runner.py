@@ -1,48 +1,79 @@
-"""One forward pass over a step's work: every scheduled sequence's tokens, in one padded batch over the paged cache.
+"""One engine step on the device: the decode rows (one token each; on a GPU, a CUDA graph per batch bucket), the
+prompt chunks (packed into one row, no padding), then one sampling call for every row that needs a token and the
+step's one device-to-host copy (the sampled ids).
 
-The pool holds, per layer, keys and values [num_blocks, block_size, kv_heads, head_dim]; each row of the batch is one
-sequence's chunk (a decode's single token, or part of a prompt), at its own position, with its block table and the
-pool slot of each new token (see models/kv_cache.py, "paged"). The model's own blocks and attention run it.
+The pool holds, per layer, keys and values [num_blocks, block_size, kv_heads, head_dim]; the model's own blocks run
+every forward with a paged layout (models/kv_cache.py) built from the persistent input rows (serving/input_buffers.py).
+Attention reads the pool through the block tables: gathered + SDPA ("gather": exact, the CPU path) or in place with a
+Triton kernel ("triton": GPUs; the default there).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
 
 from models import VisionLanguageModel
-from serving.block_manager import NULL_BLOCK
+from models.kv_cache import Paged
+from models.sampling import sample_rows
+from serving.decode_graphs import DecodeGraphs
+from serving.input_buffers import InputBuffers, StepInputs
 from serving.sequence import Sequence
 
-ATTENTION = ("gather", "flex")
+ATTENTION = ("auto", "gather", "triton")
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Triton runs on CUDA devices, or on CPU tensors in its (slow, test-only) interpreter."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class ModelRunner:
-    """`attention`: "gather" (each row's blocks gathered, then SDPA: exact, any block size, the reference) or "flex"
-    (FlexAttention over the pool in place, compiled once per query-count bucket; block sizes that are multiples of
-    16: compiled CPU flex with blocks of 8 gave wrong values on torch 2.14)."""
-
-    def __init__(self, model: VisionLanguageModel, num_blocks: int, block_size: int, attention: str = "gather",
-                 max_rows: int = 64) -> None:
+    def __init__(self, model: VisionLanguageModel, num_blocks: int, block_size: int, max_num_seqs: int = 64,
+                 max_batch_tokens: int = 512, attention: str = "auto", cuda_graphs: bool | None = None) -> None:
+        """`attention`: "gather", "triton", or "auto" (triton on a GPU, gather on a CPU). `cuda_graphs`: capture the
+        decode step per batch bucket (default: on a GPU)."""
+        config, weight = model.config.language, model.language.token_embedding.weight
+        self.model, self.block_size, self.device = model, block_size, weight.device
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
-        if attention == "flex" and block_size % 16:
-            raise ValueError(f"flex attention needs a block size that is a multiple of 16, got {block_size}")
-        self.model, self.block_size, self.attention, self.max_rows = model, block_size, attention, max_rows
-        config, weight = model.config.language, model.language.token_embedding.weight
+        if attention == "auto":
+            attention = "triton" if self.device.type == "cuda" else "gather"
+        if attention == "triton" and not triton_usable(self.device):
+            raise ValueError("triton paged attention needs a CUDA device (attention='gather' runs anywhere)")
+        self.attention = attention
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.pools = [{"key": torch.zeros(shape, dtype=weight.dtype, device=weight.device),
-                       "value": torch.zeros(shape, dtype=weight.dtype, device=weight.device)}
+        self.pools = [{"key": torch.zeros(shape, dtype=weight.dtype, device=self.device),
+                       "value": torch.zeros(shape, dtype=weight.dtype, device=self.device)}
                       for _ in range(config.num_layers)]
-        image_token = model.config.image_token_id
-        self.image_token = -1 if image_token is None else image_token
-        self.filler = 1 if image_token == 0 else 0  # the id padded positions carry: never the image token
-        self.device = weight.device
+        max_blocks = -(-config.max_position_embeddings // block_size)
+        self.inputs = InputBuffers(max_num_seqs, max_blocks, max_batch_tokens, block_size, self.device)
+        self.sampled = torch.zeros(max_num_seqs, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self.sampled_ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        self.graphs = None
+        if cuda_graphs:
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(self._graphed_decode, max_num_seqs)
 
     @staticmethod
     def bytes_per_block(model: VisionLanguageModel, block_size: int) -> int:
         config, weight = model.config.language, model.language.token_embedding.weight
         return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * weight.element_size()
+
+    # -- seats ---------------------------------------------------------------------------------------------------
+    def admit(self, sequences: list[Sequence]) -> None:
+        for sequence in sequences:
+            self.inputs.take(sequence)
+
+    def release(self, sequences: list[Sequence]) -> None:
+        for sequence in sequences:
+            self.inputs.give_back(sequence)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
@@ -51,80 +82,74 @@ class ModelRunner:
                 for tensor in pool.values():
                     tensor[destination] = tensor[source]
 
+    # -- the step ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, work: list[tuple[Sequence, int]]) -> Tensor:
-        """Logits [len(work), vocab] at each row's last computed token. Decodes (one token each) run as one batch and
-        prompt chunks as another, so a decode row is never padded to a prompt chunk's length."""
-        logits: list[Tensor | None] = [None] * len(work)
-        for single in (True, False):
-            rows = [i for i, (_, count) in enumerate(work) if (count == 1) == single]
-            if rows:
-                for i, row_logits in zip(rows, self._forward([work[i] for i in rows])):
-                    logits[i] = row_logits
-        return torch.stack(logits)
+    def forward(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> Tensor:
+        """Logits [len(decodes) + len(prefills), vocab]: each decode's, then each prompt chunk's last token's."""
+        hidden = []
+        if decodes:
+            if self.graphs is not None:
+                self.inputs.decode_inputs(decodes, rows=self.graphs.bucket(len(decodes)))
+                hidden.append(self.graphs.run(len(decodes)))
+            else:
+                hidden.append(self._decode(self.inputs.decode_inputs(decodes)))
+        if prefills:
+            inputs = self.inputs.prefill_inputs(prefills)
+            features = None
+            if inputs.image_chunks:
+                features = torch.cat([self._features(sequence)[lo:hi] for sequence, lo, hi in inputs.image_chunks])
+            embeddings = self.model.embed(inputs.tokens[None], features=features, slots=inputs.image_slots)
+            hidden.append(self._blocks(embeddings, inputs)[inputs.last])
+        return self.model.language.head(hidden[0] if len(hidden) == 1 else torch.cat(hidden))
 
-    def _forward(self, work: list[tuple[Sequence, int]]) -> Tensor:
-        size, width = self.block_size, max(count for _, count in work)
-        num_blocks = max(len(sequence.table) for sequence, _ in work)
-        ids = torch.full((len(work), width), self.filler, dtype=torch.long)
-        image_slots = torch.zeros(len(work), width, dtype=torch.bool)
-        slots = torch.full((len(work), width), NULL_BLOCK * size, dtype=torch.long)
-        tables = torch.full((len(work), num_blocks), NULL_BLOCK, dtype=torch.long)
-        features = []
-        for row, (sequence, count) in enumerate(work):
-            start = sequence.num_computed
-            ids[row, :count] = torch.tensor(sequence.tokens[start : start + count])
-            positions = torch.arange(start, start + count)
-            table = torch.tensor(sequence.table)
-            slots[row, :count] = table[positions // size] * size + positions % size
-            tables[row, : len(table)] = table
-            if start < sequence.num_prompt:  # only the prompt's image-token ids are placeholders
-                prompt = sequence.tokens[: sequence.num_prompt]
-                here = torch.tensor([token == self.image_token for token in prompt[start : start + count]],
-                                    dtype=torch.bool)
-                image_slots[row, : len(here)] = here
-                if here.any():
-                    before = sum(token == self.image_token for token in prompt[:start])
-                    features.append(self._features(sequence)[before : before + int(here.sum())])
-        ids, slots, tables = ids.to(self.device), slots.to(self.device), tables.to(self.device)
-        embeddings = self.model.embed(ids, features=torch.cat(features) if features else None,
-                                      slots=image_slots.to(self.device))
-        layout = {"block_table": tables, "slot_mapping": slots}
-        if self.attention == "flex":
-            layout.update(self._flex_mask(work, width))
-        caches = [{**pool, **layout} for pool in self.pools]
-        starts = torch.tensor([sequence.num_computed for sequence, _ in work], device=self.device)
-        hidden, _ = self.model.language(embeddings, kv_cache=caches, start_pos=starts)
-        last = torch.tensor([count - 1 for _, count in work], device=self.device)
-        return self.model.language.head(hidden[torch.arange(len(work), device=self.device), last])
+    @torch.inference_mode()
+    def sample(self, logits: Tensor, sequences: list[Sequence]) -> list[int]:
+        """A token for each of `sequences` from its row of `logits`, each with its request's settings, in one call:
+        the step's one device-to-host copy."""
+        settings = self.inputs.sampling_settings(sequences)
+        if settings is None:
+            return self._to_host(logits.argmax(-1))
+        return self._to_host(sample_rows(logits, settings, self._noise(logits, sequences)))
 
-    def _flex_mask(self, work: list[tuple[Sequence, int]], width: int) -> dict:
-        """The FlexAttention block mask of a forward: query q (a real token of row r at position p) sees pool slot s
-        when s's block is in r's table, at a logical position <= p. Queries are padded to a power of two (>= 16) and
-        the block-to-position table has `max_rows` rows whatever the batch, so one compiled kernel per query bucket
-        serves every batch (the mask's tensors are graph inputs, and their shapes are guarded); padded queries see
-        nothing."""
-        from torch.nn.attention.flex_attention import create_block_mask
+    def _to_host(self, tokens: Tensor) -> list[int]:
+        """The sampled ids on the host: a non-blocking copy into pinned memory, then a wait for that copy's event (the
+        only place a step waits for the device)."""
+        if self.sampled_ready is None:
+            return tokens.tolist()
+        host = self.sampled[: len(tokens)]
+        host.copy_(tokens, non_blocking=True)
+        self.sampled_ready.record()
+        self.sampled_ready.synchronize()
+        return host.tolist()
 
-        size, pool_blocks = self.block_size, self.pools[0]["key"].shape[0]
-        rows = [row for row, (_, count) in enumerate(work) for _ in range(count)]
-        index = torch.tensor([row * width + t for row, (_, count) in enumerate(work) for t in range(count)])
-        length = max(16, 1 << (len(rows) - 1).bit_length())
-        query_row = torch.zeros(length, dtype=torch.long)
-        query_position = torch.full((length,), -1, dtype=torch.long)
-        query_row[: len(rows)] = torch.tensor(rows)
-        query_position[: len(rows)] = torch.cat([torch.arange(s.num_computed, s.num_computed + c) for s, c in work])
-        logical = torch.full((self.max_rows, pool_blocks), -1, dtype=torch.long)
-        for row, (sequence, _) in enumerate(work):
-            logical[row, torch.tensor(sequence.table)] = torch.arange(len(sequence.table))
-        query_row, query_position, logical = (t.to(self.device) for t in (query_row, query_position, logical))
+    def _noise(self, logits: Tensor, sequences: list[Sequence]) -> Tensor:
+        """Exponential noise for the sampling race: one draw for the batch, and rows of seeded requests from their own
+        generator, [n, vocab] at a time for a request's n samples, as generate(num_samples=n) draws it, so that seeded
+        results agree."""
+        noise = torch.empty(logits.shape, device=logits.device).exponential_(1)
+        seeded: dict = {}
+        for row, sequence in enumerate(sequences):
+            if sequence.group.generator is not None:
+                seeded.setdefault(sequence.group, []).append((row, sequence.index))
+        for group, places in seeded.items():
+            draw = torch.empty(group.params.n, logits.shape[1], device=logits.device)
+            draw.exponential_(1, generator=group.generator)
+            rows, samples = zip(*places)
+            noise[list(rows)] = draw[list(samples)]
+        return noise
 
-        def visible(batch, head, query, slot):
-            block = logical[query_row[query], slot // size]
-            return (block >= 0) & (block * size + slot % size <= query_position[query])
+    def _decode(self, inputs: StepInputs) -> Tensor:
+        return self._blocks(self.model.language.token_embedding(inputs.tokens)[None], inputs)
 
-        mask = create_block_mask(visible, 1, None, length, pool_blocks * size, device=self.device)
-        return {"block_mask": mask, "query_index": index.to(self.device)}
+    def _graphed_decode(self, rows: int) -> Tensor:
+        return self._decode(self.inputs.decode_views(rows, self.inputs.max_blocks))
+
+    def _blocks(self, embeddings: Tensor, inputs: StepInputs) -> Tensor:
+        """The language model's final hidden states [N, hidden] of one packed row of tokens."""
+        layout = Paged(inputs.block_table, inputs.slot_mapping, inputs.positions, inputs.query_start,
+                       inputs.context_lens, inputs.max_query_len, self.attention)
+        hidden, _ = self.model.language(embeddings, kv_cache=[{**pool, "layout": layout} for pool in self.pools])
+        return hidden[0]
 
     def _features(self, sequence: Sequence) -> Tensor:
         group = sequence.group

@@ -5,10 +5,14 @@ every decoding sequence its one token, then fills the rest of the token budget w
 a long prompt is computed over several steps, so running decodes never stall behind it), oldest request first. When
 the KV cache has no block for a decode, the newest running request is preempted: its blocks are freed and it waits at
 the front of the queue, to be recomputed (prompt and tokens so far) when blocks free up.
+
+A request holds a seat per sample (`max_num_seqs` in all) from admission to its end; the step says which sequences
+were admitted and preempted, so the runner can give them input rows or take those back.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections import deque
 
@@ -17,11 +21,19 @@ from serving.sequence import Group, Sequence, Status
 
 
 @dataclasses.dataclass
-class Step:
-    """One step's work: (sequence, tokens to compute) pairs, and copy-on-write block copies to make first."""
+class ScheduledStep:
+    """One step's work: decoding sequences (one token each), prompt chunks (sequence, tokens to compute), the
+    copy-on-write block copies to make first, and the sequences admitted (or preempted) while scheduling."""
 
-    work: list[tuple[Sequence, int]]
-    copies: list[tuple[int, int]]
+    decodes: list[Sequence] = dataclasses.field(default_factory=list)
+    prefills: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    admitted: list[Sequence] = dataclasses.field(default_factory=list)
+    preempted: list[Sequence] = dataclasses.field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.prefills
 
 
 class Scheduler:
@@ -33,6 +45,7 @@ class Scheduler:
         self.waiting: deque[Group] = deque()
         self.running: list[Group] = []  # oldest first
         self.num_preemptions = 0
+        self.seats = 0  # sequences the running requests hold (n for a request whose samples have not forked yet)
 
     def add(self, group: Group) -> None:
         self.waiting.append(group)
@@ -41,70 +54,95 @@ class Scheduler:
         """Drop a finished or aborted request and free its blocks."""
         for sequence in group.sequences:
             self.blocks.release(sequence.table)
-        if group in self.running:
+        if group.status is Status.RUNNING:
             self.running.remove(group)
+            self.seats -= self._seats(group)
         elif group in self.waiting:
             self.waiting.remove(group)
         group.status = Status.FINISHED
 
-    @property
-    def num_running_sequences(self) -> int:
-        return sum(len(g.live) if g.forked else g.params.n for g in self.running)
+    def finish(self, sequence: Sequence) -> None:
+        """One sample of a running request is done: its blocks and seat are free (its request may go on)."""
+        self.blocks.release(sequence.table)
+        self.seats -= 1
 
-    def schedule(self) -> Step:
-        budget, work, copies = self.max_batch_tokens, [], []
+    def schedule(self) -> ScheduledStep:
+        step, budget, prompts = ScheduledStep(), self.max_batch_tokens, []
         for group in list(self.running):  # decodes, oldest request first
             if group.status is not Status.RUNNING:
                 continue  # preempted for an older request's decode
-            decodes = [s for s in group.live if s.num_pending == 1 and s.num_computed > 0]
-            group_copies = []
-            for sequence in decodes:
-                if not self._make_room(sequence, group):
-                    break  # the request itself was preempted: none of its decodes run
-                copy = self.blocks.append_slot(sequence.table, sequence.num_computed)
-                group_copies += [copy] if copy else []
+            decodes, copies = [], []
+            for sequence in group.sequences:
+                if sequence.finish_reason is not None:
+                    continue
+                if not sequence.decoding:
+                    prompts.append(sequence)
+                    continue
+                if self.blocks.needs_block(sequence.table, sequence.num_computed):
+                    if not self._make_room(sequence, group, step):
+                        break  # the request itself was preempted: none of its decodes run
+                    copy = self.blocks.append_slot(sequence.table, sequence.num_computed)
+                    if copy:
+                        copies.append(copy)
+                decodes.append(sequence)
             else:
-                work += [(sequence, 1) for sequence in decodes]
-                copies += group_copies
+                step.decodes += decodes
+                step.copies += copies
                 budget -= len(decodes)
-        for group in self.running:  # prompt chunks of admitted requests
-            for sequence in group.live:
-                if budget and (sequence.num_pending > 1 or sequence.num_computed == 0):
-                    count = min(sequence.num_pending, budget)
-                    work.append((sequence, count))
-                    budget -= count
-        while budget and self.waiting and self._admit(self.waiting[0]):
+        for sequence in prompts:  # prompt chunks of admitted requests
+            if budget and sequence.group.status is Status.RUNNING:
+                count = min(sequence.num_pending, budget)
+                step.prefills.append((sequence, count))
+                budget -= count
+        while budget and self.waiting and self._admit(self.waiting[0], step):
             group = self.waiting.popleft()
             for sequence in group.live:
                 count = min(sequence.num_pending, budget)
                 if count:
-                    work.append((sequence, count))
+                    step.prefills.append((sequence, count))
                     budget -= count
-        return Step(work, copies)
+        return step
 
-    def _make_room(self, sequence: Sequence, group: Group) -> bool:
+    def fork(self, group: Group) -> list[Sequence]:
+        """The prompt is done: the request's other n - 1 samples start here, sharing its blocks (their seats were
+        held since admission)."""
+        parent = group.sequences[0]
+        children = [Sequence(group, index, list(parent.tokens), list(parent.keys), table=self.blocks.fork(parent.table),
+                             hashes=list(parent.hashes), num_computed=parent.num_computed,
+                             num_registered=parent.num_registered)
+                    for index in range(1, group.params.n)]
+        group.sequences += children
+        group.forked = True
+        return children
+
+    def _seats(self, group: Group) -> int:
+        return len(group.live) if group.forked else group.params.n
+
+    def _make_room(self, sequence: Sequence, group: Group, step: ScheduledStep) -> bool:
         """Preempt the newest running requests until `sequence` can take its next slot; False if it was itself
         preempted."""
         while not self.blocks.can_append(sequence.table, sequence.num_computed):
             victim = max(self.running, key=lambda g: g.arrival)
-            self._preempt(victim)
+            self._preempt(victim, step)
             if victim is group:
                 return False
         return True
 
-    def _preempt(self, group: Group) -> None:
-        for sequence in group.sequences:
+    def _preempt(self, group: Group, step: ScheduledStep) -> None:
+        for sequence in group.live:
             self.blocks.release(sequence.table)
-            sequence.num_computed = 0
+            sequence.num_computed = sequence.num_registered = 0
+            step.preempted.append(sequence)
         self.running.remove(group)
+        self.seats -= self._seats(group)
         group.status = Status.WAITING
         self.waiting.appendleft(group)
         self.num_preemptions += 1
 
-    def _admit(self, group: Group) -> bool:
+    def _admit(self, group: Group, step: ScheduledStep) -> bool:
         """Give each live sequence of `group` blocks for all its tokens (cached prefix blocks reused), or nothing."""
-        seats = len(group.live) if group.forked else group.params.n
-        if self.num_running_sequences + seats > self.max_num_seqs:
+        seats = self._seats(group)
+        if self.seats + seats > self.max_num_seqs:
             return False
         admitted = []
         for sequence in group.live:
@@ -115,8 +153,10 @@ class Scheduler:
                     done.num_computed = 0
                 return False
             sequence.table, sequence.num_computed = allocated
+            sequence.num_registered = 0
             admitted.append(sequence)
         group.status = Status.RUNNING
-        self.running.append(group)
-        self.running.sort(key=lambda g: g.arrival)
+        bisect.insort(self.running, group, key=lambda g: g.arrival)
+        self.seats += seats
+        step.admitted += admitted
         return True

@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import hashlib
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -49,6 +50,8 @@ class Sequence:
     table: list[int] = dataclasses.field(default_factory=list)
     hashes: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
+    num_registered: int = 0  # leading full blocks registered in the prefix cache (serving/block_manager.py)
+    row: int | None = None  # its row of the runner's input buffers while it holds a seat (serving/input_buffers.py)
     finish_reason: str | None = None
 
     @property
@@ -56,13 +59,14 @@ class Sequence:
         return self.group.num_prompt
 
     @property
-    def outputs(self) -> list[int]:
-        return self.tokens[self.num_prompt :]
-
-    @property
     def num_pending(self) -> int:
         """Tokens still to run through the model before the next token can be sampled."""
         return len(self.tokens) - self.num_computed
+
+    @property
+    def decoding(self) -> bool:
+        """Its one pending token is a generated one (a prompt's tokens, placeholders included, run as a chunk)."""
+        return self.num_computed >= self.group.num_prompt and len(self.tokens) - self.num_computed == 1
 
     def append(self, token: int) -> None:
         self.tokens.append(token)
@@ -77,6 +81,7 @@ class Group:
     request_id: str
     prompt: list[int]
     images: Tensor | None  # [N, C, H, W] pixels, in placeholder order
+    image_positions: np.ndarray  # the prompt positions of the image placeholders, ascending
     params: RequestParams
     stop_ids: frozenset[int]
     arrival: int  # order of arrival: the newest running request is the one preempted

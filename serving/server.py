@@ -210,8 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-mib", type=int, default=1024, help="KV-cache memory (MiB)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together")
     parser.add_argument("--max-in-flight", type=int, default=256, help="requests admitted at once (then 429)")
-    parser.add_argument("--attention", choices=["gather", "flex"], default="gather",
-                        help="paged attention: gather + SDPA, or FlexAttention over the pool (compiled)")
+    parser.add_argument("--attention", choices=["auto", "gather", "triton"], default="auto",
+                        help="paged attention: gather + SDPA, or the Triton kernel over the pool in place "
+                             "(auto: Triton on a GPU)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the decode step (as vLLM's)")
     args = parser.parse_args(argv)
     try:
         import uvicorn
@@ -224,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     engine = Engine(model, processor, **engine_size(model, args.kv_cache_mib, max_num_seqs=args.max_num_seqs),
-                    attention=args.attention)
+                    attention=args.attention, cuda_graphs=False if args.enforce_eager else None)
     name = args.model_name or (Path(args.checkpoint).name if args.checkpoint else "tinyvlm")
     async_engine = AsyncEngine(engine, args.max_in_flight, log=lambda line: print(line, file=sys.stderr, flush=True))
     uvicorn.run(create_app(async_engine, processor.tokenizer, name), host=args.host, port=args.port)

@@ -10,6 +10,9 @@ os.environ.setdefault("WANDB_MODE", "offline")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if not torch.cuda.is_available():  # Triton kernels then run on CPU tensors in Triton's interpreter (read at its import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(autouse=True)
 def _seed():

@@ -5,7 +5,7 @@ from copy import deepcopy
 import pytest
 import torch
 
-from models.kv_cache import CacheCapacityError
+from models.kv_cache import CacheCapacityError, Preallocated, with_layout
 from tests.models.generation_helpers import left_padded_batch
 from tests.models.helpers import tiny_vlm
 
@@ -26,6 +26,7 @@ def test_tensor_position_step_equals_int_position_step(model):
         full_mask[:, : ids.shape[1]] = mask
         cache = model.language.allocate_kv_cache(3, ids.shape[1] + 12)
         hidden, cache = model.language(embeddings, full_mask, cache)
+        cache = with_layout(cache, Preallocated(shape_static=True))
         token, position, tokens = model.language.head(hidden[:, -1]).argmax(-1), torch.tensor(ids.shape[1]), []
         for _ in range(12):
             tokens.append(token)
@@ -45,6 +46,8 @@ def test_tensor_position_step_under_bf16_autocast(model):
         for start_pos in (ids.shape[1], torch.tensor(ids.shape[1])):
             cache = model.language.allocate_kv_cache(3, ids.shape[1] + 1)
             hidden, cache = model.language(model.embed(ids, images), full_mask, cache)
+            if isinstance(start_pos, torch.Tensor):
+                cache = with_layout(cache, Preallocated(shape_static=True))
             logits.append(model.decode_step(hidden[:, -1].argmax(-1), full_mask, cache, start_pos).float())
     torch.testing.assert_close(logits[0], logits[1], rtol=0.02, atol=0.02)
 

@@ -1,15 +1,18 @@
-"""KV-cache memory: the formula against the tensors actually allocated, and SmolLM2's figure."""
+"""KV-cache memory: the formula against the tensors actually allocated, and SmolLM2's figure; the paged layout against
+plain passes."""
 
+import pytest
 import torch
 
 from models import LanguageConfig, LanguageModel, kv_cache_bytes
+from models.kv_cache import Paged, tensors
 
 
 def test_formula_matches_allocated_tensors():
     config = LanguageConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_layers=3, num_heads=6,
                             num_kv_heads=2)
     caches = LanguageModel(config).allocate_kv_cache(batch=5, capacity=37, dtype=torch.float16)
-    allocated = sum(t.numel() * t.element_size() for cache in caches for t in cache.values())
+    allocated = sum(t.numel() * t.element_size() for cache in caches for t in tensors(cache).values())
     assert kv_cache_bytes(config, batch=5, tokens=37, dtype=torch.float16) == allocated
 
 
@@ -18,10 +21,11 @@ def test_smollm2_figure():
     assert kv_cache_bytes(LanguageConfig(), batch=1, tokens=8192) == 180 * 2**20
 
 
-def test_paged_layout_equals_one_uncached_pass_per_sequence():
-    """Rows at different positions of their own sequences (chunks of 5, 3, then 1 token) write to scattered pool
-    blocks through their block tables and attend over them: each token's hidden state equals a plain pass over its
-    sequence alone. Padded tokens of short chunks write to the null block 0 and change nothing."""
+@pytest.mark.parametrize("attention", ["gather", "triton"])
+def test_paged_layout_equals_one_uncached_pass_per_sequence(attention):
+    """Sequences at different points of their own (chunks of 5, 3, then 1 token), packed into one row without
+    padding, write to scattered pool blocks through their block tables and attend over them: each token's hidden
+    state equals a plain pass over its sequence alone. On a CPU the Triton kernel runs in Triton's interpreter."""
     torch.manual_seed(0)
     config = LanguageConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6,
                             num_kv_heads=2, max_position_embeddings=64)
@@ -38,21 +42,22 @@ def test_paged_layout_equals_one_uncached_pass_per_sequence():
             rows = [(r, min(chunk, n - done[r])) for r, n in enumerate(lengths) if done[r] < n]
             if not rows:
                 break
-            width = max(count for _, count in rows)
-            ids = torch.zeros(len(rows), width, dtype=torch.long)
-            slots = torch.zeros(len(rows), width, dtype=torch.long)  # padding: slot 0 of the null block
+            positions = torch.cat([torch.arange(done[r], done[r] + count) for r, count in rows])
+            owner = torch.cat([torch.full((count,), r) for r, count in rows])
+            ids = torch.stack([sequences[r][p] for r, p in zip(owner.tolist(), positions.tolist())])
+            blocks = torch.tensor([tables[r][p // block_size] for r, p in zip(owner.tolist(), positions.tolist())])
             table = torch.zeros(len(rows), max(len(t) for t in tables), dtype=torch.long)
-            for i, (r, count) in enumerate(rows):
-                positions = torch.arange(done[r], done[r] + count)
-                ids[i, :count] = sequences[r][positions]
-                block = torch.tensor(tables[r])[positions // block_size]
-                slots[i, :count] = block * block_size + positions % block_size
+            for i, (r, _) in enumerate(rows):
                 table[i, : len(tables[r])] = torch.tensor(tables[r])
-            caches = [{**pool, "block_table": table, "slot_mapping": slots} for pool in pools]
-            start = torch.tensor([done[r] for r, _ in rows])
-            hidden, _ = model(model.token_embedding(ids), kv_cache=caches, start_pos=start)
-            for i, (r, count) in enumerate(rows):
-                outputs[r].append(hidden[i, :count])
+            counts = torch.tensor([count for _, count in rows])
+            layout = Paged(table, blocks * block_size + positions % block_size, positions,
+                           torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]),
+                           torch.tensor([done[r] + count for r, count in rows]), int(counts.max()), attention)
+            hidden, _ = model(model.token_embedding(ids)[None], kv_cache=[{**pool, "layout": layout} for pool in pools])
+            start = 0
+            for r, count in rows:
+                outputs[r].append(hidden[0, start : start + count])
+                start += count
                 done[r] += count
         for r, ids in enumerate(sequences):
             expected, _ = model(model.token_embedding(ids[None]))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from models import CheckpointError, LanguageModel
-from models.kv_cache import CacheCapacityError, allocate
+from models.kv_cache import CacheCapacityError, Growing, Preallocated, allocate, with_layout
 from models.language_model import causal_mask
 from tests.models.helpers import save_tiny_llama
 
@@ -57,12 +57,34 @@ def test_block_contract_split_equals_one_pass(llama_pair):
     cos, sin = model.rotary(positions)
     with torch.no_grad():
         whole, own = block(x, cos, sin)
-        assert set(own) == {"key", "value"} and own["key"].shape == (2, 2, 11, 8)
+        assert own["layout"] == Growing() and own["key"].shape == (2, 2, 11, 8)
         cache = allocate(2, 2, 11, 8, torch.float32, torch.device("cpu"))
         first, cache = block(x[:, :7], cos[:, :, :7], sin[:, :, :7], kv_cache=cache)
         second, cache = block(x[:, 7:], cos[:, :, 7:], sin[:, :, 7:], kv_cache=cache, start_pos=7)
+        first_grown, grown = block(x[:, :7], cos[:, :, :7], sin[:, :, :7])
+        second_grown, grown = block(x[:, 7:], cos[:, :, 7:], sin[:, :, 7:], kv_cache=grown, start_pos=7)
     torch.testing.assert_close(torch.cat([first, second], 1), whole, atol=1e-5, rtol=0)
     torch.testing.assert_close(cache["key"], own["key"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(torch.cat([first_grown, second_grown], 1), whole, atol=1e-5, rtol=0)
+    torch.testing.assert_close(grown["key"], own["key"], atol=1e-6, rtol=0)
+
+
+def test_each_layout_takes_only_its_own_kind_of_position(llama_pair):
+    """The layout says how a cache is written: an int start_pos for a plain preallocated cache, a 0-dim tensor for a
+    shape-static one, and a growing cache continues where it ends."""
+    _, model = llama_pair
+    block = model.blocks[0]
+    x = torch.randn(1, 3, model.config.hidden_size)
+    cos, sin = model.rotary(torch.arange(3).expand(1, 3))
+    with torch.no_grad():
+        with pytest.raises(TypeError, match="int start_pos"):
+            block(x, cos, sin, kv_cache=allocate(1, 2, 8, 8, torch.float32, torch.device("cpu")),
+                  start_pos=torch.tensor(0))
+        with pytest.raises(TypeError, match="0-dim device tensor"):
+            block(x, cos, sin, kv_cache=allocate(1, 2, 8, 8, torch.float32, torch.device("cpu"), shape_static=True))
+        _, grown = block(x, cos, sin)
+        with pytest.raises(ValueError, match="continues at that position"):
+            block(x, cos, sin, kv_cache=grown, start_pos=2)
 
 
 def test_a_full_cache_refuses_more_tokens_instead_of_growing(llama_pair):
@@ -100,7 +122,8 @@ def test_cache_is_written_in_place_and_tensor_start_pos_matches_int(llama_pair):
         storage = [c["key"].data_ptr() for c in cache]
         _, cache = model(embeddings[:, :8], kv_cache=cache)
         by_int, _ = model(embeddings[:, 8:], kv_cache=[dict(c) for c in cache], start_pos=8)
-        by_tensor, cache = model(embeddings[:, 8:], kv_cache=cache, start_pos=torch.tensor(8))
+        static = with_layout(cache, Preallocated(shape_static=True))
+        by_tensor, cache = model(embeddings[:, 8:], kv_cache=static, start_pos=torch.tensor(8))
     assert [c["key"].data_ptr() for c in cache] == storage
     torch.testing.assert_close(by_tensor, by_int, atol=1e-5, rtol=0)
 

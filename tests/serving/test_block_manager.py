@@ -34,14 +34,15 @@ class Simulation:
         assert self.read(table, cached) == keys[:cached], "a prefix hit with other tokens"
         for position in range(cached, len(keys)):
             self.write(table, position, keys[position])
-        self.manager.commit(table, keys, hashes, len(keys))
-        self.sequences.append({"keys": list(keys), "table": table, "hashes": hashes})
+        registered = self.manager.commit(table, keys, hashes, len(keys), 0)
+        self.sequences.append({"keys": list(keys), "table": table, "hashes": hashes, "registered": registered})
         return True
 
     def fork(self, index: int) -> None:
         parent = self.sequences[index]
         table = self.manager.fork(parent["table"])
-        self.sequences.append({"keys": list(parent["keys"]), "table": table, "hashes": list(parent["hashes"])})
+        self.sequences.append({"keys": list(parent["keys"]), "table": table, "hashes": list(parent["hashes"]),
+                               "registered": parent["registered"]})
 
     def append(self, index: int, key) -> bool:
         sequence = self.sequences[index]
@@ -58,7 +59,8 @@ class Simulation:
         assert self.manager.blocks[table[-1]].ref_count == 1, "a write into a shared block"
         self.write(table, position, key)
         sequence["keys"].append(key)
-        self.manager.commit(table, sequence["keys"], sequence["hashes"], len(sequence["keys"]))
+        sequence["registered"] = self.manager.commit(table, sequence["keys"], sequence["hashes"], len(sequence["keys"]),
+                                                     sequence["registered"])
         return True
 
     def release(self, index: int) -> None:

@@ -1,0 +1,54 @@
+"""Paged attention, both implementations (the gathered reference and the Triton kernel, which runs in Triton's
+interpreter on a CPU), against attention computed in float64 from each sequence's keys in order."""
+
+import pytest
+import torch
+
+from models.attention import gathered_paged_attention, paged_attention
+from models.kv_cache import Paged
+
+
+def _float64_attention(q, key_pool, value_pool, tables, query_lens, context_lens):
+    """Each query of each sequence, one at a time: softmax(q k^T / sqrt(d)) v over its keys at positions <= its own."""
+    heads, kv_heads, dim = q.shape[1], key_pool.shape[2], q.shape[2]
+    out, token = [], 0
+    for table, query_len, context in zip(tables, query_lens, context_lens):
+        keys = key_pool[table].flatten(0, 1).double().repeat_interleave(heads // kv_heads, 1)  # [slots, H, D]
+        values = value_pool[table].flatten(0, 1).double().repeat_interleave(heads // kv_heads, 1)
+        for i in range(query_len):
+            position = context - query_len + i
+            scores = torch.einsum("hd,shd->hs", q[token].double(), keys[: position + 1]) / dim**0.5
+            out.append(torch.einsum("hs,shd->hd", scores.softmax(-1), values[: position + 1]))
+            token += 1
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("attention", ["gather", "triton"])
+@pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(6, 2, 16, 4), (9, 3, 24, 16), (4, 4, 8, 8)])
+@pytest.mark.parametrize("query_lens, context_lens", [
+    ([1, 1, 1, 1], [1, 7, 70, 16]),  # decode steps: one query each, contexts across block and tile edges
+    ([5, 3, 1, 20], [13, 3, 9, 90]),  # prompt chunks after cached prefixes, a whole prompt, one decode
+], ids=["decode", "chunks"])
+def test_paged_attention_equals_float64(attention, heads, kv_heads, dim, block_size, query_lens, context_lens):
+    generator = torch.Generator().manual_seed(0)
+    width = max(-(-c // block_size) for c in context_lens)
+    num_blocks = len(context_lens) * width + 1
+    key_pool = torch.randn(num_blocks, block_size, kv_heads, dim, generator=generator)
+    value_pool = torch.randn(num_blocks, block_size, kv_heads, dim, generator=generator)
+    order = torch.randperm(num_blocks - 1, generator=generator) + 1  # scattered blocks, never the null block
+    tables = [order[i * width : (i + 1) * width][: -(-c // block_size)].tolist() for i, c in enumerate(context_lens)]
+    block_table = torch.zeros(len(tables), width, dtype=torch.long)
+    for row, table in enumerate(tables):
+        block_table[row, : len(table)] = torch.tensor(table)
+    num_tokens = sum(query_lens)
+    q = torch.randn(heads, num_tokens, dim, generator=generator).transpose(0, 1)  # [N, H, D], as the blocks give it
+    positions = torch.cat([torch.arange(c - n, c) for n, c in zip(query_lens, context_lens)])
+    layout = Paged(block_table, torch.zeros(num_tokens, dtype=torch.long), positions,
+                   torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()]), torch.tensor(context_lens),
+                   max(query_lens), attention)
+    out = paged_attention(q, {"key": key_pool, "value": value_pool, "layout": layout})
+    expected = _float64_attention(q, key_pool, value_pool, tables, query_lens, context_lens)
+    torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)
+    if attention == "triton":  # and the two implementations agree with each other
+        reference = gathered_paged_attention(q, key_pool, value_pool, layout)
+        torch.testing.assert_close(out, reference, atol=2e-6, rtol=0)

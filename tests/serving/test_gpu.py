@@ -1,0 +1,69 @@
+"""The engine's GPU fast path (skipped without CUDA): the decode step replayed from a CUDA graph per batch bucket gives
+the eager step's tokens for every bucket, nothing is captured after start-up, and a decode step syncs with the device
+only for its one copy of the sampled ids."""
+
+import pytest
+import torch
+
+from serving.engine import Engine, Request
+from serving.sequence import RequestParams
+from tests.models.helpers import tiny_vlm
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+MAX_NUM_SEQS = 40  # buckets 1, 2, 4, 8, 16, 32, 40
+
+
+def _requests(count: int, max_tokens: int = 12) -> list[Request]:
+    generator = torch.Generator().manual_seed(count)
+    return [Request(torch.randint(3, 90, (int(torch.randint(5, 60, (1,), generator=generator)),),
+                                  generator=generator).tolist(), None,
+                    RequestParams(greedy=True, max_tokens=max_tokens, ignore_eos=True)) for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_vlm(seed=1).cuda()
+
+
+def _engine(model, cuda_graphs: bool) -> Engine:
+    return Engine(model, num_blocks=600, block_size=16, max_num_seqs=MAX_NUM_SEQS, max_batch_tokens=4096,
+                  attention="triton", cuda_graphs=cuda_graphs)
+
+
+def test_graphed_decode_equals_eager_for_every_bucket_without_capturing_again(model):
+    graphed, eager = _engine(model, cuda_graphs=True), _engine(model, cuda_graphs=False)
+    graphs = dict(graphed.runner.graphs.graphs)
+    assert sorted(graphs) == [1, 2, 4, 8, 16, 32, 40]
+    for count in (1, 2, 3, 4, 7, 8, 13, 16, 31, 32, 33, 40):  # every bucket, full and padded
+        requests = _requests(count)
+        assert ([r.token_ids for r in graphed.generate(requests)] == [r.token_ids for r in eager.generate(requests)]), \
+            count
+    assert graphed.runner.graphs.graphs == graphs  # the same graph objects: no capture after start-up
+
+
+def test_graphed_engine_equals_generate_alone_in_float32(model):
+    graphed = _engine(model, cuda_graphs=True)
+    requests = _requests(12, max_tokens=16)
+    for request, result in zip(requests, graphed.generate(requests)):
+        alone = model.generate(torch.tensor([request.prompt], device="cuda"), max_new_tokens=16, greedy=True)
+        assert result.token_ids[0] == alone[0].tolist()
+
+
+@pytest.mark.parametrize("params", [RequestParams(greedy=True, max_tokens=40, ignore_eos=True),
+                                    RequestParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=40,
+                                                  ignore_eos=True)], ids=["greedy", "sampled"])
+def test_a_decode_step_does_not_sync_with_the_device(model, params):
+    """Under CUDA's sync debug mode, decode steps raise on any synchronizing operation; the one wait for the sampled
+    ids is an explicit stream synchronize after a non-blocking copy, which the mode does not count."""
+    engine = _engine(model, cuda_graphs=True)
+    for request in _requests(24):
+        engine.add_request(Request(request.prompt, None, params))
+    while engine.scheduler.waiting or not all(s.decoding for g in engine.scheduler.running for s in g.live):
+        engine.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(20):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
