@@ -53,7 +53,7 @@ serving)
     | tee "$out/gpu-tests.log"
   timeout "${SERVING_TIMEOUT:-400}" python3 benchmarks/serving.py --device cuda --workloads 256 1024 nanovllm \
     --max-num-seqs 256 --kv-blocks 40000 --max-batch-tokens 8192 --compile-static \
-    --methods engine engine-eager static hf-one hf-cb --baseline-workloads 256 --out "$out" 2>&1 \
+    --methods engine engine-eager static hf-one hf-cb --baseline-workloads 256 --hf-one-requests 16 --out "$out" 2>&1 \
     | tee "$out/serving.log"
   ;;
 *) echo "unknown mode $mode: seeds, speed or serving" >&2; exit 2 ;;

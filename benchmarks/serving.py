@@ -13,7 +13,7 @@ prefix). Methods:
 - engine-eager: the same without CUDA graphs (GPU only);
 - static: tinyvlm's `generate` on left-padded batches of up to max-num-seqs requests, one after the other (the
   longest output sets a batch's steps); --compile-static uses the compiled, CUDA-graph decode step (compiled first);
-- hf-one: transformers `generate`, one request at a time, on the first --hf-one-requests requests;
+- hf-one: transformers `generate`, one request at a time (on the first --hf-one-requests requests, if given);
 - hf-batch: transformers `generate` on left-padded batches of up to max-num-seqs requests;
 - hf-cb: transformers' continuous batching `generate_batch` (one max_new_tokens for all, so it generates the longest
   output for every request: only each request's own tokens are counted), on the first --hf-cb-requests requests.
@@ -267,8 +267,8 @@ def main() -> None:
     parser.add_argument("--baseline-workloads", nargs="+",
                         help="the workloads the slow baselines (transformers' methods, engine-eager) run on (default: "
                              "all)")
-    parser.add_argument("--hf-one-requests", type=int, default=16, help="hf-one serves this many of the requests")
-    parser.add_argument("--hf-cb-requests", type=int, default=1_000_000, help="hf-cb serves this many of them")
+    parser.add_argument("--hf-one-requests", type=int, help="hf-one serves this many of the requests (default: all)")
+    parser.add_argument("--hf-cb-requests", type=int, help="hf-cb serves this many of them (default: all)")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()

@@ -63,8 +63,8 @@ class Paged:
     block_table: Tensor  # [S, max blocks] int: each sequence's blocks in order, padded with the null block 0
     slot_mapping: Tensor  # [N] int64: the pool slot (block * block_size + offset) each new token is written to
     positions: Tensor  # [N] int64: each token's position in its own sequence
-    query_start: Tensor  # [S + 1] int32: cumulative query counts
-    context_lens: Tensor  # [S] int32: each sequence's tokens in the cache once this call has written
+    query_start: Tensor  # [S + 1] int: cumulative query counts
+    context_lens: Tensor  # [S] int: each sequence's tokens in the cache once this call has written
     max_query_len: int
     attention: str = "gather"
 

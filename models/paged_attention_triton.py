@@ -1,6 +1,6 @@
 """Paged attention in one Triton kernel that reads the KV pool in place through the block tables (no gather).
 
-After vLLM's Triton "unified attention" and flash-decoding's online softmax: one program per (sequence, tile of
+After vLLM's Triton "unified attention", with FlashAttention's online softmax: one program per (sequence, tile of
 BLOCK_Q queries, kv head) holds the tile's queries of every query head of that kv head's group as the rows of one
 matrix ([BLOCK_Q x group] x head_dim: grouped-query attention reads each K/V block once for the whole group), walks the
 sequence's keys BLOCK_N at a time (each key's block looked up in the table), and keeps a running max and sum. Decode
@@ -22,7 +22,7 @@ from torch import Tensor
 from models.kv_cache import Paged
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_qh", "stride_oh", "stride_table"])  # they vary with the call's shape
 def _kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, query_start_ptr, context_lens_ptr, scale,
             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ot,
             stride_oh, stride_table, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -77,7 +77,8 @@ def triton_paged_attention(q: Tensor, key_pool: Tensor, value_pool: Tensor, layo
     group = heads // kv_heads
     block_q = 1 if layout.max_query_len == 1 else max(1, 64 // triton.next_power_of_2(group))
     block_g = triton.next_power_of_2(group) if block_q > 1 else max(16, triton.next_power_of_2(group))
-    key_pool, value_pool = key_pool.to(q.dtype), value_pool.to(q.dtype)
+    dtype = q.dtype
+    q = q.to(key_pool.dtype)  # (under autocast the projections may differ from the pool; never copy the pool)
     out = torch.empty_like(q)
     num_seqs = layout.context_lens.shape[0]
     grid = (num_seqs, triton.cdiv(layout.max_query_len, block_q), kv_heads)
@@ -86,5 +87,5 @@ def triton_paged_attention(q: Tensor, key_pool: Tensor, value_pool: Tensor, layo
         q.stride(0), q.stride(1), key_pool.stride(0), key_pool.stride(1), key_pool.stride(2), value_pool.stride(0),
         value_pool.stride(1), value_pool.stride(2), out.stride(0), out.stride(1), layout.block_table.stride(0),
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_N=64, BLOCK_SIZE=block_size, HEAD_DIM=dim,
-        BLOCK_D=triton.next_power_of_2(dim), PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
-    return out
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    return out.to(dtype)

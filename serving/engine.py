@@ -90,7 +90,6 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_batch_tokens)
         self.runner = ModelRunner(model, num_blocks, block_size, max_num_seqs, max_batch_tokens, attention,
                                   cuda_graphs)
-        self.context = model.config.language.max_position_embeddings
         self.groups: dict[str, Group] = {}
         self._arrivals = itertools.count()
 
@@ -130,7 +129,7 @@ class Engine:
             generator = torch.Generator(self.runner.device).manual_seed(params.seed)
         placeholders = np.flatnonzero(np.asarray(prompt) == config.image_token_id) if images is not None else []
         group = Group(request_id, prompt, images, np.asarray(placeholders, np.int64), params, frozenset(stop),
-                      next(self._arrivals), generator=generator)
+                      len(prompt) + params.max_tokens, next(self._arrivals), generator=generator)
         group.sequences = [Sequence(group, 0, list(prompt), token_keys(prompt, images, config.image_token_id))]
         return group
 
@@ -191,9 +190,7 @@ class Engine:
                     rows += [row] * len(samples)
         if not to_sample:
             return []
-        if rows is not None:
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        return self._update(to_sample, self.runner.sample(logits, to_sample))
+        return self._update(to_sample, self.runner.sample(logits, to_sample, rows))
 
     def _register(self, sequence: Sequence) -> None:
         """Register the sequence's newly filled blocks for prefix reuse (a decode fills at most one)."""
@@ -219,8 +216,7 @@ class Engine:
             output.new_tokens[sequence.index].append(token)
             if token in group.stop_ids:
                 sequence.finish_reason = "stop"
-            elif (len(sequence.tokens) - group.num_prompt >= group.params.max_tokens
-                  or len(sequence.tokens) >= self.context):
+            elif len(sequence.tokens) >= group.max_length:
                 sequence.finish_reason = "length"
             else:
                 continue

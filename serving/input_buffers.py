@@ -1,11 +1,12 @@
-"""The runner's host-side inputs: one persistent row per seated sequence, and pinned staging buffers that each step's
-inputs are packed into and sent to the device in one non-blocking copy.
+"""The runner's inputs: one persistent row per seated sequence, and pinned staging buffers that each step's inputs are
+packed into and sent to the device with non-blocking copies.
 
 As vLLM's persistent input batch and nano-vllm's flat tensors: a row (block table, sampling settings) is written whole
 when a sequence takes its seat (admission, a forked sample) and handed back when it leaves (finished, aborted,
-preempted); a decode step then touches each sequence's row at one entry (its last block, which may be new or a
-copy-on-write copy) and packs the batch with a fixed number of numpy calls. The host's work per step is a few Python
-attribute reads per sequence, and the number of tensor operations does not depend on the batch.
+preempted). The block tables live on the device too: a row goes there once when it is taken, and a decode step then
+sends one entry per sequence (its last block, which may be new or a copy-on-write copy) and reads the rows it needs by
+seat on the device. The host's work per step is a few Python attribute reads per sequence and a fixed number of numpy
+calls; the number of tensor operations does not depend on the batch.
 """
 
 from __future__ import annotations
@@ -19,20 +20,30 @@ from torch import Tensor
 from models.sampling import RowSettings
 from serving.sequence import Sequence
 
+ALIGN = 16  # packed parts start at multiples of 16 elements: Triton specializes kernels on pointer alignment
+
 
 class Staging:
-    """A pinned host buffer, its numpy view, and where its contents go on the device (the same tensor on a CPU)."""
+    """A pinned host buffer, its numpy view, and where its contents go on the device (the same tensor on a CPU).
+    Write the host side through `open()`, which first waits for the buffer's previous copy to the device."""
 
     def __init__(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.host = torch.zeros(size, dtype=dtype, pin_memory=device.type == "cuda")
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(size, dtype=dtype, pin_memory=cuda)
         self.array = self.host.numpy()
-        self.device = self.host if device.type == "cpu" else torch.zeros(size, dtype=dtype, device=device)
+        self.device = torch.zeros(size, dtype=dtype, device=device) if cuda else self.host
+        self.copied = torch.cuda.Event() if cuda else None
 
-    def upload(self, used: int) -> Tensor:
-        """The device buffer, with the first `used` entries sent (non-blocking: the host buffer is not written again
-        before the step's one device-to-host copy, which waits for it)."""
-        if self.device is not self.host:
-            self.device[:used].copy_(self.host[:used], non_blocking=True)
+    def open(self) -> np.ndarray:
+        if self.copied is not None:
+            self.copied.synchronize()  # an event wait: no stall in practice, and not a sync of any tensor operation
+        return self.array
+
+    def upload(self, begin: int, end: int) -> Tensor:
+        """The device buffer, with entries begin .. end - 1 sent (non-blocking)."""
+        if self.copied is not None:
+            self.device[begin:end].copy_(self.host[begin:end], non_blocking=True)
+            self.copied.record()
         return self.device
 
 
@@ -45,7 +56,7 @@ class StepInputs:
     slot_mapping: Tensor  # [N]
     query_start: Tensor  # [S + 1]
     context_lens: Tensor  # [S]
-    block_table: Tensor  # [S, width]
+    block_table: Tensor  # [S, blocks]
     max_query_len: int
     last: Tensor | None = None  # [S] each sequence's last token in the N (prefill; a decode's is its own)
     image_slots: Tensor | None = None  # [K] the image placeholders among the N (prefill)
@@ -55,22 +66,31 @@ class StepInputs:
 class InputBuffers:
     def __init__(self, max_rows: int, max_blocks: int, max_tokens: int, block_size: int,
                  device: torch.device) -> None:
-        self.max_rows, self.max_blocks, self.block_size = max_rows, max_blocks, block_size
-        self.tables = np.zeros((max_rows, max_blocks), np.int64)
-        self.num_blocks = np.zeros(max_rows, np.int64)
+        self.max_rows, self.max_blocks, self.block_size, self.device = max_rows, max_blocks, block_size, device
+        self.null_seat = max_rows  # an all-zero row: padded decode rows read the null block through it
+        self.tables = np.zeros((max_rows + 1, max_blocks), np.int64)
+        self.tables_device = (torch.from_numpy(self.tables) if device.type == "cpu"
+                              else torch.zeros(max_rows + 1, max_blocks, dtype=torch.long, device=device))
+        self.unsent: list[int] = []  # seats whose whole row the device has not been sent yet
+        self.num_blocks = np.zeros(max_rows + 1, np.int64)
         self.greedy = np.ones(max_rows, bool)
         self.temperature = np.ones(max_rows, np.float32)
         self.top_k = np.zeros(max_rows, np.int64)
         self.top_p = np.ones(max_rows, np.float32)
         self.free_rows = list(range(max_rows - 1, -1, -1))
-        # decode: tokens | positions | slots | context lengths | block-table rows, at fixed offsets (the CUDA graphs'
-        # static inputs are views of its device buffer)
-        self.decode = Staging(4 * max_rows + max_rows * max_blocks, torch.int64, device)
-        self.decode.array[3 * max_rows : 4 * max_rows] = 1  # context lengths of 1 until a step writes them
-        self.decode.upload(4 * max_rows)
+        # decode: tokens | positions | slots | context lengths | seats | each seat's last block's column | that block,
+        # at fixed offsets: the CUDA graphs' static inputs are views of the device buffer
+        self.decode = Staging(7 * max_rows, torch.int64, device)
+        array = self.decode.open()
+        array[3 * max_rows : 4 * max_rows] = 1  # until a step writes them, rows read one slot of the null block
+        array[4 * max_rows : 5 * max_rows] = self.null_seat
+        self.decode.upload(0, 7 * max_rows)
         self.decode_query_start = torch.arange(max_rows + 1, device=device)
-        self.prefill = Staging(4 * max_tokens + 3 * max_rows + 1 + max_rows * max_blocks, torch.int64, device)
+        self.prefill = Staging(4 * max_tokens + 4 * max_rows + 8 * ALIGN, torch.int64, device)
+        self.rows = Staging(max_rows * (max_blocks + 1) + ALIGN, torch.int64, device)
         self.sampling = Staging(4 * max_rows, torch.float32, device)
+        self.indices = Staging(16 * max_rows + 4 * ALIGN, torch.int64, device)  # a ring of small index lists
+        self.indices_at = 0
 
     # -- rows ----------------------------------------------------------------------------------------------------
     def take(self, sequence: Sequence) -> None:
@@ -79,9 +99,11 @@ class InputBuffers:
         table, params = sequence.table, sequence.group.params
         self.tables[row, : len(table)] = table
         self.num_blocks[row] = len(table)
+        self.unsent.append(row)
         self.greedy[row] = params.is_greedy
         self.temperature[row] = 1.0 if params.is_greedy else params.temperature
-        self.top_k[row], self.top_p[row] = params.top_k, params.top_p
+        self.top_k[row] = params.top_k
+        self.top_p[row] = params.top_p
 
     def give_back(self, sequence: Sequence) -> None:
         if sequence.row is not None:
@@ -91,8 +113,9 @@ class InputBuffers:
     # -- a step's inputs -----------------------------------------------------------------------------------------
     def decode_inputs(self, sequences: list[Sequence], rows: int | None = None) -> StepInputs:
         """One token per sequence at position num_computed. With `rows` (a CUDA-graph bucket >= len(sequences)) the
-        batch is padded to that many rows, which write the null block and read one slot of it, and the block table
-        keeps its full width (the graph's static shape); without, it is cut to the longest table."""
+        batch is padded to that many rows, which read and write only the null block, and the block table keeps its
+        full width (the graph's static shape); without, it is cut to the longest table."""
+        self._send_rows()
         n, size, stride = len(sequences), self.block_size, self.max_rows
         seats, tokens, positions, lengths, last_blocks = [], [], [], [], []
         for sequence in sequences:
@@ -105,28 +128,32 @@ class InputBuffers:
         seat, position, length = np.array(seats), np.array(positions), np.array(lengths)
         self.tables[seat, length - 1] = last_blocks  # a new block, or a copy-on-write copy of the last one
         self.num_blocks[seat] = length
-        buffer, padded = self.decode.array, rows or n
+        buffer, padded = self.decode.open(), rows or n
         buffer[:n] = tokens
         buffer[stride : stride + n] = position
         buffer[2 * stride : 2 * stride + n] = self.tables[seat, position // size] * size + position % size
         buffer[3 * stride : 3 * stride + n] = position + 1
-        for start, pad in ((0, 0), (stride, 0), (2 * stride, 0), (3 * stride, 1)):  # padded rows: the null block
-            buffer[start + n : start + padded] = pad
-        columns = self.max_blocks if rows else int(length.max())
-        table = buffer[4 * stride :].reshape(stride, self.max_blocks)
-        table[:n, :columns] = self.tables[seat, :columns]
-        self.decode.upload(4 * stride + padded * self.max_blocks)
-        return self.decode_views(padded, columns)
+        buffer[4 * stride : 4 * stride + n] = seat
+        buffer[5 * stride : 5 * stride + n] = length - 1
+        buffer[6 * stride : 6 * stride + n] = last_blocks
+        for region, pad in enumerate((0, 0, 0, 1, self.null_seat, 0, 0)):  # padded rows: the null row and block
+            buffer[region * stride + n : region * stride + padded] = pad
+        self.decode.upload(0, 7 * stride)
+        return self.decode_views(padded, self.max_blocks if rows else int(length.max()))
 
     def decode_views(self, rows: int, columns: int) -> StepInputs:
-        """The decode inputs of the first `rows` rows as views of the device buffer (fixed addresses)."""
+        """The decode inputs of the first `rows` rows, read from the device buffer (fixed addresses): each seat's last
+        block entered into the device's block tables, then the rows' tables gathered by seat."""
         device, stride = self.decode.device, self.max_rows
+        seats = device[4 * stride : 4 * stride + rows]
+        self.tables_device[seats, device[5 * stride : 5 * stride + rows]] = device[6 * stride : 6 * stride + rows]
         return StepInputs(device[:rows], device[stride : stride + rows], device[2 * stride : 2 * stride + rows],
                           self.decode_query_start[: rows + 1], device[3 * stride : 3 * stride + rows],
-                          device[4 * stride :].view(stride, self.max_blocks)[:rows, :columns], max_query_len=1)
+                          self.tables_device[:, :columns][seats], max_query_len=1)
 
     def prefill_inputs(self, work: list[tuple[Sequence, int]]) -> StepInputs:
         """The prompt chunks of `work` packed into one row: sequence i computes `count` tokens from num_computed."""
+        self._send_rows()
         size, num_seqs = self.block_size, len(work)
         tokens, seats, starts, counts, image_chunks, image_slots = [], [], [], [], [], []
         for sequence, count in work:
@@ -148,12 +175,11 @@ class InputBuffers:
         positions = np.arange(num_tokens) - np.repeat(query_start[:-1] - start, count)
         slots = self.tables[np.repeat(seat, count), positions // size] * size + positions % size
         images = np.concatenate(image_slots) if image_slots else np.zeros(0, np.int64)
+        parts = self._pack(self.prefill, [tokens, positions, slots, images, query_start, start + count,
+                                          query_start[1:] - 1, seat])
         columns = int(self.num_blocks[seat].max())
-        parts = [tokens, positions, slots, images, query_start, start + count, query_start[1:] - 1,
-                 self.tables[seat, :columns]]
-        device = self._pack(self.prefill, parts)
-        return StepInputs(*device[:3], device[4], device[5], device[7].view(num_seqs, columns),
-                          max_query_len=int(count.max()), last=device[6], image_slots=device[3],
+        return StepInputs(*parts[:3], parts[4], parts[5], self.tables_device[:, :columns][parts[7]],
+                          max_query_len=int(count.max()), last=parts[6], image_slots=parts[3],
                           image_chunks=image_chunks)
 
     def sampling_settings(self, sequences: list[Sequence]) -> RowSettings | None:
@@ -162,25 +188,47 @@ class InputBuffers:
         greedy = self.greedy[seat]
         if greedy.all():
             return None
-        n, stride, buffer = len(sequences), self.max_rows, self.sampling.array
+        n, stride, buffer = len(sequences), self.max_rows, self.sampling.open()
         top_k, top_p = self.top_k[seat], self.top_p[seat]
         buffer[:n] = self.temperature[seat]
         buffer[stride : stride + n] = top_p
         buffer[2 * stride : 2 * stride + n] = top_k
         buffer[3 * stride : 3 * stride + n] = greedy
-        device = self.sampling.upload(4 * stride)
+        device = self.sampling.upload(0, 4 * stride)
         return RowSettings(greedy=device[3 * stride : 3 * stride + n] > 0, temperature=device[:n, None],
                            top_k=device[2 * stride : 2 * stride + n, None].long() if (top_k > 0).any() else 0,
                            top_p=device[stride : stride + n, None] if (top_p < 1).any() else 1.0)
 
+    def index(self, values: list[int]) -> Tensor:
+        """`values` as a device index tensor through pinned memory (a plain torch.tensor(..., device=cuda) copies from
+        pageable memory, which waits for the device)."""
+        size = -(-max(len(values), 1) // ALIGN) * ALIGN
+        if self.indices_at + size > len(self.indices.array):
+            self.indices_at = 0
+        begin, self.indices_at = self.indices_at, self.indices_at + size
+        array = self.indices.open() if begin == 0 else self.indices.array  # a lap done: wait for its last copy
+        array[begin : begin + len(values)] = values
+        return self.indices.upload(begin, begin + len(values))[begin : begin + len(values)]
+
+    def _send_rows(self) -> None:
+        """Send the device the whole rows of the sequences seated since the last step."""
+        if not self.unsent:
+            return
+        seats, self.unsent = self.unsent, []
+        if self.device.type == "cpu":  # the device's tables are the host's
+            return
+        seat, rows = self._pack(self.rows, [seats, self.tables[seats]])
+        self.tables_device[seat] = rows.view(len(seats), self.max_blocks)
+
     @staticmethod
     def _pack(staging: Staging, parts: list) -> list[Tensor]:
-        """`parts` (lists or numpy arrays) laid end to end in `staging`, sent at once; their flat device views."""
-        bounds, offset = [], 0
+        """`parts` (lists or numpy arrays) laid end to end in `staging`, each at an aligned offset, sent at once;
+        their flat device views."""
+        array, bounds, offset = staging.open(), [], 0
         for part in parts:
             part = np.asarray(part).ravel()
-            staging.array[offset : offset + part.size] = part
+            array[offset : offset + part.size] = part
             bounds.append((offset, offset + part.size))
-            offset += part.size
-        device = staging.upload(offset)
+            offset = -(-(offset + part.size) // ALIGN) * ALIGN
+        device = staging.upload(0, bounds[-1][1])
         return [device[begin:end] for begin, end in bounds]

@@ -52,8 +52,8 @@ class ModelRunner:
         self.inputs = InputBuffers(max_num_seqs, max_blocks, max_batch_tokens, block_size, self.device)
         self.sampled = torch.zeros(max_num_seqs, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.sampled_ready = torch.cuda.Event() if self.device.type == "cuda" else None
-        if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda"
+        if cuda_graphs is None:  # gather + SDPA in a graph would gather every row's whole context
+            cuda_graphs = self.device.type == "cuda" and attention == "triton"
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self.graphs = None
@@ -77,7 +77,7 @@ class ModelRunner:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
-            source, destination = (torch.tensor(ids, device=self.device) for ids in zip(*copies))
+            source, destination = (self.inputs.index(list(ids)) for ids in zip(*copies))
             for pool in self.pools:
                 for tensor in pool.values():
                     tensor[destination] = tensor[source]
@@ -103,13 +103,35 @@ class ModelRunner:
         return self.model.language.head(hidden[0] if len(hidden) == 1 else torch.cat(hidden))
 
     @torch.inference_mode()
-    def sample(self, logits: Tensor, sequences: list[Sequence]) -> list[int]:
-        """A token for each of `sequences` from its row of `logits`, each with its request's settings, in one call:
-        the step's one device-to-host copy."""
+    def sample(self, logits: Tensor, sequences: list[Sequence], rows: list[int] | None = None) -> list[int]:
+        """A token for each of `sequences` from its row of `logits` (row rows[i], or i), each with its request's
+        settings, in one call: the step's one device-to-host copy."""
+        if rows is not None:
+            logits = logits[self.inputs.index(rows)]
         settings = self.inputs.sampling_settings(sequences)
         if settings is None:
             return self._to_host(logits.argmax(-1))
         return self._to_host(sample_rows(logits, settings, self._noise(logits, sequences)))
+
+    def _noise(self, logits: Tensor, sequences: list[Sequence]) -> Tensor:
+        """Exponential noise for the sampling race: one draw for the batch, and rows of seeded requests from their own
+        generator, [n, vocab] at a time for a request's n samples, as generate(num_samples=n) draws it, so that seeded
+        results agree."""
+        noise = torch.empty(logits.shape, device=logits.device).exponential_(1)
+        seeded: dict = {}
+        for row, sequence in enumerate(sequences):
+            if sequence.group.generator is not None:
+                seeded.setdefault(sequence.group, []).append((row, sequence.index))
+        if seeded:
+            draws, rows, picks, start = [], [], [], 0
+            for group, places in seeded.items():
+                draw = torch.empty(group.params.n, logits.shape[1], device=logits.device)
+                draws.append(draw.exponential_(1, generator=group.generator))
+                rows += [row for row, _ in places]
+                picks += [start + index for _, index in places]
+                start += group.params.n
+            noise[self.inputs.index(rows)] = torch.cat(draws)[self.inputs.index(picks)]
+        return noise
 
     def _to_host(self, tokens: Tensor) -> list[int]:
         """The sampled ids on the host: a non-blocking copy into pinned memory, then a wait for that copy's event (the

@@ -84,6 +84,7 @@ class Group:
     image_positions: np.ndarray  # the prompt positions of the image placeholders, ascending
     params: RequestParams
     stop_ids: frozenset[int]
+    max_length: int  # a sample ends at this many tokens: prompt + max_tokens (within the context: checked)
     arrival: int  # order of arrival: the newest running request is the one preempted
     sequences: list[Sequence] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING

@@ -4,13 +4,20 @@ and a tiny VLM of ours."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_model
 from torch import nn
 
 from models import LanguageConfig, VisionConfig, VisionLanguageModel, VLMConfig
+
+# Triton kernels on CPU tensors run in Triton's interpreter, which tests/conftest.py turns on where there is no GPU.
+TRITON_ON_CPU = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                   reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (on a GPU machine the "
+                                          "kernel is tested in tests/serving/test_gpu.py)")
 
 
 def save_tiny_llama(directory: Path, tie: bool, vocab_size: int = 128, seed: int = 0):

@@ -6,6 +6,7 @@ import torch
 
 from models.attention import gathered_paged_attention, paged_attention
 from models.kv_cache import Paged
+from tests.models.helpers import TRITON_ON_CPU
 
 
 def _float64_attention(q, key_pool, value_pool, tables, query_lens, context_lens):
@@ -23,7 +24,7 @@ def _float64_attention(q, key_pool, value_pool, tables, query_lens, context_lens
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("attention", ["gather", "triton"])
+@pytest.mark.parametrize("attention", ["gather", pytest.param("triton", marks=TRITON_ON_CPU)])
 @pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(6, 2, 16, 4), (9, 3, 24, 16), (4, 4, 8, 8)])
 @pytest.mark.parametrize("query_lens, context_lens", [
     ([1, 1, 1, 1], [1, 7, 70, 16]),  # decode steps: one query each, contexts across block and tile edges

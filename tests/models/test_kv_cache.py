@@ -6,6 +6,7 @@ import torch
 
 from models import LanguageConfig, LanguageModel, kv_cache_bytes
 from models.kv_cache import Paged, tensors
+from tests.models.helpers import TRITON_ON_CPU
 
 
 def test_formula_matches_allocated_tensors():
@@ -21,7 +22,7 @@ def test_smollm2_figure():
     assert kv_cache_bytes(LanguageConfig(), batch=1, tokens=8192) == 180 * 2**20
 
 
-@pytest.mark.parametrize("attention", ["gather", "triton"])
+@pytest.mark.parametrize("attention", ["gather", pytest.param("triton", marks=TRITON_ON_CPU)])
 def test_paged_layout_equals_one_uncached_pass_per_sequence(attention):
     """Sequences at different points of their own (chunks of 5, 3, then 1 token), packed into one row without
     padding, write to scattered pool blocks through their block tables and attend over them: each token's hidden

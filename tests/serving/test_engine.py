@@ -7,7 +7,7 @@ import torch
 from serving.engine import Engine, Request, RequestError
 from serving.sequence import RequestParams
 from tests.models.generation_helpers import IMAGE_ID, TOKENS_PER_IMAGE
-from tests.models.helpers import tiny_vlm
+from tests.models.helpers import TRITON_ON_CPU, tiny_vlm
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def _serve(engine: Engine, requests, arrivals) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("attention, num_blocks, block_size, budget", [
     ("gather", 200, 16, 512), ("gather", 14, 4, 16), ("gather", 40, 8, 10),
-    ("triton", 200, 16, 512), ("triton", 14, 4, 16), ("triton", 40, 8, 10),
+    *(pytest.param("triton", *sizes, marks=TRITON_ON_CPU) for sizes in [(200, 16, 512), (14, 4, 16), (40, 8, 10)]),
 ], ids=["gather-roomy", "gather-preempting", "gather-chunked", "triton-roomy", "triton-preempting", "triton-chunked"])
 def test_continuous_batching_gives_each_request_its_greedy_tokens(model, attention, num_blocks, block_size, budget):
     """On a CPU the Triton kernel runs in Triton's interpreter (tests/conftest.py)."""

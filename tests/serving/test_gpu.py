@@ -55,7 +55,7 @@ def test_graphed_engine_equals_generate_alone_in_float32(model):
                                                   ignore_eos=True)], ids=["greedy", "sampled"])
 def test_a_decode_step_does_not_sync_with_the_device(model, params):
     """Under CUDA's sync debug mode, decode steps raise on any synchronizing operation; the one wait for the sampled
-    ids is an explicit stream synchronize after a non-blocking copy, which the mode does not count."""
+    ids is on the event of their non-blocking copy into pinned memory, which the mode does not count."""
     engine = _engine(model, cuda_graphs=True)
     for request in _requests(24):
         engine.add_request(Request(request.prompt, None, params))
