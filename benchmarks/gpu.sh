@@ -49,9 +49,9 @@ speed)
     | tee "$out/train.log"
   ;;
 serving)
-  timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/serving/test_gpu.py 2>&1 \
+  timeout "${TESTS_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/serving/test_gpu.py 2>&1 \
     | tee "$out/gpu-tests.log"
-  timeout "${SERVING_TIMEOUT:-400}" python3 benchmarks/serving.py --device cuda --workloads 256 1024 nanovllm \
+  timeout "${SERVING_TIMEOUT:-450}" python3 benchmarks/serving.py --device cuda --workloads 256 1024 nanovllm \
     --max-num-seqs 256 --kv-blocks 40000 --max-batch-tokens 8192 --compile-static \
     --methods engine engine-eager static hf-one hf-cb --baseline-workloads 256 --hf-one-requests 16 --out "$out" 2>&1 \
     | tee "$out/serving.log"

@@ -232,6 +232,18 @@ def table(rows: list[dict], title: str) -> list[str]:
     return lines
 
 
+def write(results: dict[str, list[dict]], args, device, title: str) -> None:
+    lines = [f"**{title}**"]
+    for name, rows in results.items():
+        if rows:
+            lines += ["", *table(rows, describe(name, args))]
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"serving-{device.type}"
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(dict(title=title, args=vars(args) | {"out": str(args.out)},
+                                                         results=results), indent=2))
+    plot(results, stem.with_suffix(".png"), title)
+
 def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
     import matplotlib
 
@@ -281,9 +293,10 @@ def main() -> None:
     title = (f"SmolLM2-135M shape, random weights, {args.dtype}, greedy, EOS ignored; engine: max_num_seqs "
              f"{args.max_num_seqs}, max_batch_tokens {args.max_batch_tokens}, {args.kv_blocks} blocks of "
              f"{args.block_size}; {hardware}; torch {torch.__version__}")
-    results, lines = {}, [f"**{title}**"]
+    results: dict[str, list[dict]] = {}
     for name in args.workloads:
         requests, rows, baseline = workload(name, args), [], None
+        results[name] = rows
         for method in args.methods:  # each method runs under its own no-grad / inference mode
             if method in SLOW and args.baseline_workloads is not None and name not in args.baseline_workloads:
                 continue
@@ -294,15 +307,8 @@ def main() -> None:
             rows.append(summarize(method, result, requests, None if method == "engine" else baseline))
             print(f"{name} {method}: {rows[-1]['wall_s']:.1f} s, {rows[-1]['output_tokens_per_s']:,.1f} tok/s",
                   flush=True)
-        results[name] = rows
-        lines += ["", *table(rows, describe(name, args))]
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"serving-{device.type}"
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    stem.with_suffix(".json").write_text(json.dumps(dict(title=title, args=vars(args) | {"out": str(args.out)},
-                                                         results=results), indent=2))
-    plot(results, stem.with_suffix(".png"), title)
-    print("\n".join(lines))
+            write(results, args, device, title)  # after every method: a run cut short keeps what it measured
+    print((args.out / f"serving-{device.type}.md").read_text())
 
 
 if __name__ == "__main__":
