@@ -66,10 +66,11 @@ def _serve(engine: Engine, requests, arrivals) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("attention, num_blocks, block_size, budget", [
     ("gather", 200, 16, 512), ("gather", 14, 4, 16), ("gather", 40, 8, 10),
-    *(pytest.param("triton", *sizes, marks=TRITON_ON_CPU) for sizes in [(200, 16, 512), (14, 4, 16), (40, 8, 10)]),
-], ids=["gather-roomy", "gather-preempting", "gather-chunked", "triton-roomy", "triton-preempting", "triton-chunked"])
+    *(pytest.param("triton", *sizes, marks=TRITON_ON_CPU) for sizes in [(14, 4, 16), (40, 8, 10)]),
+], ids=["gather-roomy", "gather-preempting", "gather-chunked", "triton-preempting", "triton-chunked"])
 def test_continuous_batching_gives_each_request_its_greedy_tokens(model, attention, num_blocks, block_size, budget):
-    """On a CPU the Triton kernel runs in Triton's interpreter (tests/conftest.py)."""
+    """On a CPU the Triton kernel runs in Triton's interpreter (tests/conftest.py): ~14 s a case, so it runs the two
+    that exercise preemption and chunked prefill over cached context."""
     requests = _requests()
     engine = Engine(model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=8, max_batch_tokens=budget,
                     attention=attention)
