@@ -36,10 +36,18 @@ class AsyncEngine:
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.thread.start()
 
-    def submit(self, request: Request) -> tuple[Group, asyncio.Queue]:
-        """Check and queue a request; returns it (id, prompt, settings) and the queue its Outputs arrive on. Raises
-        RequestError (a bad request) or QueueFull."""
-        group = self.engine.prepare(request)
+    def prepare(self, request: Request) -> Group:
+        """Check and encode a request (any thread: no engine state changes); raises RequestError."""
+        return self.engine.prepare(request)
+
+    @property
+    def full(self) -> bool:
+        with self.lock:
+            return len(self.streams) >= self.max_in_flight
+
+    def submit(self, group: Group) -> asyncio.Queue:
+        """Queue a prepared request (from the event loop); returns the queue its Outputs arrive on. Raises
+        QueueFull."""
         stream: asyncio.Queue = asyncio.Queue()
         with self.lock:
             if len(self.streams) >= self.max_in_flight:
@@ -47,7 +55,7 @@ class AsyncEngine:
             self.streams[group.request_id] = (asyncio.get_running_loop(), stream)
         self.inbox.put(("add", group))
         self.wake.set()
-        return group, stream
+        return stream
 
     def abort(self, request_id: str) -> None:
         """Stop a request (its client went away) and free its blocks; safe to call for finished ones."""

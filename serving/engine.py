@@ -112,15 +112,15 @@ class Engine:
         prompt, images = self._encode(request)
         params, config = request.params, self.model.config
         context = config.language.max_position_embeddings
+        if params.max_tokens is None:  # as many as fit the context after the prompt, and the KV cache
+            params = dataclasses.replace(params, max_tokens=self._room(len(prompt), params.n, context))
         if len(prompt) + params.max_tokens > context:
             raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
                                f"of {context} tokens")
-        blocks = self.blocks
-        prompt_blocks = blocks.blocks_for(len(prompt))
-        worst = prompt_blocks + params.n * (blocks.blocks_for(len(prompt) + params.max_tokens) - prompt_blocks + 1)
-        if worst > blocks.num_usable:
-            raise RequestError(f"the request needs up to {worst} KV-cache blocks, more than the {blocks.num_usable} "
-                               f"there are")
+        worst = self._blocks_needed(len(prompt), params.max_tokens, params.n)
+        if worst > self.blocks.num_usable:
+            raise RequestError(f"the request needs up to {worst} KV-cache blocks, more than the "
+                               f"{self.blocks.num_usable} there are")
         if params.n > self.scheduler.max_num_seqs:
             raise RequestError(f"n ({params.n}) exceeds max_num_seqs ({self.scheduler.max_num_seqs})")
         stop = set() if params.ignore_eos else {*config.stop_ids, *params.stop_token_ids}
@@ -132,6 +132,19 @@ class Engine:
                       len(prompt) + params.max_tokens, next(self._arrivals), generator=generator)
         group.sequences = [Sequence(group, 0, list(prompt), token_keys(prompt, images, config.image_token_id))]
         return group
+
+    def _blocks_needed(self, prompt: int, max_tokens: int, n: int) -> int:
+        """KV blocks a request may hold at worst: its prompt's, then each sample's own (one more for copy-on-write)."""
+        blocks = self.blocks
+        return blocks.blocks_for(prompt) + n * (blocks.blocks_for(prompt + max_tokens) - blocks.blocks_for(prompt) + 1)
+
+    def _room(self, prompt: int, n: int, context: int) -> int:
+        """The most new tokens a request of `prompt` tokens and n samples can be given (at least 1: a prompt that
+        leaves no room is refused by the checks that follow)."""
+        room = context - prompt
+        while room > 1 and self._blocks_needed(prompt, room, n) > self.blocks.num_usable:
+            room -= self.blocks.block_size
+        return max(room, 1)
 
     def _encode(self, request: Request) -> tuple[list[int], Tensor | None]:
         images = request.images

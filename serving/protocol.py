@@ -1,20 +1,31 @@
-"""The OpenAI chat-completions request (the fields tinyvlm serves), checked, and turned into an engine Request."""
+"""The OpenAI chat-completions request (the fields tinyvlm serves), checked, and turned into an engine Request.
+
+Every field is either honoured or refused: OpenAI fields this server cannot honour are accepted only at the value that
+changes nothing (`logprobs: false`, `tools: []`, `frequency_penalty: 0`, ...) and are otherwise a 400 naming the field,
+as is any field the API does not have; `user` and `metadata` label a request and change nothing.
+"""
 
 from __future__ import annotations
 
-import base64
-import binascii
-import io
-from pathlib import Path
+import dataclasses
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from data import load_image
+from data import CAPTION_PROMPT
 from serving.engine import Request, RequestError
+from serving.media import MediaPolicy, open_image
 from serving.sequence import RequestParams
 
 MAX_N = 16
+LABELS = {"user", "metadata"}  # they name a request and change nothing
+NEUTRAL = {  # fields the server cannot honour, with the values that ask for nothing it lacks
+    "logprobs": (None, False), "top_logprobs": (None, 0), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
+    "logit_bias": (None, {}), "response_format": (None, {"type": "text"}), "tools": (None, []),
+    "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "modalities": (None, ["text"]), "store": (None, False),
+    "service_tier": (None, "auto", "default"),
+}
 
 
 class ImageURL(BaseModel):
@@ -37,9 +48,10 @@ class StreamOptions(BaseModel):
 
 
 class ChatRequest(BaseModel):
-    """Fields the OpenAI API has and tinyvlm does not use are accepted and ignored; the ones it uses are checked."""
+    """The fields tinyvlm honours are typed and checked here; any other field lands in `model_extra`, which
+    `refused_field` judges."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: StrictStr | None = None
     messages: list[Message] = Field(min_length=1)
@@ -47,9 +59,11 @@ class ChatRequest(BaseModel):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: StrictFloat | StrictInt = Field(default=1.0, ge=0, le=2)
     top_p: StrictFloat | StrictInt = Field(default=1.0, gt=0, le=1)
+    top_k: StrictInt = Field(default=0, ge=-1)  # vLLM's extension; 0 or -1 keep every token
     n: StrictInt = Field(default=1, ge=1, le=MAX_N)
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
+    ignore_eos: StrictBool = False  # vLLM's extension
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
 
@@ -57,9 +71,33 @@ class ChatRequest(BaseModel):
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def refused_field(self) -> str | None:
+        """Why a field of the request cannot be honoured, or None."""
+        for name, value in (self.model_extra or {}).items():
+            if name in LABELS:
+                continue
+            if name not in NEUTRAL:
+                return f"{name}: not a field of the chat completions API that this server knows"
+            if value not in NEUTRAL[name]:
+                return f"{name}: {value!r} is not supported by this server"
+        return None
 
-def to_engine_request(chat: ChatRequest, default_max_tokens: int, max_images: int, request_id: str) -> Request:
-    """The single user turn's text and images (in order), with the sampling settings; RequestError otherwise."""
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask of the server; beyond, a 4xx before the work that would cost it."""
+
+    max_body_bytes: int = 32 * 2**20  # checked before the body is read
+    max_prompt_chars: int = 100_000  # checked before tokenizing
+    max_images: int = 4
+
+
+def to_engine_request(chat: ChatRequest, default_max_tokens: int | None, limits: RequestLimits, media: MediaPolicy,
+                      request_id: str) -> Request:
+    """The single user turn's text and images (in order), with the sampling settings; RequestError otherwise. An
+    image with no text asks for a caption (generate.py's caption prompt)."""
+    if refused := chat.refused_field():
+        raise RequestError(refused)
     if len(chat.messages) != 1 or chat.messages[0].role != "user":
         raise RequestError("only a single user message is supported (no system, assistant or multi-turn messages)")
     content = chat.messages[0].content
@@ -72,30 +110,17 @@ def to_engine_request(chat: ChatRequest, default_max_tokens: int, max_images: in
             raise RequestError("an image_url content part needs an image_url object")
         else:
             images.append(part.image_url.url)
-    if len(images) > max_images:
-        raise RequestError(f"{len(images)} images in one message; at most {max_images} are accepted")
     text = "\n".join(texts)
+    if len(text) > limits.max_prompt_chars:
+        raise RequestError(f"the prompt has {len(text)} characters; at most {limits.max_prompt_chars} are accepted")
+    if len(images) > limits.max_images:
+        raise RequestError(f"{len(images)} images in one message; at most {limits.max_images} are accepted")
     if not text.strip():
-        raise RequestError("the message has no text")
+        if not images:
+            raise RequestError("the message has no text and no image")
+        text = CAPTION_PROMPT
     params = RequestParams(greedy=chat.temperature == 0, temperature=float(chat.temperature) or 1.0,
-                           top_p=float(chat.top_p), n=chat.n, seed=chat.seed,
+                           top_p=float(chat.top_p), top_k=max(chat.top_k, 0), n=chat.n, seed=chat.seed,
+                           ignore_eos=chat.ignore_eos,
                            max_tokens=chat.max_completion_tokens or chat.max_tokens or default_max_tokens)
-    return Request(text, [open_image(url, i) for i, url in enumerate(images)] or None, params, request_id)
-
-
-def open_image(url: str, index: int):
-    """A base64 data URL or a local file (path or file:// URL); remote URLs are refused (the server is offline)."""
-    if url.startswith(("http://", "https://")):
-        raise RequestError(f"image {index}: remote image URLs are not fetched; send the image as a base64 data URL")
-    if url.startswith("data:"):
-        header, _, payload = url.partition(",")
-        if not header.endswith(";base64"):
-            raise RequestError(f"image {index}: a data URL must be base64-encoded (data:image/png;base64,...)")
-        try:
-            data = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError):
-            raise RequestError(f"image {index}: invalid base64 data") from None
-        source = io.BytesIO(data)
-        source.name = f"image {index}"
-        return load_image(source)
-    return load_image(Path(url.removeprefix("file://")))
+    return Request(text, [open_image(url, i, media) for i, url in enumerate(images)] or None, params, request_id)

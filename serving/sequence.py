@@ -17,12 +17,13 @@ from serving.block_manager import TokenKey
 
 @dataclasses.dataclass
 class RequestParams(SamplingParams):
-    """Per-request settings (as vLLM's SamplingParams): sampling, `n` samples sharing one prefill, `max_tokens`,
-    a `seed` for reproducible sampling, extra `stop_token_ids` (the model's own stop tokens always apply, unless
-    `ignore_eos`, which benchmarks use to fix output lengths)."""
+    """Per-request settings (as vLLM's SamplingParams): sampling, `n` samples sharing one prefill, `max_tokens` (None:
+    as many as fit the context after the prompt, and the KV cache), a `seed` for reproducible sampling, extra
+    `stop_token_ids` (the model's own stop tokens always apply, unless `ignore_eos`, which benchmarks use to fix output
+    lengths)."""
 
     n: int = 1
-    max_tokens: int = 64
+    max_tokens: int | None = 64
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -30,7 +31,7 @@ class RequestParams(SamplingParams):
     def __post_init__(self) -> None:
         super().__post_init__()
         check(self.n >= 1, f"n must be >= 1, got {self.n}")
-        check(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+        check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
 
 
 class Status(enum.Enum):

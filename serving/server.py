@@ -8,10 +8,16 @@
         {"type": "text", "text": "What color is the circle?"},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}]}])
 
-Endpoints: POST /v1/chat/completions (streaming as server-sent events, `n`, `max_tokens`, `temperature`, `top_p`,
-`seed`, `stop`, `stream_options.include_usage`), GET /v1/models, /health and /metrics (running and waiting requests,
-KV blocks used, prefix-cache hit rate). A client that disconnects aborts its request; bad requests get a 4xx JSON
-error, and a full server answers 429.
+Endpoints: POST /v1/chat/completions (streaming as server-sent events, `n`, `max_tokens` (default: the rest of the
+context), `temperature`, `top_p`, `top_k`, `seed`, `stop`, `ignore_eos`, `stream_options.include_usage`), GET
+/v1/models, /health and /metrics (running and waiting requests, KV blocks used, prefix-cache hit rate). A client that
+disconnects aborts its request; bad requests get a 4xx JSON error in OpenAI's shape, and a full server answers 429.
+
+Safe to expose: with --api-key (or TINYVLM_API_KEY) every /v1 route wants `Authorization: Bearer KEY` (401 without);
+images come as data URLs, as http(s) URLs fetched with limits from public addresses only (--allow-private-image-urls
+lifts that), or as local files under --allowed-local-media-path only (none by default); the body's size is checked
+before it is read and the prompt's length before it is tokenized; a request is parsed, its images fetched and decoded
+and its prompt tokenized off the event loop, so /health and the other streams keep answering.
 """
 
 from __future__ import annotations
@@ -20,15 +26,18 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
+import secrets
 import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
 from data.chat_processors import load_for_inference
 from data.detokenizer import IncrementalDetokenizer
@@ -36,11 +45,21 @@ from models.checkpoints import pick_device
 from models.errors import TinyVLMError
 from serving.async_engine import AsyncEngine, EngineFailure, QueueFull
 from serving.engine import Engine, Output, engine_size
-from serving.protocol import ChatRequest, to_engine_request
+from serving.media import MediaPolicy
+from serving.protocol import ChatRequest, RequestLimits, to_engine_request
+from serving.sequence import Group
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status)
+def error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
+
+
+class Refused(Exception):
+    """A request answered with a 4xx before any work: the status, the message and the error code."""
+
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
 
 
 class Completion:
@@ -84,10 +103,21 @@ class Completion:
         return all(self.finish_reasons)
 
 
-def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_tokens: int = 256,
-               max_images: int = 4) -> FastAPI:
+def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_tokens: int | None = None,
+               limits: RequestLimits = RequestLimits(), media: MediaPolicy = MediaPolicy(),
+               api_key: str | None = None) -> FastAPI:
+    """The server's routes. default_max_tokens: for requests that set none (None: the rest of the context)."""
     app = FastAPI(title="tinyvlm")
-    app.add_exception_handler(RequestValidationError, invalid_request)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Refused, refused)
+
+    async def authorize(http: Request) -> None:
+        scheme, _, token = (http.headers.get("authorization") or "").partition(" ")
+        if api_key and not (scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), api_key.encode())):
+            raise Refused(401, "invalid or missing API key (send the header Authorization: Bearer KEY)",
+                          "invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
 
     @app.get("/health")
     async def health() -> dict:
@@ -97,39 +127,79 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
     async def metrics() -> dict:
         return engine.stats()
 
-    @app.get("/v1/models")
+    @v1.get("/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "tinyvlm"}]}
 
-    @app.post("/v1/chat/completions")
-    async def chat(chat_request: ChatRequest, http: Request):
+    def prepare(body: bytes, request_id: str) -> tuple[ChatRequest, Group]:
+        """Parse and check the request, fetch and decode its images, tokenize its prompt (in a worker thread)."""
+        try:
+            chat_request = ChatRequest.model_validate_json(body)
+        except ValidationError as e:
+            raise Refused(400, invalid(e)) from None
+        if chat_request.model is not None and chat_request.model != model_name:
+            raise Refused(404, f"the model `{chat_request.model}` does not exist (this server serves "
+                               f"`{model_name}`)", "model_not_found")
+        request = to_engine_request(chat_request, default_max_tokens, limits, media, request_id)
+        return chat_request, engine.prepare(request)
+
+    @v1.post("/chat/completions")
+    async def chat(http: Request):
+        if engine.full:
+            raise Refused(429, "too many requests in flight; try again later", "rate_limit_exceeded")
+        body = await read_body(http, limits.max_body_bytes)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            request = await asyncio.to_thread(to_engine_request, chat_request, default_max_tokens, max_images,
-                                              request_id)
-            group, stream = engine.submit(request)
+            chat_request, group = await asyncio.to_thread(prepare, body, request_id)
+            stream = engine.submit(group)
         except QueueFull as e:
-            return error(429, str(e), "rate_limit_error")
+            raise Refused(429, str(e), "rate_limit_exceeded") from None
         except TinyVLMError as e:
-            return error(400, str(e))
+            raise Refused(400, str(e)) from None
         reply = Reply(engine, stream, Completion(tokenizer, chat_request.n, chat_request.stop_strings), request_id,
-                      {"id": request_id, "created": int(time.time()), "model": chat_request.model or model_name},
-                      group.num_prompt)
+                      {"id": request_id, "created": int(time.time()), "model": model_name}, group.num_prompt)
         if chat_request.stream:
             include_usage = bool(chat_request.stream_options and chat_request.stream_options.include_usage)
             return StreamingResponse(reply.events(include_usage), media_type="text/event-stream")
         return await reply.whole(http)
 
+    app.include_router(v1)
     return app
 
 
-async def invalid_request(_, exc: RequestValidationError) -> JSONResponse:
-    """A request the protocol's models refuse: a 400 naming the field, as OpenAI's API answers."""
+async def read_body(http: Request, limit: int) -> bytes:
+    """The request's body, refused (413) as soon as it is known to exceed `limit` bytes: by its Content-Length
+    before anything is read, or while it streams in."""
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise Refused(413, f"the request body ({declared} bytes) exceeds the limit of {limit} bytes")
+    body = bytearray()
+    async for chunk in http.stream():
+        body += chunk
+        if len(body) > limit:
+            raise Refused(413, f"the request body exceeds the limit of {limit} bytes")
+    return bytes(body)
+
+
+def invalid(exc: ValidationError) -> str:
+    """A request the protocol's models refuse, in one line naming the field, as OpenAI's API answers."""
     problem = exc.errors()[0] if exc.errors() else {}
     if problem.get("type") == "json_invalid":
-        return error(400, "the request body is not valid JSON")
-    where = ".".join(str(p) for p in problem.get("loc", ()) if p != "body")
-    return error(400, f"{where + ': ' if where else ''}{problem.get('msg', 'invalid request')}")
+        return "the request body is not valid JSON"
+    where = ".".join(str(p) for p in problem.get("loc", ()))
+    return f"{where + ': ' if where else ''}{problem.get('msg', 'invalid request')}"
+
+
+async def refused(_, exc: Refused) -> JSONResponse:
+    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(exc.status,
+                                                                                              "invalid_request_error")
+    return error(exc.status, str(exc), kind, exc.code)
+
+
+async def http_error(http: Request, exc: HTTPException) -> JSONResponse:
+    """Unknown routes and methods in OpenAI's error shape (a client's own error handling reads it)."""
+    return error(exc.status_code, f"{exc.detail}: {http.method} {http.url.path}",
+                 "not_found_error" if exc.status_code == 404 else "invalid_request_error")
 
 
 @dataclasses.dataclass
@@ -214,6 +284,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="paged attention: gather + SDPA, or the Triton kernel over the pool in place "
                              "(auto: Triton on a GPU)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the decode step (as vLLM's)")
+    parser.add_argument("--api-key", default=os.environ.get("TINYVLM_API_KEY"),
+                        help="require `Authorization: Bearer KEY` on every /v1 route (default: $TINYVLM_API_KEY)")
+    parser.add_argument("--allowed-local-media-path", type=Path,
+                        help="serve local image files named by a request, but only under this directory (default: "
+                             "none)")
+    parser.add_argument("--allow-private-image-urls", action="store_true",
+                        help="fetch image URLs from loopback, private and link-local addresses too")
+    parser.add_argument("--max-request-mib", type=float, default=32, help="request body limit (MiB)")
+    parser.add_argument("--max-image-mib", type=float, default=20, help="an image's encoded size limit (MiB)")
+    parser.add_argument("--max-prompt-chars", type=int, default=100_000, help="prompt length limit (characters)")
+    parser.add_argument("--max-images", type=int, default=4, help="images per request")
     args = parser.parse_args(argv)
     try:
         import uvicorn
@@ -225,11 +306,17 @@ def main(argv: list[str] | None = None) -> int:
     except TinyVLMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.allowed_local_media_path and not args.allowed_local_media_path.is_dir():
+        print(f"error: --allowed-local-media-path {args.allowed_local_media_path}: no such directory", file=sys.stderr)
+        return 2
     engine = Engine(model, processor, **engine_size(model, args.kv_cache_mib, max_num_seqs=args.max_num_seqs),
                     attention=args.attention, cuda_graphs=False if args.enforce_eager else None)
     name = args.model_name or (Path(args.checkpoint).name if args.checkpoint else "tinyvlm")
     async_engine = AsyncEngine(engine, args.max_in_flight, log=lambda line: print(line, file=sys.stderr, flush=True))
-    uvicorn.run(create_app(async_engine, processor.tokenizer, name), host=args.host, port=args.port)
+    limits = RequestLimits(int(args.max_request_mib * 2**20), args.max_prompt_chars, args.max_images)
+    media = MediaPolicy(args.allowed_local_media_path, args.allow_private_image_urls, int(args.max_image_mib * 2**20))
+    app = create_app(async_engine, processor.tokenizer, name, limits=limits, media=media, api_key=args.api_key)
+    uvicorn.run(app, host=args.host, port=args.port)
     async_engine.shutdown()
     return 0
 

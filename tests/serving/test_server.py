@@ -163,9 +163,12 @@ BAD = [
     ("max_tokens zero", {"messages": _message("hi"), "max_tokens": 0}, "max_tokens"),
     ("past the context", {"messages": _message("hi"), "max_tokens": 600}, "exceeds the context"),
     ("prompt too long", {"messages": _message("sky " * 600)}, "exceeds the context"),
-    ("remote image", {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]},
-     "remote image URLs"),
+    ("image URL on a loopback address", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/a.png"}}]}]},
+     "loopback, private or link-local"),
+    ("local image path", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "/etc/hostname"}}]}]},
+     "--allowed-local-media-path"),
     ("undecodable image", {"messages": _message("hi", b"not an image at all")}, "not an image"),
     ("too many images", {"messages": _message("hi", *[_png()] * 5)}, "at most 4"),
     ("no messages", {"messages": []}, "messages"),
