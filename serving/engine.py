@@ -92,6 +92,7 @@ class Engine:
                                   cuda_graphs)
         self.groups: dict[str, Group] = {}
         self._arrivals = itertools.count()
+        self.prompt_tokens = self.generation_tokens = 0  # of the requests accepted, and the tokens sampled
 
     # -- requests ------------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> str:
@@ -103,6 +104,7 @@ class Engine:
             raise RequestError(f"request id {group.request_id!r} is already in use")
         self.groups[group.request_id] = group
         self.scheduler.add(group)
+        self.prompt_tokens += group.num_prompt
         return group.request_id
 
     def prepare(self, request: Request) -> Group:
@@ -203,6 +205,7 @@ class Engine:
                     rows += [row] * len(samples)
         if not to_sample:
             return []
+        self.generation_tokens += len(to_sample)
         return self._update(to_sample, self.runner.sample(logits, to_sample, rows))
 
     def _register(self, sequence: Sequence) -> None:
@@ -269,9 +272,12 @@ class Engine:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True).strip()
 
     def stats(self) -> dict[str, float]:
-        """Running and waiting requests, KV blocks in use, prefix-cache hit rate, preemptions so far."""
+        """Running and waiting requests, KV blocks in use, prefix-cache lookups and hits (full prompt blocks) and hit
+        rate, and so far: preemptions, prompt tokens accepted, tokens generated."""
         blocks = self.blocks
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "kv_blocks_used": blocks.num_usable - blocks.num_free, "kv_blocks_total": blocks.num_usable,
+                "prefix_cache_lookups": blocks.lookups, "prefix_cache_hits": blocks.hits,
                 "prefix_hit_rate": blocks.hits / blocks.lookups if blocks.lookups else 0.0,
-                "preemptions": self.scheduler.num_preemptions}
+                "preemptions": self.scheduler.num_preemptions, "prompt_tokens": self.prompt_tokens,
+                "generation_tokens": self.generation_tokens}

@@ -10,8 +10,9 @@
 
 Endpoints: POST /v1/chat/completions (streaming as server-sent events, `n`, `max_tokens` (default: the rest of the
 context), `temperature`, `top_p`, `top_k`, `seed`, `stop`, `ignore_eos`, `stream_options.include_usage`), GET
-/v1/models, /health and /metrics (running and waiting requests, KV blocks used, prefix-cache hit rate). A client that
-disconnects aborts its request; bad requests get a 4xx JSON error in OpenAI's shape, and a full server answers 429.
+/v1/models, /health and /metrics (Prometheus' text format: running and waiting requests, KV-cache blocks, prefix-cache
+hits, preemptions, tokens in and out, time to first token and between tokens, end to end). A client that disconnects
+aborts its request; bad requests get a 4xx JSON error in OpenAI's shape, and a full server answers 429.
 
 Safe to expose: with --api-key (or TINYVLM_API_KEY) every /v1 route wants `Authorization: Bearer KEY` (401 without);
 images come as data URLs, as http(s) URLs fetched with limits from public addresses only (--allow-private-image-urls
@@ -35,7 +36,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
@@ -46,6 +48,7 @@ from models.errors import TinyVLMError
 from serving.async_engine import AsyncEngine, EngineFailure, QueueFull
 from serving.engine import Engine, Output, engine_size
 from serving.media import MediaPolicy
+from serving.metrics import ServerMetrics
 from serving.protocol import ChatRequest, RequestLimits, to_engine_request
 from serving.sequence import Group
 
@@ -108,6 +111,7 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
                api_key: str | None = None) -> FastAPI:
     """The server's routes. default_max_tokens: for requests that set none (None: the rest of the context)."""
     app = FastAPI(title="tinyvlm")
+    server_metrics = ServerMetrics(engine.stats, model_name)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Refused, refused)
 
@@ -124,8 +128,8 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics() -> dict:
-        return engine.stats()
+    async def metrics() -> Response:
+        return Response(server_metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @v1.get("/models")
     async def models() -> dict:
@@ -145,6 +149,7 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
 
     @v1.post("/chat/completions")
     async def chat(http: Request):
+        arrival = time.monotonic()
         if engine.full:
             raise Refused(429, "too many requests in flight; try again later", "rate_limit_exceeded")
         body = await read_body(http, limits.max_body_bytes)
@@ -157,7 +162,8 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
         except TinyVLMError as e:
             raise Refused(400, str(e)) from None
         reply = Reply(engine, stream, Completion(tokenizer, chat_request.n, chat_request.stop_strings), request_id,
-                      {"id": request_id, "created": int(time.time()), "model": model_name}, group.num_prompt)
+                      {"id": request_id, "created": int(time.time()), "model": model_name}, group.num_prompt,
+                      server_metrics, arrival)
         if chat_request.stream:
             include_usage = bool(chat_request.stream_options and chat_request.stream_options.include_usage)
             return StreamingResponse(reply.events(include_usage), media_type="text/event-stream")
@@ -212,6 +218,8 @@ class Reply:
     request_id: str
     head: dict  # id, created, model: in every response body
     prompt_tokens: int
+    metrics: ServerMetrics
+    arrival: float  # time.monotonic() when the request came in
 
     async def whole(self, http: Request) -> dict | JSONResponse:
         async for item in self.outputs(http):
@@ -248,7 +256,7 @@ class Reply:
     async def outputs(self, http: Request | None):
         """Each step's (deltas, newly final reasons) until every sample is done; a request whose client goes away
         (`http` polled while nothing arrives) or whose samples all hit stop strings is aborted, freeing its blocks."""
-        completion, finished = self.completion, False
+        completion, finished, last = self.completion, False, None
         try:
             while not completion.done:
                 try:
@@ -261,10 +269,16 @@ class Reply:
                     finished = True
                     yield item
                     return
+                now = time.monotonic()
+                latency = self.metrics.time_to_first_token if last is None else self.metrics.inter_token_latency
+                latency.observe(now - (self.arrival if last is None else last))
+                last = now
                 before = list(completion.finish_reasons)
                 deltas = completion.update(item)
                 finished = item.finished
                 yield deltas, [r if r != b else None for r, b in zip(completion.finish_reasons, before)]
+            self.metrics.e2e_request_latency.observe(time.monotonic() - self.arrival)
+            self.metrics.request_success.labels(self.metrics.model_name, completion.finish_reasons[0]).inc()
         finally:
             if not finished:  # the client went away, or stop strings ended every sample
                 self.engine.abort(self.request_id)

@@ -141,12 +141,41 @@ def test_a_stop_string_ends_the_answer_before_it(served):
     _idle(engine)
 
 
-def test_models_health_and_metrics(served):
-    server, client, *_ = served
+def _metrics(server) -> dict[str, float]:
+    """/metrics parsed by prometheus-client's own text parser: {name{labels}: value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{server.url}/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    return {sample.name + str(sorted(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(response.text) for sample in family.samples}
+
+
+def test_models_health_and_prometheus_metrics_that_move_with_the_requests(served):
+    server, client, model, tokenizer, engine = served
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
-    metrics = httpx.get(f"{server.url}/metrics").json()
-    assert {"running", "waiting", "kv_blocks_used", "prefix_hit_rate"} <= set(metrics)
+    model_label = "[('model_name', 'tiny')]"
+    before = _metrics(server)
+    assert before["tinyvlm:num_requests_running" + model_label] == 0
+    assert before["tinyvlm:kv_cache_blocks_total" + model_label] == engine.blocks.num_usable
+    replies = [client.chat.completions.create(model="tiny", messages=_message("the sky", _png()), max_tokens=5,
+                                              temperature=0) for _ in range(2)]
+    _idle(engine)
+    after = _metrics(server)
+
+    def moved(name: str, labels: str = model_label) -> float:
+        return after[name + labels] - before.get(name + labels, 0)
+
+    assert moved("tinyvlm:generation_tokens_total") == sum(r.usage.completion_tokens for r in replies)
+    assert moved("tinyvlm:prompt_tokens_total") == sum(r.usage.prompt_tokens for r in replies)
+    assert moved("tinyvlm:time_to_first_token_seconds_count") == 2
+    assert moved("tinyvlm:e2e_request_latency_seconds_count") == 2
+    assert moved("tinyvlm:inter_token_latency_seconds_count") == sum(r.usage.completion_tokens - 1 for r in replies)
+    reasons = {r.choices[0].finish_reason for r in replies}
+    assert sum(moved("tinyvlm:request_success_total", f"[('finished_reason', '{reason}'), ('model_name', 'tiny')]")
+               for reason in reasons) == 2
+    assert moved("tinyvlm:prefix_cache_hits_total") > 0  # the second request reused the first one's blocks
 
 
 def _bomb() -> bytes:
