@@ -27,7 +27,7 @@ from models.errors import TinyVLMError
 from serving.block_manager import BlockManager
 from serving.runner import ModelRunner
 from serving.scheduler import Scheduler
-from serving.sequence import Group, RequestParams, Sequence, token_keys
+from serving.sequence import Group, RequestParams, Sequence, TokenLogprobs, token_keys
 
 
 class RequestError(TinyVLMError, ValueError):
@@ -47,13 +47,15 @@ class Request:
 
 @dataclasses.dataclass
 class Output:
-    """What a step produced for one request: each sample's new tokens, and, once finished, each sample's reason
-    ("stop": a stop token, included in its tokens; "length": max_tokens or the context)."""
+    """What a step produced for one request: each sample's new tokens (and their log-probabilities, if asked for),
+    and, once finished, each sample's reason ("stop": a stop token, included in its tokens; "length": max_tokens or
+    the context)."""
 
     request_id: str
     new_tokens: list[list[int]]
     finished: bool = False
     finish_reasons: list[str | None] = dataclasses.field(default_factory=list)
+    logprobs: list[list[TokenLogprobs]] | None = None
 
 
 @dataclasses.dataclass
@@ -63,6 +65,7 @@ class Result:
     texts: list[str]
     finish_reasons: list[str]
     prompt_tokens: int
+    logprobs: list[list[TokenLogprobs]] | None = None  # per sample, per token (RequestParams.logprobs)
 
 
 def engine_size(model: VisionLanguageModel, kv_cache_mib: int, block_size: int = 16,
@@ -206,7 +209,7 @@ class Engine:
         if not to_sample:
             return []
         self.generation_tokens += len(to_sample)
-        return self._update(to_sample, self.runner.sample(logits, to_sample, rows))
+        return self._update(to_sample, *self.runner.sample(logits, to_sample, rows))
 
     def _register(self, sequence: Sequence) -> None:
         """Register the sequence's newly filled blocks for prefix reuse (a decode fills at most one)."""
@@ -219,17 +222,22 @@ class Engine:
         self.runner.admit(self.scheduler.fork(group))
         return group.sequences
 
-    def _update(self, sampled: list[Sequence], tokens: list[int]) -> list[Output]:
+    def _update(self, sampled: list[Sequence], tokens: list[int],
+                logprobs: list[TokenLogprobs | None] | None) -> list[Output]:
         """Append each sampled token, end the samples that stop, and report each request's new tokens."""
         outputs: dict[Group, Output] = {}
         ended: set[Group] = set()  # requests a sample of which ended this step
-        for sequence, token in zip(sampled, tokens):
+        for i, (sequence, token) in enumerate(zip(sampled, tokens)):
             group = sequence.group
             output = outputs.get(group)
             if output is None:
                 output = outputs[group] = Output(group.request_id, [[] for _ in range(group.params.n)])
+                if group.params.logprobs is not None:
+                    output.logprobs = [[] for _ in range(group.params.n)]
             sequence.append(token)
             output.new_tokens[sequence.index].append(token)
+            if output.logprobs is not None:
+                output.logprobs[sequence.index].append(logprobs[i])
             if token in group.stop_ids:
                 sequence.finish_reason = "stop"
             elif len(sequence.tokens) >= group.max_length:
@@ -256,17 +264,22 @@ class Engine:
             order.append(request_id)
             prompts[request_id] = self.groups[request_id]
         tokens = {request_id: [[] for _ in range(prompts[request_id].params.n)] for request_id in order}
+        logprobs = {request_id: [[] for _ in range(prompts[request_id].params.n)] for request_id in order
+                    if prompts[request_id].params.logprobs is not None}
         reasons: dict[str, list[str]] = {}
         while self.has_unfinished():
             for output in self.step():
                 for sample_tokens, new in zip(tokens[output.request_id], output.new_tokens):
                     sample_tokens.extend(new)
+                for sample_logprobs, new in zip(logprobs.get(output.request_id, ()), output.logprobs or ()):
+                    sample_logprobs.extend(new)
                 if output.finished:
                     reasons[output.request_id] = output.finish_reasons
                     if progress:
                         progress(len(reasons))
         return [Result(request_id, tokens[request_id], [self.decode(t) for t in tokens[request_id]],
-                       reasons[request_id], prompts[request_id].num_prompt) for request_id in order]
+                       reasons[request_id], prompts[request_id].num_prompt, logprobs.get(request_id))
+                for request_id in order]
 
     def decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True).strip()

@@ -77,6 +77,7 @@ class InputBuffers:
         self.temperature = np.ones(max_rows, np.float32)
         self.top_k = np.zeros(max_rows, np.int64)
         self.top_p = np.ones(max_rows, np.float32)
+        self.logprobs = np.full(max_rows, -1, np.int64)  # top log-probabilities asked for, -1 for none
         self.free_rows = list(range(max_rows - 1, -1, -1))
         # decode: tokens | positions | slots | context lengths | seats | each seat's last block's column | that block,
         # at fixed offsets: the CUDA graphs' static inputs are views of the device buffer
@@ -104,6 +105,7 @@ class InputBuffers:
         self.temperature[row] = 1.0 if params.is_greedy else params.temperature
         self.top_k[row] = params.top_k
         self.top_p[row] = params.top_p
+        self.logprobs[row] = -1 if params.logprobs is None else params.logprobs
 
     def give_back(self, sequence: Sequence) -> None:
         if sequence.row is not None:

@@ -1,7 +1,7 @@
 """The OpenAI chat-completions request (the fields tinyvlm serves), checked, and turned into an engine Request.
 
 Every field is either honoured or refused: OpenAI fields this server cannot honour are accepted only at the value that
-changes nothing (`logprobs: false`, `tools: []`, `frequency_penalty: 0`, ...) and are otherwise a 400 naming the field,
+changes nothing (`tools: []`, `frequency_penalty: 0`, ...) and are otherwise a 400 naming the field,
 as is any field the API does not have; `user` and `metadata` label a request and change nothing.
 """
 
@@ -15,12 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from data import CAPTION_PROMPT
 from serving.engine import Request, RequestError
 from serving.media import MediaPolicy, open_image
-from serving.sequence import RequestParams
+from serving.sequence import MAX_LOGPROBS, RequestParams
 
 MAX_N = 16
 LABELS = {"user", "metadata"}  # they name a request and change nothing
 NEUTRAL = {  # fields the server cannot honour, with the values that ask for nothing it lacks
-    "logprobs": (None, False), "top_logprobs": (None, 0), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
     "logit_bias": (None, {}), "response_format": (None, {"type": "text"}), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False), "functions": (None, []),
     "function_call": (None, "none", "auto"), "modalities": (None, ["text"]), "store": (None, False),
@@ -64,6 +64,8 @@ class ChatRequest(BaseModel):
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     ignore_eos: StrictBool = False  # vLLM's extension
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
 
@@ -98,6 +100,8 @@ def to_engine_request(chat: ChatRequest, default_max_tokens: int | None, limits:
     image with no text asks for a caption (generate.py's caption prompt)."""
     if refused := chat.refused_field():
         raise RequestError(refused)
+    if chat.top_logprobs and not chat.logprobs:
+        raise RequestError("top_logprobs: needs logprobs: true")
     if len(chat.messages) != 1 or chat.messages[0].role != "user":
         raise RequestError("only a single user message is supported (no system, assistant or multi-turn messages)")
     content = chat.messages[0].content
@@ -121,6 +125,6 @@ def to_engine_request(chat: ChatRequest, default_max_tokens: int | None, limits:
         text = CAPTION_PROMPT
     params = RequestParams(greedy=chat.temperature == 0, temperature=float(chat.temperature) or 1.0,
                            top_p=float(chat.top_p), top_k=max(chat.top_k, 0), n=chat.n, seed=chat.seed,
-                           ignore_eos=chat.ignore_eos,
+                           ignore_eos=chat.ignore_eos, logprobs=(chat.top_logprobs or 0) if chat.logprobs else None,
                            max_tokens=chat.max_completion_tokens or chat.max_tokens or default_max_tokens)
     return Request(text, [open_image(url, i, media) for i, url in enumerate(images)] or None, params, request_id)

@@ -20,7 +20,7 @@ from models.kv_cache import Paged
 from models.sampling import sample_rows
 from serving.decode_graphs import DecodeGraphs
 from serving.input_buffers import InputBuffers, StepInputs
-from serving.sequence import Sequence
+from serving.sequence import MAX_LOGPROBS, Sequence, TokenLogprobs
 
 ATTENTION = ("auto", "gather", "triton")
 
@@ -50,7 +50,10 @@ class ModelRunner:
                       for _ in range(config.num_layers)]
         max_blocks = -(-config.max_position_embeddings // block_size)
         self.inputs = InputBuffers(max_num_seqs, max_blocks, max_batch_tokens, block_size, self.device)
-        self.sampled = torch.zeros(max_num_seqs, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        # the sampled ids (and any log-probabilities) come back through here: room for max_num_seqs rows of the most
+        # a row packs (2 + 2 x MAX_LOGPROBS float64s)
+        self.sampled = torch.zeros(max_num_seqs * (2 + 2 * MAX_LOGPROBS), dtype=torch.float64,
+                                   pin_memory=self.device.type == "cuda")
         self.sampled_ready = torch.cuda.Event() if self.device.type == "cuda" else None
         if cuda_graphs is None:  # gather + SDPA in a graph would gather every row's whole context
             cuda_graphs = self.device.type == "cuda" and attention == "triton"
@@ -103,15 +106,31 @@ class ModelRunner:
         return self.model.language.head(hidden[0] if len(hidden) == 1 else torch.cat(hidden))
 
     @torch.inference_mode()
-    def sample(self, logits: Tensor, sequences: list[Sequence], rows: list[int] | None = None) -> list[int]:
+    def sample(self, logits: Tensor, sequences: list[Sequence], rows: list[int] | None = None
+               ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """A token for each of `sequences` from its row of `logits` (row rows[i], or i), each with its request's
-        settings, in one call: the step's one device-to-host copy."""
+        settings, in one call, and, if any of them asks, the log-probabilities (the log-softmax of the logits) of the
+        sampled tokens and of the top k: all in the step's one device-to-host copy."""
         if rows is not None:
             logits = logits[self.inputs.index(rows)]
         settings = self.inputs.sampling_settings(sequences)
         if settings is None:
-            return self._to_host(logits.argmax(-1))
-        return self._to_host(sample_rows(logits, settings, self._noise(logits, sequences)))
+            tokens = logits.argmax(-1)
+        else:
+            tokens = sample_rows(logits, settings, self._noise(logits, sequences))
+        asked = self.inputs.logprobs[[sequence.row for sequence in sequences]]
+        if asked.max() < 0:
+            return self._to_host(tokens), None
+        logprobs = logits.float().log_softmax(-1)
+        top = logprobs.topk(int(asked.max()), dim=-1)
+        # one copy back: ids (exact in float64), the sampled tokens' log-probabilities, the top k's ids and values
+        parts = [tokens[:, None], logprobs.gather(1, tokens[:, None]), top.indices, top.values]
+        host = self._to_host(torch.cat([part.double() for part in parts], 1))
+        k = len(top.indices[0]) if len(top.indices) else 0
+        results = [None if want < 0 else TokenLogprobs(row[1], list(zip(map(int, row[2 : 2 + want]),
+                                                                     row[2 + k : 2 + k + want])))
+                   for row, want in zip(host, asked.tolist())]
+        return [int(row[0]) for row in host], results
 
     def _noise(self, logits: Tensor, sequences: list[Sequence]) -> Tensor:
         """Exponential noise for the sampling race: one draw for the batch, and rows of seeded requests from their own
@@ -133,13 +152,13 @@ class ModelRunner:
             noise[self.inputs.index(rows)] = torch.cat(draws)[self.inputs.index(picks)]
         return noise
 
-    def _to_host(self, tokens: Tensor) -> list[int]:
-        """The sampled ids on the host: a non-blocking copy into pinned memory, then a wait for that copy's event (the
-        only place a step waits for the device)."""
+    def _to_host(self, sampled: Tensor) -> list:
+        """`sampled` on the host: a non-blocking copy into pinned memory, then a wait for that copy's event (the only
+        place a step waits for the device)."""
         if self.sampled_ready is None:
-            return tokens.tolist()
-        host = self.sampled[: len(tokens)]
-        host.copy_(tokens, non_blocking=True)
+            return sampled.tolist()
+        host = self.sampled.view(sampled.dtype)[: sampled.numel()].view(sampled.shape)
+        host.copy_(sampled, non_blocking=True)
         self.sampled_ready.record()
         self.sampled_ready.synchronize()
         return host.tolist()

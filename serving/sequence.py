@@ -14,24 +14,37 @@ from models.config import check
 from models.sampling import SamplingParams
 from serving.block_manager import TokenKey
 
+MAX_LOGPROBS = 20  # top log-probabilities a request may ask for (OpenAI's limit)
+
 
 @dataclasses.dataclass
 class RequestParams(SamplingParams):
     """Per-request settings (as vLLM's SamplingParams): sampling, `n` samples sharing one prefill, `max_tokens` (None:
     as many as fit the context after the prompt, and the KV cache), a `seed` for reproducible sampling, extra
     `stop_token_ids` (the model's own stop tokens always apply, unless `ignore_eos`, which benchmarks use to fix output
-    lengths)."""
+    lengths), `logprobs` (the log-softmax of the model's logits at each sampled token, and at the top k)."""
 
     n: int = 1
     max_tokens: int | None = 64
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: each sampled token's log-probability and the k most likely tokens'
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check(self.n >= 1, f"n must be >= 1, got {self.n}")
+        check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+              f"logprobs must lie in 0..{MAX_LOGPROBS}, got {self.logprobs}")
         check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclasses.dataclass
+class TokenLogprobs:
+    """A sampled token's log-probability under the model (the log-softmax of its logits) and the top k tokens'."""
+
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 class Status(enum.Enum):

@@ -50,7 +50,7 @@ from serving.engine import Engine, Output, engine_size
 from serving.media import MediaPolicy
 from serving.metrics import ServerMetrics
 from serving.protocol import ChatRequest, RequestLimits, to_engine_request
-from serving.sequence import Group
+from serving.sequence import Group, TokenLogprobs
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
@@ -66,14 +66,16 @@ class Refused(Exception):
 
 
 class Completion:
-    """One request's samples as text: incremental detokenization, stop strings, finish reasons."""
+    """One request's samples as text: incremental detokenization, stop strings, finish reasons, and each token's
+    log-probabilities in OpenAI's shape when the request asked for them."""
 
-    def __init__(self, tokenizer, n: int, stop_strings: list[str]) -> None:
-        self.stop_strings = stop_strings
+    def __init__(self, tokenizer, n: int, stop_strings: list[str], logprobs: bool = False) -> None:
+        self.tokenizer, self.stop_strings = tokenizer, stop_strings
         self.longest_stop = max(map(len, stop_strings), default=0)
         self.detokenizers = [IncrementalDetokenizer(tokenizer) for _ in range(n)]
         self.texts = [""] * n  # text sent so far
         self.finish_reasons: list[str | None] = [None] * n
+        self.logprobs: list[list[dict]] | None = [[] for _ in range(n)] if logprobs else None
 
     def update(self, output: Output) -> list[str]:
         """Each sample's new text from `output` (held back while it might end in a cut character or a stop string)."""
@@ -84,6 +86,8 @@ class Completion:
                 continue
             detokenizer, reason = self.detokenizers[i], output.finish_reasons[i]
             detokenizer.add(new)
+            if self.logprobs is not None:
+                self.logprobs[i] += [self._logprob(token, entry) for token, entry in zip(new, output.logprobs[i])]
             if reason is not None:
                 detokenizer.finish()
             text = detokenizer.text
@@ -104,6 +108,15 @@ class Completion:
     @property
     def done(self) -> bool:
         return all(self.finish_reasons)
+
+    def _logprob(self, token: int, entry: TokenLogprobs) -> dict:
+        """One token's entry of a choice's `logprobs.content`, as OpenAI's API gives it."""
+        return {**self._token(token, entry.logprob),
+                "top_logprobs": [self._token(other, logprob) for other, logprob in entry.top]}
+
+    def _token(self, token: int, logprob: float) -> dict:
+        text = self.tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
 def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_tokens: int | None = None,
@@ -161,7 +174,8 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
             raise Refused(429, str(e), "rate_limit_exceeded") from None
         except TinyVLMError as e:
             raise Refused(400, str(e)) from None
-        reply = Reply(engine, stream, Completion(tokenizer, chat_request.n, chat_request.stop_strings), request_id,
+        completion = Completion(tokenizer, chat_request.n, chat_request.stop_strings, chat_request.logprobs)
+        reply = Reply(engine, stream, completion, request_id,
                       {"id": request_id, "created": int(time.time()), "model": model_name}, group.num_prompt,
                       server_metrics, arrival)
         if chat_request.stream:
@@ -225,20 +239,29 @@ class Reply:
         async for item in self.outputs(http):
             if isinstance(item, EngineFailure):
                 return error(500, item.message, "server_error")
-        choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-                   for i, (text, reason) in enumerate(zip(self.completion.texts, self.completion.finish_reasons))]
+        completion = self.completion
+        choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                    "logprobs": None if completion.logprobs is None else {"content": completion.logprobs[i]}}
+                   for i, (text, reason) in enumerate(zip(completion.texts, completion.finish_reasons))]
         return {**self.head, "object": "chat.completion", "choices": choices, "usage": self.usage()}
 
     async def events(self, include_usage: bool) -> AsyncIterator[str]:
         yield self.event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                           for i in range(len(self.completion.texts))])
+        sent = [0] * len(self.completion.texts)  # log-probability entries sent, per sample
         async for item in self.outputs(None):
             if isinstance(item, EngineFailure):
                 yield f"data: {json.dumps({'error': {'message': item.message, 'type': 'server_error'}})}\n\n"
                 return
             deltas, reasons = item
-            choices = [{"index": i, "delta": {"content": delta} if delta else {}, "finish_reason": reason}
-                       for i, (delta, reason) in enumerate(zip(deltas, reasons)) if delta or reason]
+            choices = []
+            for i, (delta, reason) in enumerate(zip(deltas, reasons)):
+                if delta or reason:  # log-probabilities of tokens whose text was held back go out with the next text
+                    choice = {"index": i, "delta": {"content": delta} if delta else {}, "finish_reason": reason}
+                    if self.completion.logprobs is not None:
+                        choice["logprobs"] = {"content": self.completion.logprobs[i][sent[i] :]}
+                        sent[i] = len(self.completion.logprobs[i])
+                    choices.append(choice)
             if choices:
                 yield self.event(choices)
         if include_usage:

@@ -154,3 +154,25 @@ def test_requests_that_can_never_be_served_are_refused_at_once(model):
     with pytest.raises(RequestError, match="image tokens"):
         engine.add_request(Request(_prompt(10, 0, 1), None, RequestParams(max_tokens=2)))
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("params", [RequestParams(greedy=True, max_tokens=8, logprobs=5),
+                                    RequestParams(temperature=0.9, max_tokens=8, n=2, seed=2, logprobs=3)],
+                         ids=["greedy", "sampled"])
+def test_log_probabilities_equal_a_float64_log_softmax_of_the_logits(model, params):
+    """Each sampled token's log-probability and the top k's equal a float64 log-softmax of the model's logits at that
+    step (computed here in one uncached pass over the prompt and the tokens generated)."""
+    prompt, images = _prompt(15, 3, 1), _images(1, 3)
+    engine = Engine(model, num_blocks=64, block_size=4)
+    (result,) = engine.generate([Request(prompt, images, params),
+                                 Request(_prompt(9, 4, 0), None, RequestParams(greedy=True, max_tokens=8))])[:1]
+    for tokens, entries in zip(result.token_ids, result.logprobs):
+        with torch.no_grad():
+            logits, _ = model(torch.tensor([prompt + tokens]), images)
+        reference = logits[0, len(prompt) - 1 : -1].double().log_softmax(-1)  # what each token was drawn from
+        assert len(entries) == len(tokens)
+        for step, (token, entry) in enumerate(zip(tokens, entries)):
+            assert entry.logprob == pytest.approx(reference[step, token].item(), abs=1e-4)
+            top = reference[step].topk(params.logprobs)
+            assert [t for t, _ in entry.top] == top.indices.tolist()
+            assert [v for _, v in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)

@@ -118,6 +118,38 @@ def test_answers_streamed_and_not_equal_generate(served):
     _idle(engine)
 
 
+def test_logprobs_equal_a_float64_log_softmax_of_the_models_logits(served):
+    """`logprobs` / `top_logprobs` through the openai client, streamed and not: each token's entry equals a float64
+    log-softmax of the model's logits at that step (one uncached pass over the prompt and the answer's tokens)."""
+    server, client, model, tokenizer, engine = served
+    image, text = _png("pink"), "what colour is the sky?"
+    reply = client.chat.completions.create(model="tiny", messages=_message(text, image), max_tokens=6, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    prompt = encode_prompt(tokenizer, text, 1, model.config.tokens_per_image)
+    pixels = ImageProcessor.from_config(model.config.vision)(Image.open(io.BytesIO(image)))[None]
+    answer = model.generate(torch.tensor([prompt]), pixels, max_new_tokens=6, greedy=True)[0].tolist()
+    answer = answer[: len(content)]
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([prompt + answer]), pixels)
+    reference = logits[0, len(prompt) - 1 : -1].double().log_softmax(-1)
+    assert len(content) == reply.usage.completion_tokens
+    for step, (token, entry) in enumerate(zip(answer, content)):
+        assert entry.token == tokenizer.decode([token]) and entry.bytes == list(entry.token.encode())
+        assert entry.logprob == pytest.approx(reference[step, token].item(), abs=1e-4)
+        top = reference[step].topk(3)
+        assert [t.token for t in entry.top_logprobs] == [tokenizer.decode([t]) for t in top.indices.tolist()]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
+    chunks = client.chat.completions.create(model="tiny", messages=_message(text, image), max_tokens=6, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True)
+    streamed = [entry for chunk in chunks for choice in chunk.choices if choice.logprobs
+                for entry in choice.logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    plain = client.chat.completions.create(model="tiny", messages=_message(text, image), max_tokens=6, temperature=0)
+    assert plain.choices[0].logprobs is None
+    _idle(engine)
+
+
 def test_n_samples_with_a_seed_equal_generate_num_samples(served):
     server, client, model, tokenizer, engine = served
     image = _png("orange")
