@@ -3,6 +3,7 @@ and inference use.
 
     model, processor = load_for_inference("HuggingFaceTB/SmolVLM-256M-Instruct", torch.device("cpu"))
     ids, pixels = processor.encode("What is in the picture?", [image])          # a prompt, the assistant turn opened
+    ids, pixels = processor.encode_chat([Message("system", "Be brief."), Message("user", "What is it?", 1)], [image])
     ids, targets, pixels = processor.encode_conversation(record["texts"], images)  # a training record
 
 - `ChatProcessor`: tinyvlm's own ChatML (data/prompts.py; nanoVLM's too), images split or not as the model's config
@@ -26,7 +27,7 @@ from PIL import Image
 from transformers import PreTrainedTokenizerBase
 
 from data.image_splitting import ImageInputs
-from data.prompts import IGNORE_INDEX, PromptError, encode_conversation, encode_prompt
+from data.prompts import IGNORE_INDEX, Message, PromptError, encode_chat, encode_conversation
 from data.tokenizer import IM_END, IM_START, IMAGE_TOKEN, token_id
 from models.checkpoints import RUNS, load_checkpoint, locate
 from models.config import ImagePosition, VLMConfig
@@ -51,6 +52,11 @@ class ConversationEncoder(Protocol):
 
     def encode(self, prompt: str, images: Sequence[Image.Image]) -> tuple[list[int], torch.Tensor | None]:
         """One user turn with the assistant turn opened: (ids, pixels)."""
+
+    def encode_chat(self, messages: Sequence[Message],
+                    images: Sequence[Image.Image]) -> tuple[list[int], torch.Tensor | None]:
+        """A conversation (system, user and assistant messages; each user message's images, in order) with the
+        assistant turn opened: (ids, pixels). One user message gives `encode`'s ids."""
 
     def encode_conversation(self, turns: Turns,
                             images: Sequence[Image.Image]) -> tuple[list[int], list[int], torch.Tensor | None]:
@@ -97,9 +103,12 @@ class ChatProcessor:
         """Nothing to refuse: a typed special-token string ("<|image|>") stays ordinary text (data/prompts.py)."""
 
     def encode(self, prompt: str, images: Sequence[Image.Image]) -> tuple[list[int], torch.Tensor | None]:
+        return self.encode_chat([Message("user", prompt, len(images))], images)
+
+    def encode_chat(self, messages: Sequence[Message],
+                    images: Sequence[Image.Image]) -> tuple[list[int], torch.Tensor | None]:
         pixels, placeholders = self.images(images)
-        return encode_prompt(self.tokenizer, prompt, image_position=self.image_position,
-                             placeholders=placeholders), pixels
+        return encode_chat(self.tokenizer, messages, self.image_position, placeholders=placeholders), pixels
 
     def encode_conversation(self, turns: Turns,
                             images: Sequence[Image.Image]) -> tuple[list[int], list[int], torch.Tensor | None]:
@@ -154,8 +163,19 @@ class CheckpointProcessor:
     def encode(self, prompt: str, images: Sequence[Image.Image]) -> tuple[list[int], torch.Tensor | None]:
         """The chat-formatted ids of one user turn (its images first, then `prompt`) with the assistant turn opened,
         and the pixels of the images' tiles in placeholder order (one prompt: no padding images)."""
-        text = self._template(self._messages([{"user": prompt}], len(images)), prompt=True)
-        return self._process(text, images)
+        return self.encode_chat([Message("user", prompt, len(images))], images)
+
+    def encode_chat(self, messages: Sequence[Message],
+                    images: Sequence[Image.Image]) -> tuple[list[int], torch.Tensor | None]:
+        """The conversation through the checkpoint's chat template (each user message's images first), the
+        assistant turn opened, and the pixels of every image's tiles in placeholder order."""
+        if sum(message.images for message in messages) != len(images):
+            raise PromptError(f"the messages hold {sum(m.images for m in messages)} images but {len(images)} were "
+                              f"given")
+        self.check_texts([{message.role: message.text} for message in messages])
+        template = [{"role": message.role, "content": [{"type": "image"}] * message.images
+                     + [{"type": "text", "text": message.text}]} for message in messages]
+        return self._process(self._template(template, prompt=True), images)
 
     def encode_conversation(self, turns: Turns,
                             images: Sequence[Image.Image]) -> tuple[list[int], list[int], torch.Tensor | None]:

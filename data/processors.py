@@ -24,10 +24,11 @@ class ImageLoadError(TinyVLMError, ValueError):
     """A missing, empty, unreadable, corrupt or oversized image file."""
 
 
-def load_image(source: str | os.PathLike | BinaryIO) -> Image.Image:
+def load_image(source: str | os.PathLike | BinaryIO, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
     """Open an image file (path or binary file object) as RGB; the first frame of an animation.
 
-    Raises ImageLoadError with a one-line message naming the file for anything that is not a readable image.
+    Raises ImageLoadError with a one-line message naming the file for anything that is not a readable image, or that
+    would decode to more than `max_pixels` pixels.
     """
     name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else getattr(source, "name", "<file object>")
     try:
@@ -42,11 +43,11 @@ def load_image(source: str | os.PathLike | BinaryIO) -> Image.Image:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data))
-            if image.width * image.height > MAX_IMAGE_PIXELS:
+            if image.width * image.height > max_pixels:
                 raise Image.DecompressionBombError
             image.load()
     except (Image.DecompressionBombWarning, Image.DecompressionBombError):
-        raise ImageLoadError(f"{name}: more than {MAX_IMAGE_PIXELS} pixels (a decompression bomb?)") from None
+        raise ImageLoadError(f"{name}: more than {max_pixels} pixels (a decompression bomb?)") from None
     except UnidentifiedImageError:
         raise ImageLoadError(f"{name}: not an image file (or a format Pillow cannot read)") from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -13,6 +14,23 @@ from models.errors import TinyVLMError
 
 CAPTION_PROMPT = "Describe the image."  # the user turn of caption samples; generate.py's default prompt
 IGNORE_INDEX = -100  # targets at positions that carry no loss
+ROLES = ("system", "user", "assistant")
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """One message of a conversation to answer: its role, its text, and how many of the conversation's images (in
+    order) it holds (user messages only)."""
+
+    role: str
+    text: str
+    images: int = 0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise PromptError(f"a message's role must be one of {ROLES}, got {self.role!r}")
+        if self.images and self.role != "user":
+            raise PromptError(f"only user messages hold images, not a {self.role} message")
 
 
 class PromptError(TinyVLMError, ValueError):
@@ -48,19 +66,38 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, user_text: str, num_images
     The images are each image's placeholder ids, in order: `placeholders` (from `data.ImageInputs` /
     `data.prepare_images`, which split images when the model's config says so), or else `num_images` unsplit images
     of `<|image|>` x tokens_per_image each."""
-    if image_position not in ("before_text", "after_text"):
-        raise ValueError(f"image_position must be 'before_text' or 'after_text', got {image_position!r}")
     if placeholders is not None and (num_images or tokens_per_image):
         raise ValueError("give the images as placeholders or as num_images and tokens_per_image, not both")
-    start, end = token_id(tokenizer, IM_START), token_id(tokenizer, IM_END)
     if placeholders is None:
         images = [token_id(tokenizer, IMAGE_TOKEN)] * (num_images * tokens_per_image)
     else:
         images = [token for placeholder in placeholders for token in placeholder]
-    text = encode_text(tokenizer, user_text)
-    content = images + text if image_position == "before_text" else text + images
-    return [start, *encode_text(tokenizer, "user\n"), *content, end, *encode_text(tokenizer, "\n"), start,
-            *encode_text(tokenizer, "assistant\n")]
+    return encode_chat(tokenizer, [Message("user", user_text, 1 if images else 0)], image_position,
+                       placeholders=[images] if images else [])
+
+
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message],
+                image_position: ImagePosition = "before_text", *, placeholders: Sequence[Sequence[int]]) -> list[int]:
+    """A conversation's ChatML ids with the assistant turn opened: each message as `<|im_start|>` + role + `\\n` +
+    content + `<|im_end|>\\n`, a user message's content being its images' placeholder ids (the next `message.images`
+    of `placeholders`, in order) before its text (or after, with image_position="after_text"); then
+    `<|im_start|>assistant\\n`. A turn's prompt, its answer and `<|im_end|>\n` are the start of the next turn's
+    prompt, so the engine's prefix cache reuses them."""
+    if image_position not in ("before_text", "after_text"):
+        raise ValueError(f"image_position must be 'before_text' or 'after_text', got {image_position!r}")
+    if sum(message.images for message in messages) != len(placeholders):
+        raise PromptError(f"the messages hold {sum(m.images for m in messages)} images but {len(placeholders)} "
+                          f"were given")
+    start, end, newline = token_id(tokenizer, IM_START), token_id(tokenizer, IM_END), encode_text(tokenizer, "\n")
+    ids, next_image = [], 0
+    for message in messages:
+        images = [token for placeholder in placeholders[next_image : next_image + message.images]
+                  for token in placeholder]
+        next_image += message.images
+        text = encode_text(tokenizer, message.text)
+        content = images + text if image_position == "before_text" else text + images
+        ids += [start, *encode_text(tokenizer, f"{message.role}\n"), *content, end, *newline]
+    return [*ids, start, *encode_text(tokenizer, "assistant\n")]
 
 
 def encode_conversation(

@@ -144,12 +144,14 @@ class Engine:
         return blocks.blocks_for(prompt) + n * (blocks.blocks_for(prompt + max_tokens) - blocks.blocks_for(prompt) + 1)
 
     def _room(self, prompt: int, n: int, context: int) -> int:
-        """The most new tokens a request of `prompt` tokens and n samples can be given (at least 1: a prompt that
-        leaves no room is refused by the checks that follow)."""
-        room = context - prompt
-        while room > 1 and self._blocks_needed(prompt, room, n) > self.blocks.num_usable:
-            room -= self.blocks.block_size
-        return max(room, 1)
+        """The most new tokens a request of `prompt` tokens and n samples can be given: what fits the context after
+        the prompt and the KV cache at worst (at least 1: a prompt that leaves no room is refused by the checks
+        that follow)."""
+        blocks = self.blocks
+        prompt_blocks = blocks.blocks_for(prompt)
+        # the most blocks one sample's tokens may span: prompt_blocks + n * (span - prompt_blocks + 1) <= usable
+        span = prompt_blocks + (blocks.num_usable - prompt_blocks) // n - 1
+        return max(min(context - prompt, span * blocks.block_size - prompt), 1)
 
     def _encode(self, request: Request) -> tuple[list[int], Tensor | None]:
         images = request.images

@@ -89,9 +89,17 @@ class ChatRequest(BaseModel):
 class RequestLimits:
     """What one request may ask of the server; beyond, a 4xx before the work that would cost it."""
 
-    max_body_bytes: int = 32 * 2**20  # checked before the body is read
+    max_body_bytes: int = 16 * 2**20  # checked before the body is read
     max_prompt_chars: int = 100_000  # checked before tokenizing
     max_images: int = 4
+    max_preparing: int = 32  # requests read, parsed, fetched or tokenized at once (others wait, unread): bounds memory
+
+    @property
+    def max_json_containers(self) -> int:
+        """Objects and arrays a body may hold, counted from its `{` and `[` bytes before parsing (parsing runs under
+        Python's lock, so a body of millions of `{}` would stall the server): a prompt's own brackets count, so the
+        bound is the prompt limit plus room for the request's structure."""
+        return self.max_prompt_chars + 10_000
 
 
 def to_engine_request(chat: ChatRequest, default_max_tokens: int | None, limits: RequestLimits, media: MediaPolicy,

@@ -33,6 +33,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -123,10 +124,14 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
                limits: RequestLimits = RequestLimits(), media: MediaPolicy = MediaPolicy(),
                api_key: str | None = None) -> FastAPI:
     """The server's routes. default_max_tokens: for requests that set none (None: the rest of the context)."""
-    app = FastAPI(title="tinyvlm")
+    docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="tinyvlm", **docs)
     server_metrics = ServerMetrics(engine.stats, model_name)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Refused, refused)
+    app.add_exception_handler(Exception, internal_error)
+    preparing = asyncio.Semaphore(limits.max_preparing)
+    workers = ThreadPoolExecutor(max_workers=min(8, limits.max_preparing), thread_name_prefix="prepare")
 
     async def authorize(http: Request) -> None:
         scheme, _, token = (http.headers.get("authorization") or "").partition(" ")
@@ -150,6 +155,8 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
 
     def prepare(body: bytes, request_id: str) -> tuple[ChatRequest, Group]:
         """Parse and check the request, fetch and decode its images, tokenize its prompt (in a worker thread)."""
+        if body.count(b"{") + body.count(b"[") > limits.max_json_containers:
+            raise Refused(400, f"the request holds more than {limits.max_json_containers} JSON objects and arrays")
         try:
             chat_request = ChatRequest.model_validate_json(body)
         except ValidationError as e:
@@ -165,15 +172,17 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
         arrival = time.monotonic()
         if engine.full:
             raise Refused(429, "too many requests in flight; try again later", "rate_limit_exceeded")
-        body = await read_body(http, limits.max_body_bytes)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        try:
-            chat_request, group = await asyncio.to_thread(prepare, body, request_id)
-            stream = engine.submit(group)
-        except QueueFull as e:
-            raise Refused(429, str(e), "rate_limit_exceeded") from None
-        except TinyVLMError as e:
-            raise Refused(400, str(e)) from None
+        async with preparing:
+            body = await read_body(http, limits.max_body_bytes)
+            try:
+                chat_request, group = await asyncio.get_running_loop().run_in_executor(workers, prepare, body,
+                                                                                       request_id)
+                stream = engine.submit(group)
+            except QueueFull as e:
+                raise Refused(429, str(e), "rate_limit_exceeded") from None
+            except TinyVLMError as e:
+                raise Refused(400, str(e)) from None
         completion = Completion(tokenizer, chat_request.n, chat_request.stop_strings, chat_request.logprobs)
         reply = Reply(engine, stream, completion, request_id,
                       {"id": request_id, "created": int(time.time()), "model": model_name}, group.num_prompt,
@@ -214,6 +223,13 @@ async def refused(_, exc: Refused) -> JSONResponse:
     kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(exc.status,
                                                                                               "invalid_request_error")
     return error(exc.status, str(exc), kind, exc.code)
+
+
+async def internal_error(_, exc: Exception) -> JSONResponse:
+    """Anything unforeseen: a 500 in OpenAI's error shape, naming the error's type, with no traceback for the
+    client (the server's log has it)."""
+    print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    return error(500, f"internal server error ({type(exc).__name__})", "server_error")
 
 
 async def http_error(http: Request, exc: HTTPException) -> JSONResponse:
@@ -328,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                              "none)")
     parser.add_argument("--allow-private-image-urls", action="store_true",
                         help="fetch image URLs from loopback, private and link-local addresses too")
-    parser.add_argument("--max-request-mib", type=float, default=32, help="request body limit (MiB)")
-    parser.add_argument("--max-image-mib", type=float, default=20, help="an image's encoded size limit (MiB)")
+    parser.add_argument("--max-request-mib", type=float, default=16, help="request body limit (MiB)")
+    parser.add_argument("--max-image-mib", type=float, default=10, help="an image's encoded size limit (MiB)")
     parser.add_argument("--max-prompt-chars", type=int, default=100_000, help="prompt length limit (characters)")
     parser.add_argument("--max-images", type=int, default=4, help="images per request")
     args = parser.parse_args(argv)

@@ -176,3 +176,22 @@ def test_log_probabilities_equal_a_float64_log_softmax_of_the_logits(model, para
             top = reference[step].topk(params.logprobs)
             assert [t for t, _ in entry.top] == top.indices.tolist()
             assert [v for _, v in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_without_max_tokens_a_request_gets_all_the_room_the_context_and_the_cache_leave(model):
+    """max_tokens=None: the largest count the request is accepted with (brute force over every count)."""
+    for num_blocks, block_size, prompt, n in [(8, 4, 10, 1), (8, 4, 10, 2), (30, 4, 5, 3), (400, 8, 30, 1),
+                                              (12, 16, 40, 1), (9, 4, 3, 2)]:
+        engine = Engine(model, num_blocks=num_blocks, block_size=block_size)
+        ids = _prompt(prompt, 0, 0)
+        accepted = [m for m in range(1, 200) if _accepts(engine, ids, RequestParams(max_tokens=m, n=n))]
+        given = engine.prepare(Request(ids, None, RequestParams(max_tokens=None, n=n))).params.max_tokens
+        assert given == max(accepted), (num_blocks, block_size, prompt, n)
+
+
+def _accepts(engine: Engine, prompt: list[int], params: RequestParams) -> bool:
+    try:
+        engine.prepare(Request(prompt, None, params))
+    except RequestError:
+        return False
+    return True

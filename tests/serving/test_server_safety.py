@@ -2,8 +2,11 @@
 with limits and never from private addresses unless allowed, an API key on /v1, bodies and prompts bounded before
 they cost anything, /health answering throughout, and every field either honoured or refused."""
 
+import dataclasses
+import gzip
 import http.server
 import io
+import ipaddress
 import json
 import os
 import threading
@@ -21,7 +24,7 @@ openai = pytest.importorskip("openai")
 from data import CAPTION_PROMPT  # noqa: E402
 from serving.async_engine import AsyncEngine  # noqa: E402
 from serving.engine import Engine, RequestError  # noqa: E402
-from serving.media import MediaPolicy, open_image  # noqa: E402
+from serving.media import MediaPolicy, _public, open_image  # noqa: E402
 from serving.protocol import RequestLimits  # noqa: E402
 from serving.server import create_app  # noqa: E402
 from tests.models.helpers import base_tokenizer, chat_vlm  # noqa: E402
@@ -41,12 +44,14 @@ def _image_part(url: str) -> list[dict]:
 
 
 class ImageHost:
-    """A local HTTP server: /image.png, /big.png (2 MB), /hop/N (redirects N more times, then to the image); it
-    counts the requests it gets."""
+    """A local HTTP server: /image.png, /big.png (2 MB), /hop/N (redirects N more times, then to the image),
+    /gzip.png (64 MB of zeros, gzip-encoded: a decompression bomb), /slow.png (its headers one byte every 0.2 s);
+    it counts the requests it gets."""
 
     def __init__(self) -> None:
         host = self
         self.requests, self.png = 0, _png("red")
+        self.bomb = gzip.compress(bytes(64 * 2**20), compresslevel=1)
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 -- the http.server API
@@ -57,8 +62,16 @@ class ImageHost:
                     self.send_header("Location", f"/hop/{left - 1}" if left else "/image.png")
                     self.end_headers()
                     return
-                body = host.png if self.path == "/image.png" else os.urandom(2 * 2**20)
+                if self.path == "/slow.png":
+                    for byte in b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\n":
+                        self.wfile.write(bytes([byte]))
+                        self.wfile.flush()
+                        time.sleep(0.2)
+                    return
+                body = {"/image.png": host.png, "/gzip.png": host.bomb}.get(self.path) or os.urandom(2 * 2**20)
                 self.send_response(200)
+                if self.path == "/gzip.png":
+                    self.send_header("Content-Encoding", "gzip")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -80,6 +93,7 @@ def media_dir(tmp_path_factory) -> Path:
     os.mkfifo(root / "pipe")  # reading it would block: a request must never get that far
     (root / "allowed" / "escape.png").symlink_to(root / "pipe")
     (root / "allowed" / "zero").symlink_to("/dev/zero")
+    os.mkfifo(root / "allowed" / "inner-pipe")
     return root
 
 
@@ -119,14 +133,19 @@ def test_local_images_are_read_only_under_the_allowed_directory(served, media_di
     assert inside.status_code == 200
     expected = _alone(model, tokenizer, "what colour?", [_png("skyblue")], 4, greedy=True)[0]
     assert inside.json()["choices"][0]["message"]["content"] == expected
+    nowhere = "no such file under the allowed media directory"  # the same for a file outside and a missing one
     refusals = {
-        str(media_dir / "secret.png"): "outside the allowed media directory",
-        f"file://{media_dir / 'secret.png'}": "outside the allowed media directory",
-        str(media_dir / "allowed" / ".." / "secret.png"): "outside the allowed media directory",
-        str(media_dir / "allowed" / "escape.png"): "outside the allowed media directory",  # a symlink to a FIFO
-        str(media_dir / "allowed" / "zero"): "outside the allowed media directory",  # a symlink to /dev/zero
-        "file:///etc/passwd": "outside the allowed media directory",
-        str(media_dir / "allowed" / "missing.png"): "no such file",
+        str(media_dir / "secret.png"): nowhere,
+        f"file://{media_dir / 'secret.png'}": nowhere,
+        str(media_dir / "allowed" / ".." / "secret.png"): nowhere,
+        str(media_dir / "allowed" / "escape.png"): nowhere,  # a symlink to a FIFO outside
+        str(media_dir / "allowed" / "zero"): nowhere,  # a symlink to /dev/zero
+        str(media_dir / "allowed" / "inner-pipe"): "not a regular file",  # a FIFO inside: never opened
+        "file:///etc/passwd": nowhere,
+        "/etc/no-such-file": nowhere,
+        str(media_dir / "allowed" / "missing.png"): nowhere,
+        f"file://otherhost{media_dir / 'allowed' / 'sky.png'}": "names no other host",
+        str(media_dir / "allowed" / "a\x00b"): "invalid URL",
         "ftp://example.com/a.png": "unsupported URL scheme",
     }
     for url, message in refusals.items():
@@ -147,11 +166,26 @@ def test_dev_zero_is_refused_unread_even_where_its_directory_is_allowed():
     assert time.monotonic() - start < 1 and peak < 2**20
 
 
-@pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "10.1.2.3", "192.168.0.7", "169.254.169.254", "[::1]",
-                                  "[::ffff:127.0.0.1]", "[fe80::1]", "0.0.0.0"])
+@pytest.mark.parametrize("host", [
+    "localhost", "127.0.0.1", "2130706433", "0x7f.1", "10.1.2.3", "192.168.0.7", "169.254.169.254", "0.0.0.0", "[::1]",
+    "[::ffff:127.0.0.1]", "[::127.0.0.1]", "[64:ff9b::a9fe:a9fe]", "[2002:7f00:1::]", "[fec0::1]", "[fe80::1]",
+    "[2001:0:4136:e378:8000:63bf:3fff:fdd2]",  # Teredo, with 192.0.2.45 inside
+])
 def test_image_urls_on_private_addresses_are_refused_before_connecting(host):
     with pytest.raises(RequestError, match="loopback, private or link-local"):
         open_image(f"http://{host}:9/a.png", 0, MediaPolicy())
+
+
+def test_public_addresses_are_public():
+    for address in ("8.8.8.8", "2606:4700::1111", "2a00:1450:4007:80e::200e"):
+        assert _public(ipaddress.ip_address(address)), address
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "http://a..b/x", "http://xn--/a", "http://" + "a" * 70 + ".com/x"])
+def test_malformed_urls_are_a_400_not_a_500(served, url):
+    server, *_ = served
+    response = _ask(server, _image_part(url))
+    assert response.status_code == 400, response.text
 
 
 def test_image_urls_are_fetched_with_limits_only_where_allowed(served):
@@ -167,6 +201,12 @@ def test_image_urls_are_fetched_with_limits_only_where_allowed(served):
         open_image(f"{host.url}/hop/5", 0, allowed)
     with pytest.raises(RequestError, match="larger than 1048576 bytes"):
         open_image(f"{host.url}/big.png", 0, allowed)
+    with pytest.raises(RequestError, match="gzip-encoded"):  # asked for none; never inflated
+        open_image(f"{host.url}/gzip.png", 0, allowed)
+    start = time.monotonic()
+    with pytest.raises(RequestError, match="took longer than 1 s"):  # one header byte every 0.2 s: cut at 1 s
+        open_image(f"{host.url}/slow.png", 0, dataclasses.replace(allowed, timeout=1.0))
+    assert time.monotonic() - start < 2
     host.server.shutdown()
 
 
@@ -195,6 +235,7 @@ def test_oversized_bodies_and_prompts_are_refused_while_health_keeps_answering(s
                                                                                   range(0, len(body), 65536)]),
                                 headers=headers), 413),
             (lambda: _ask(server, "sky " * 2**18), 400),  # 1 MiB of prompt, under the body limit
+            (lambda: _ask(server, "hi", junk=[{}] * 300_000), 400),  # 1.2 MB of objects: refused before parsing
             (lambda: _ask(server, _image_part("/dev/zero")), 400),
         ]
         for send, status in checks:
