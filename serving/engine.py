@@ -2,6 +2,8 @@
 
     engine = Engine(model, processor, num_blocks=512)     # processor: data.chat_processors (or a tokenizer)
     outputs = engine.generate([Request("What color is the circle?", [image]), Request("Describe the image.")])
+    outputs = engine.generate([Request([Message("system", "Answer in one word."), Message("user", "Color?", 1)],
+                                       [image])])         # a conversation: its earlier turns reuse cached blocks
 
 or step by step (a server): `add_request`, then `step()` until `has_unfinished()` is False; `abort(request_id)` drops
 a request and frees its blocks. Each step schedules (serving/scheduler.py), runs the decode rows and the prompt chunks
@@ -22,6 +24,7 @@ from PIL import Image
 from torch import Tensor
 
 from data.chat_processors import ChatProcessor, CheckpointProcessor
+from data.prompts import Message, PromptError
 from models import VisionLanguageModel
 from models.errors import TinyVLMError
 from serving.block_manager import BlockManager
@@ -36,10 +39,11 @@ class RequestError(TinyVLMError, ValueError):
 
 @dataclasses.dataclass
 class Request:
-    """A prompt (text, or token ids with image placeholders already in place) with its images (PIL images, or
-    processed pixels [N, C, H, W]) and settings."""
+    """A prompt (text: one user turn; a conversation: data.Message's, each user message with its number of images;
+    or token ids with image placeholders already in place) with its images (PIL images, in order, or processed
+    pixels [N, C, H, W] for token ids) and settings."""
 
-    prompt: str | list[int]
+    prompt: str | list[Message] | list[int]
     images: list[Image.Image] | Tensor | None = None
     params: RequestParams = dataclasses.field(default_factory=RequestParams)
     request_id: str | None = None
@@ -65,6 +69,7 @@ class Result:
     texts: list[str]
     finish_reasons: list[str]
     prompt_tokens: int
+    cached_tokens: int  # of the prompt's, found in the prefix cache when it was admitted
     logprobs: list[list[TokenLogprobs]] | None = None  # per sample, per token (RequestParams.logprobs)
 
 
@@ -154,13 +159,20 @@ class Engine:
         return max(min(context - prompt, span * blocks.block_size - prompt), 1)
 
     def _encode(self, request: Request) -> tuple[list[int], Tensor | None]:
-        images = request.images
-        if isinstance(request.prompt, str):
+        images, conversation = request.images, isinstance(request.prompt, list) and request.prompt and isinstance(
+            request.prompt[0], Message)
+        if isinstance(request.prompt, str) or conversation:
             if self.processor is None:
                 raise RequestError("a text prompt needs the engine's processor (or tokenizer)")
             if isinstance(images, Tensor):
                 raise RequestError("a text prompt takes PIL images (the processor makes their pixels), not pixels")
-            prompt, images = self.processor.encode(request.prompt, images or [])
+            try:
+                if conversation:
+                    prompt, images = self.processor.encode_chat(request.prompt, images or [])
+                else:
+                    prompt, images = self.processor.encode(request.prompt, images or [])
+            except PromptError as e:
+                raise RequestError(str(e)) from None
         else:
             if images is not None and not isinstance(images, Tensor):
                 raise RequestError("a prompt of token ids takes processed pixels [N, C, H, W], not PIL images")
@@ -280,8 +292,8 @@ class Engine:
                     if progress:
                         progress(len(reasons))
         return [Result(request_id, tokens[request_id], [self.decode(t) for t in tokens[request_id]],
-                       reasons[request_id], prompts[request_id].num_prompt, logprobs.get(request_id))
-                for request_id in order]
+                       reasons[request_id], prompts[request_id].num_prompt, prompts[request_id].num_cached or 0,
+                       logprobs.get(request_id)) for request_id in order]
 
     def decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True).strip()

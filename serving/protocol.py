@@ -8,11 +8,11 @@ as is any field the API does not have; `user` and `metadata` label a request and
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from data import CAPTION_PROMPT
+from data import CAPTION_PROMPT, Message
 from serving.engine import Request, RequestError
 from serving.media import MediaPolicy, open_image
 from serving.sequence import MAX_LOGPROBS, RequestParams
@@ -38,7 +38,7 @@ class ContentPart(BaseModel):
     image_url: ImageURL | None = None
 
 
-class Message(BaseModel):
+class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: StrictStr | list[ContentPart]
 
@@ -47,16 +47,15 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class ChatRequest(BaseModel):
-    """The fields tinyvlm honours are typed and checked here; any other field lands in `model_extra`, which
-    `refused_field` judges."""
+class GenerationRequest(BaseModel):
+    """What both APIs share. The fields tinyvlm honours are typed and checked here; any other field lands in
+    `model_extra`, which `refused_field` judges against the API's NEUTRAL values."""
 
     model_config = ConfigDict(extra="allow")
+    NEUTRAL: ClassVar[dict[str, tuple]] = NEUTRAL
 
     model: StrictStr | None = None
-    messages: list[Message] = Field(min_length=1)
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: StrictFloat | StrictInt = Field(default=1.0, ge=0, le=2)
     top_p: StrictFloat | StrictInt = Field(default=1.0, gt=0, le=1)
     top_k: StrictInt = Field(default=0, ge=-1)  # vLLM's extension; 0 or -1 keep every token
@@ -64,8 +63,6 @@ class ChatRequest(BaseModel):
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     ignore_eos: StrictBool = False  # vLLM's extension
-    logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
 
@@ -78,11 +75,49 @@ class ChatRequest(BaseModel):
         for name, value in (self.model_extra or {}).items():
             if name in LABELS:
                 continue
-            if name not in NEUTRAL:
-                return f"{name}: not a field of the chat completions API that this server knows"
-            if value not in NEUTRAL[name]:
+            if name not in self.NEUTRAL:
+                return f"{name}: not a field of this API that this server knows"
+            if value not in self.NEUTRAL[name]:
                 return f"{name}: {value!r} is not supported by this server"
         return None
+
+    def params(self, max_tokens: int | None, logprobs: int | None = None) -> RequestParams:
+        """The engine's settings for this request."""
+        return RequestParams(greedy=self.temperature == 0, temperature=float(self.temperature) or 1.0,
+                             top_p=float(self.top_p), top_k=max(self.top_k, 0), n=self.n, seed=self.seed,
+                             ignore_eos=self.ignore_eos, logprobs=logprobs, max_tokens=max_tokens)
+
+
+class ChatRequest(GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+
+class CompletionRequest(GenerationRequest):
+    """POST /v1/completions: a plain text prompt (or its token ids), no chat template."""
+
+    NEUTRAL: ClassVar[dict[str, tuple]] = {**NEUTRAL, "echo": (None, False), "suffix": (None, ""),
+                                           "best_of": (None, 1), "logprobs": (None,)}
+
+    prompt: StrictStr | list[StrictStr] | list[StrictInt]
+    max_tokens: StrictInt | None = Field(default=16, ge=1)  # the API's default
+
+    def prompt_ids(self, tokenizer) -> list[int]:
+        """The prompt's token ids (the tokenizer's own special tokens added, as transformers' `encode` does)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise RequestError("prompt: one prompt per request (a list of prompts is not supported)")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return tokenizer(prompt)["input_ids"]
+        if not prompt or min(prompt) < 0 or max(prompt) >= len(tokenizer):
+            raise RequestError(f"prompt: token ids must lie in 0..{len(tokenizer) - 1}")
+        return list(prompt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,35 +139,54 @@ class RequestLimits:
 
 def to_engine_request(chat: ChatRequest, default_max_tokens: int | None, limits: RequestLimits, media: MediaPolicy,
                       request_id: str) -> Request:
-    """The single user turn's text and images (in order), with the sampling settings; RequestError otherwise. An
-    image with no text asks for a caption (generate.py's caption prompt)."""
+    """The conversation (system / developer, user and assistant messages, images in any user message) and its
+    images in order, with the sampling settings; RequestError otherwise. The last message is the user's to answer; if
+    it holds images and no text, it asks for a caption (generate.py's caption prompt)."""
     if refused := chat.refused_field():
         raise RequestError(refused)
     if chat.top_logprobs and not chat.logprobs:
         raise RequestError("top_logprobs: needs logprobs: true")
-    if len(chat.messages) != 1 or chat.messages[0].role != "user":
-        raise RequestError("only a single user message is supported (no system, assistant or multi-turn messages)")
-    content = chat.messages[0].content
-    parts = [ContentPart(type="text", text=content)] if isinstance(content, str) else content
-    texts, images = [], []
-    for part in parts:
-        if part.type == "text":
-            texts.append(part.text or "")
-        elif part.image_url is None:
-            raise RequestError("an image_url content part needs an image_url object")
-        else:
-            images.append(part.image_url.url)
-    text = "\n".join(texts)
-    if len(text) > limits.max_prompt_chars:
-        raise RequestError(f"the prompt has {len(text)} characters; at most {limits.max_prompt_chars} are accepted")
-    if len(images) > limits.max_images:
-        raise RequestError(f"{len(images)} images in one message; at most {limits.max_images} are accepted")
-    if not text.strip():
-        if not images:
-            raise RequestError("the message has no text and no image")
-        text = CAPTION_PROMPT
-    params = RequestParams(greedy=chat.temperature == 0, temperature=float(chat.temperature) or 1.0,
-                           top_p=float(chat.top_p), top_k=max(chat.top_k, 0), n=chat.n, seed=chat.seed,
-                           ignore_eos=chat.ignore_eos, logprobs=(chat.top_logprobs or 0) if chat.logprobs else None,
-                           max_tokens=chat.max_completion_tokens or chat.max_tokens or default_max_tokens)
-    return Request(text, [open_image(url, i, media) for i, url in enumerate(images)] or None, params, request_id)
+    messages, urls = [], []
+    for i, message in enumerate(chat.messages):
+        if message.role == "tool":
+            raise RequestError(f"messages.{i}: tool messages are not supported (this server calls no tools)")
+        parts = [ContentPart(type="text", text=message.content)] if isinstance(message.content, str) else \
+            message.content
+        texts, images = [], []
+        for part in parts:
+            if part.type == "text":
+                texts.append(part.text or "")
+            elif part.image_url is None:
+                raise RequestError(f"messages.{i}: an image_url content part needs an image_url object")
+            else:
+                images.append(part.image_url.url)
+        if images and message.role != "user":
+            raise RequestError(f"messages.{i}: only user messages may hold images")
+        role = "system" if message.role == "developer" else message.role
+        messages.append(Message(role, "\n".join(texts), len(images)))
+        urls += images
+    last = messages[-1]
+    if last.role != "user":
+        raise RequestError("the last message must be the user's (the one to answer)")
+    if not last.text.strip():
+        if not last.images:
+            raise RequestError("the last message has no text and no image")
+        messages[-1] = dataclasses.replace(last, text=CAPTION_PROMPT)
+    if (chars := sum(len(message.text) for message in messages)) > limits.max_prompt_chars:
+        raise RequestError(f"the messages hold {chars} characters; at most {limits.max_prompt_chars} are accepted")
+    if len(urls) > limits.max_images:
+        raise RequestError(f"{len(urls)} images in one request; at most {limits.max_images} are accepted")
+    params = chat.params(chat.max_completion_tokens or chat.max_tokens or default_max_tokens,
+                         (chat.top_logprobs or 0) if chat.logprobs else None)
+    return Request(messages, [open_image(url, i, media) for i, url in enumerate(urls)] or None, params, request_id)
+
+
+def completion_to_engine_request(completion: CompletionRequest, tokenizer, limits: RequestLimits,
+                                 request_id: str) -> Request:
+    """A text completion's prompt as token ids, with the sampling settings; RequestError otherwise."""
+    if refused := completion.refused_field():
+        raise RequestError(refused)
+    if isinstance(completion.prompt, str) and len(completion.prompt) > limits.max_prompt_chars:
+        raise RequestError(f"the prompt has {len(completion.prompt)} characters; at most {limits.max_prompt_chars} "
+                           f"are accepted")
+    return Request(completion.prompt_ids(tokenizer), None, completion.params(completion.max_tokens), request_id)

@@ -155,6 +155,8 @@ class Scheduler:
             sequence.table, sequence.num_computed = allocated
             sequence.num_registered = 0
             admitted.append(sequence)
+        if group.num_cached is None:
+            group.num_cached = group.sequences[0].num_computed
         group.status = Status.RUNNING
         bisect.insort(self.running, group, key=lambda g: g.arrival)
         self.seats += seats

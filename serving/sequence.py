@@ -103,6 +103,7 @@ class Group:
     sequences: list[Sequence] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING
     features: Tensor | None = None  # the images' LM-space embeddings [image tokens, hidden], computed once
+    num_cached: int | None = None  # prompt tokens found in the prefix cache at its first admission
     generator: torch.Generator | None = None
     forked: bool = False
 

@@ -8,11 +8,13 @@
         {"type": "text", "text": "What color is the circle?"},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}]}])
 
-Endpoints: POST /v1/chat/completions (streaming as server-sent events, `n`, `max_tokens` (default: the rest of the
-context), `temperature`, `top_p`, `top_k`, `seed`, `stop`, `ignore_eos`, `stream_options.include_usage`), GET
-/v1/models, /health and /metrics (Prometheus' text format: running and waiting requests, KV-cache blocks, prefix-cache
-hits, preemptions, tokens in and out, time to first token and between tokens, end to end). A client that disconnects
-aborts its request; bad requests get a 4xx JSON error in OpenAI's shape, and a full server answers 429.
+Endpoints: POST /v1/chat/completions (a conversation: system, user and assistant messages, images in any user
+message; `n`, `max_tokens` (default: the rest of the context), `temperature`, `top_p`, `top_k`, `seed`, `stop`,
+`ignore_eos`, `logprobs` / `top_logprobs`, streaming as server-sent events with `stream_options.include_usage`), POST
+/v1/completions (a plain text prompt, the same settings), GET /v1/models, /health and /metrics (Prometheus' text
+format: running and waiting requests, KV-cache blocks, prefix-cache hits, preemptions, tokens in and out, time to first
+token and between tokens, end to end). A client that disconnects aborts its request; bad requests get a 4xx JSON error
+in OpenAI's shape, and a full server answers 429.
 
 Safe to expose: with --api-key (or TINYVLM_API_KEY) every /v1 route wants `Authorization: Bearer KEY` (401 without);
 images come as data URLs, as http(s) URLs fetched with limits from public addresses only (--allow-private-image-urls
@@ -50,7 +52,14 @@ from serving.async_engine import AsyncEngine, EngineFailure, QueueFull
 from serving.engine import Engine, Output, engine_size
 from serving.media import MediaPolicy
 from serving.metrics import ServerMetrics
-from serving.protocol import ChatRequest, RequestLimits, to_engine_request
+from serving.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    GenerationRequest,
+    RequestLimits,
+    completion_to_engine_request,
+    to_engine_request,
+)
 from serving.sequence import Group, TokenLogprobs
 
 
@@ -153,44 +162,54 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "tinyvlm"}]}
 
-    def prepare(body: bytes, request_id: str) -> tuple[ChatRequest, Group]:
+    def prepare(body: bytes, request_id: str, chat: bool) -> tuple[GenerationRequest, Group]:
         """Parse and check the request, fetch and decode its images, tokenize its prompt (in a worker thread)."""
         if body.count(b"{") + body.count(b"[") > limits.max_json_containers:
             raise Refused(400, f"the request holds more than {limits.max_json_containers} JSON objects and arrays")
         try:
-            chat_request = ChatRequest.model_validate_json(body)
+            parsed = (ChatRequest if chat else CompletionRequest).model_validate_json(body)
         except ValidationError as e:
             raise Refused(400, invalid(e)) from None
-        if chat_request.model is not None and chat_request.model != model_name:
-            raise Refused(404, f"the model `{chat_request.model}` does not exist (this server serves "
-                               f"`{model_name}`)", "model_not_found")
-        request = to_engine_request(chat_request, default_max_tokens, limits, media, request_id)
-        return chat_request, engine.prepare(request)
+        if parsed.model is not None and parsed.model != model_name:
+            raise Refused(404, f"the model `{parsed.model}` does not exist (this server serves `{model_name}`)",
+                          "model_not_found")
+        if chat:
+            request = to_engine_request(parsed, default_max_tokens, limits, media, request_id)
+        else:
+            request = completion_to_engine_request(parsed, tokenizer, limits, request_id)
+        return parsed, engine.prepare(request)
 
-    @v1.post("/chat/completions")
-    async def chat(http: Request):
+    async def serve(http: Request, chat: bool):
         arrival = time.monotonic()
         if engine.full:
             raise Refused(429, "too many requests in flight; try again later", "rate_limit_exceeded")
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         async with preparing:
             body = await read_body(http, limits.max_body_bytes)
             try:
-                chat_request, group = await asyncio.get_running_loop().run_in_executor(workers, prepare, body,
-                                                                                       request_id)
+                parsed, group = await asyncio.get_running_loop().run_in_executor(workers, prepare, body, request_id,
+                                                                                 chat)
                 stream = engine.submit(group)
             except QueueFull as e:
                 raise Refused(429, str(e), "rate_limit_exceeded") from None
             except TinyVLMError as e:
                 raise Refused(400, str(e)) from None
-        completion = Completion(tokenizer, chat_request.n, chat_request.stop_strings, chat_request.logprobs)
+        completion = Completion(tokenizer, parsed.n, parsed.stop_strings, chat and parsed.logprobs)
         reply = Reply(engine, stream, completion, request_id,
-                      {"id": request_id, "created": int(time.time()), "model": model_name}, group.num_prompt,
-                      server_metrics, arrival)
-        if chat_request.stream:
-            include_usage = bool(chat_request.stream_options and chat_request.stream_options.include_usage)
+                      {"id": request_id, "created": int(time.time()), "model": model_name}, group, server_metrics,
+                      arrival, chat)
+        if parsed.stream:
+            include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
             return StreamingResponse(reply.events(include_usage), media_type="text/event-stream")
         return await reply.whole(http)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(http: Request):
+        return await serve(http, chat=True)
+
+    @v1.post("/completions")
+    async def completions(http: Request):
+        return await serve(http, chat=False)
 
     app.include_router(v1)
     return app
@@ -247,23 +266,27 @@ class Reply:
     completion: Completion
     request_id: str
     head: dict  # id, created, model: in every response body
-    prompt_tokens: int
+    group: Group  # the engine's request: its prompt's length, and how much of it was found cached
     metrics: ServerMetrics
     arrival: float  # time.monotonic() when the request came in
+    chat: bool  # a chat completion (messages, deltas), or a text completion (text)
 
     async def whole(self, http: Request) -> dict | JSONResponse:
         async for item in self.outputs(http):
             if isinstance(item, EngineFailure):
                 return error(500, item.message, "server_error")
-        completion = self.completion
-        choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                    "logprobs": None if completion.logprobs is None else {"content": completion.logprobs[i]}}
-                   for i, (text, reason) in enumerate(zip(completion.texts, completion.finish_reasons))]
-        return {**self.head, "object": "chat.completion", "choices": choices, "usage": self.usage()}
+        completion, choices = self.completion, []
+        for i, (text, reason) in enumerate(zip(completion.texts, completion.finish_reasons)):
+            logprobs = None if completion.logprobs is None else {"content": completion.logprobs[i]}
+            content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            choices.append({"index": i, **content, "finish_reason": reason, "logprobs": logprobs})
+        return {**self.head, "object": "chat.completion" if self.chat else "text_completion", "choices": choices,
+                "usage": self.usage()}
 
     async def events(self, include_usage: bool) -> AsyncIterator[str]:
-        yield self.event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                          for i in range(len(self.completion.texts))])
+        if self.chat:
+            yield self.event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                              for i in range(len(self.completion.texts))])
         sent = [0] * len(self.completion.texts)  # log-probability entries sent, per sample
         async for item in self.outputs(None):
             if isinstance(item, EngineFailure):
@@ -273,7 +296,9 @@ class Reply:
             choices = []
             for i, (delta, reason) in enumerate(zip(deltas, reasons)):
                 if delta or reason:  # log-probabilities of tokens whose text was held back go out with the next text
-                    choice = {"index": i, "delta": {"content": delta} if delta else {}, "finish_reason": reason}
+                    content = ({"delta": {"content": delta} if delta else {}} if self.chat
+                               else {"text": delta, "logprobs": None})
+                    choice = {"index": i, **content, "finish_reason": reason}
                     if self.completion.logprobs is not None:
                         choice["logprobs"] = {"content": self.completion.logprobs[i][sent[i] :]}
                         sent[i] = len(self.completion.logprobs[i])
@@ -285,12 +310,14 @@ class Reply:
         yield "data: [DONE]\n\n"
 
     def event(self, choices: list, **extra) -> str:
-        return f"data: {json.dumps({**self.head, 'object': 'chat.completion.chunk', 'choices': choices, **extra})}\n\n"
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return f"data: {json.dumps({**self.head, 'object': kind, 'choices': choices, **extra})}\n\n"
 
     def usage(self) -> dict:
         generated = sum(len(detokenizer.tokens) for detokenizer in self.completion.detokenizers)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": generated,
-                "total_tokens": self.prompt_tokens + generated}
+        prompt = self.group.num_prompt
+        return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
+                "prompt_tokens_details": {"cached_tokens": self.group.num_cached or 0}}
 
     async def outputs(self, http: Request | None):
         """Each step's (deltas, newly final reasons) until every sample is done; a request whose client goes away

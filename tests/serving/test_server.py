@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from data import ImageProcessor, encode_prompt  # noqa: E402
+from data import ImageProcessor, Message, encode_prompt  # noqa: E402
 from serving.async_engine import AsyncEngine  # noqa: E402
 from serving.engine import Engine, Output  # noqa: E402
 from serving.server import Completion, create_app  # noqa: E402
@@ -150,6 +150,66 @@ def test_logprobs_equal_a_float64_log_softmax_of_the_models_logits(served):
     _idle(engine)
 
 
+def test_a_conversation_equals_generate_on_its_rendered_prompt_and_reuses_its_earlier_turns(served):
+    """Three turns through the openai client (a system prompt, images in the first two user turns): each answer is
+    generate's on the conversation as the processor renders it (greedy), streamed = not, and from the second turn on
+    the earlier turns' blocks come from the prefix cache (usage.prompt_tokens_details.cached_tokens, engine stats)."""
+    server, client, model, tokenizer, engine = served
+    images = [_png("navy"), _png("gold", (24, 36))]
+    history = [{"role": "system", "content": "You answer in a few words."}]
+    turns = [("what colour is this?", [images[0]]), ("and this one?", [images[1]]), ("which is brighter?", [])]
+    previous = []  # the answers so far
+    for turn, (text, turn_images) in enumerate(turns):
+        history.append(_message(text, *turn_images)[0])
+        hits = engine.blocks.hits
+        reply = client.chat.completions.create(model="tiny", messages=history, max_tokens=8, temperature=0)
+        answer = reply.choices[0].message.content
+        rendered = [Message("system", "You answer in a few words.")]
+        rendered += [m for t, (q, i) in enumerate(turns[: turn + 1]) for m in
+                     ([Message("user", q, len(i))] + ([Message("assistant", previous[t])] if t < turn else []))]
+        shown = [image for _, i in turns[: turn + 1] for image in i]
+        ids, pixels = engine.processor.encode_chat(rendered, [Image.open(io.BytesIO(i)) for i in shown])
+        row = model.generate(torch.tensor([ids]), pixels, max_new_tokens=8, greedy=True)[0].tolist()
+        stops = [i for i, token in enumerate(row) if token in model.config.stop_ids]
+        assert answer == tokenizer.decode(row[: stops[0]] if stops else row, skip_special_tokens=True), turn
+        assert reply.usage.prompt_tokens == len(ids)
+        chunks = client.chat.completions.create(model="tiny", messages=history, max_tokens=8, temperature=0,
+                                                stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+        if turn:
+            assert reply.usage.prompt_tokens_details.cached_tokens > 0 and engine.blocks.hits > hits
+        previous.append(answer)
+        history.append({"role": "assistant", "content": answer})
+    _idle(engine)
+
+
+def test_text_completions_continue_a_plain_prompt(served):
+    """/v1/completions (what load testers and evaluation harnesses send): the prompt's own token ids, no chat
+    template; the text equals generate's continuation, streamed = not, with usage; a prompt of token ids too."""
+    server, client, model, tokenizer, engine = served
+    prompt = "the sky is blue and the sea is"
+    ids = tokenizer(prompt)["input_ids"]
+    row = model.generate(torch.tensor([ids]), max_new_tokens=10, greedy=True, eos_token_id=model.config.stop_ids)
+    row = row[0].tolist()
+    stops = [i for i, token in enumerate(row) if token in model.config.stop_ids]
+    expected = tokenizer.decode(row[: stops[0]] if stops else row, skip_special_tokens=True)
+    reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0)
+    assert reply.object == "text_completion" and reply.choices[0].text == expected
+    assert reply.usage.prompt_tokens == len(ids)
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+    assert client.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0).choices[0].text == expected
+    default = client.completions.create(model="tiny", prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
+    assert default.usage.completion_tokens == 16  # the API's default max_tokens
+    for body, message in [({"prompt": prompt, "echo": True}, "echo"), ({"prompt": [prompt, prompt]}, "one prompt"),
+                          ({"prompt": [10**9]}, "token ids must lie")]:
+        response = httpx.post(f"{server.url}/v1/completions", json=body)
+        assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+    _idle(engine)
+
+
 def test_n_samples_with_a_seed_equal_generate_num_samples(served):
     server, client, model, tokenizer, engine = served
     image = _png("orange")
@@ -233,7 +293,10 @@ BAD = [
     ("undecodable image", {"messages": _message("hi", b"not an image at all")}, "not an image"),
     ("too many images", {"messages": _message("hi", *[_png()] * 5)}, "at most 4"),
     ("no messages", {"messages": []}, "messages"),
-    ("assistant turn", {"messages": [{"role": "assistant", "content": "hi"}]}, "single user message"),
+    ("assistant turn last", {"messages": [{"role": "assistant", "content": "hi"}]}, "last message must be the user"),
+    ("image in an assistant turn", {"messages": [{"role": "assistant", "content": [
+        {"type": "image_url", "image_url": {"url": _data_url(_png())}}]}, *_message("hi")]}, "only user messages"),
+    ("tool message", {"messages": [{"role": "tool", "content": "42"}, *_message("hi")]}, "tool messages"),
 ]
 
 

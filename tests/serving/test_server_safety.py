@@ -264,7 +264,7 @@ def test_fields_are_honoured_or_refused(served):
     assert _ask(server, "hi", **neutral).status_code == 200
     ignored_eos = _ask(server, "hi", ignore_eos=True, max_tokens=30, temperature=0).json()
     assert ignored_eos["usage"]["completion_tokens"] == 30
-    missing = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"},
+    missing = httpx.post(f"{server.url}/v1/embeddings", json={"input": "hi"},
                          headers={"authorization": f"Bearer {KEY}"})
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
     _idle(engine)
