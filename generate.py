@@ -7,12 +7,16 @@
     python generate.py --checkpoint HuggingFaceTB/SmolVLM-256M-Instruct --image photo.jpg --prompt "What is this?"
     python generate.py --checkpoint lusxvr/nanoVLM-460M-8k --image a.jpg --image b.jpg --prompt "Compare them."
     python generate.py --batch requests.jsonl --output answers.jsonl            # many at once (serving engine)
+    python generate.py --chat --image photo.png                                 # a conversation in the terminal
 
 --checkpoint takes tinyvlm's own checkpoints, SmolVLM / Idefics3 and nanoVLM ones, as directories or hub ids; each
 is asked the way it was trained (its chat template, its image splitting). Decoding is greedy unless a sampling option
-(--temperature, --top-k, --top-p) is given. In batch mode each line of
-the input is {"image": path, "prompt": text} (either may be left out: no image, or a caption); the output has the
-same lines, in the same order, each with its "answer" added.
+(--temperature, --top-k, --top-p) is given. In batch mode each line of the input is {"image": path, "prompt": text}
+(either may be left out: no image, or a caption) or {"messages": [{"role": "system" | "user" | "assistant", "content":
+text, "images": [paths]}, ...]} (a conversation to answer); the output has the same lines, in the same order, each
+with its "answer" added. In chat mode each line you type is a user turn, answered as it is generated, and each turn
+reuses the earlier turns' KV blocks through the engine's prefix cache (it says how many prompt tokens it reused):
+`/image PATH` attaches an image to your next turn, `/reset` starts a new conversation, `/quit` (or Ctrl-D) ends.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from data import CAPTION_PROMPT, load_image
+from data import CAPTION_PROMPT, ImageLoadError, Message, load_image
 from data.chat_processors import load_for_inference
 from data.detokenizer import IncrementalDetokenizer
 from models import GenerationError, TinyVLMError, kv_cache_bytes
@@ -91,9 +95,30 @@ def read_requests(path: Path) -> list[dict]:
         except json.JSONDecodeError as e:
             raise RequestError(f"{path}:{number}: not valid JSON ({e.msg})") from None
         if not isinstance(record, dict) or not all(isinstance(record.get(k, ""), str) for k in ("image", "prompt")):
-            raise RequestError(f"{path}:{number}: expected {{\"image\": path, \"prompt\": text}} with string values")
+            raise RequestError(f"{path}:{number}: expected {{\"image\": path, \"prompt\": text}} with string values, "
+                               f"or {{\"messages\": [...]}}")
+        if "messages" in record and not _messages_ok(record["messages"]):
+            raise RequestError(f"{path}:{number}: \"messages\" must be a list of {{\"role\": system|user|assistant, "
+                               f"\"content\": text, \"images\": [paths]}} ending with a user message")
         records.append(record)
     return records
+
+
+def _messages_ok(messages) -> bool:
+    return (isinstance(messages, list) and bool(messages) and all(
+        isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and isinstance(m.get("content"), str)
+        and isinstance(m.get("images", []), list) and all(isinstance(i, str) for i in m.get("images", []))
+        for m in messages) and messages[-1]["role"] == "user")
+
+
+def conversation(record: dict, directory: Path) -> tuple[list[Message], list]:
+    """A batch line's messages and their images (paths relative to the batch file), in order."""
+    messages, images = [], []
+    for message in record["messages"]:
+        paths = message.get("images", [])
+        images += [load_image(directory / path) for path in paths]
+        messages.append(Message(message["role"], message["content"], len(paths)))
+    return messages, images
 
 
 def run_batch(args: argparse.Namespace, params: RequestParams) -> None:
@@ -107,6 +132,10 @@ def run_batch(args: argparse.Namespace, params: RequestParams) -> None:
     records = read_requests(batch)
     requests = []
     for record in records:  # every image is checked before any work starts
+        if "messages" in record:
+            messages, images = conversation(record, batch.parent)
+            requests.append(Request(messages, images or None, params))
+            continue
         image = load_image(batch.parent / record["image"]) if "image" in record else None
         prompt = check_prompt(record.get("prompt", CAPTION_PROMPT if image else ""))
         requests.append(Request(prompt, [image] if image else None, params))
@@ -120,6 +149,59 @@ def run_batch(args: argparse.Namespace, params: RequestParams) -> None:
     print(f"{len(answers)} answers written to {args.output}", file=sys.stderr)
 
 
+def run_chat(args: argparse.Namespace, params: RequestParams) -> None:
+    """A conversation in the terminal on the serving engine: each line a user turn, the answer streamed; the earlier
+    turns' KV blocks are found in the prefix cache, not computed again."""
+    from serving.engine import Engine, Request
+
+    pending = [load_image(path) for path in args.image or []]  # for the next turn
+    model, processor = load_for_inference(args.checkpoint, pick_device(args.device), args.allow_pickle)
+    engine = Engine(model, processor, **engine_size(model, args.kv_cache_mib))
+    history, images = [], []
+    print("Type a question. /image PATH attaches an image to your next question, /reset starts over, /quit ends.",
+          file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if line in ("/quit", "/exit"):
+            break
+        if line == "/reset":
+            history, images, pending = [], [], []
+            print("(a new conversation)", file=sys.stderr)
+        elif line.startswith("/image"):
+            try:
+                pending.append(load_image(line.removeprefix("/image").strip()))
+                print(f"(image {len(images) + len(pending)} attached to your next question)", file=sys.stderr)
+            except ImageLoadError as e:
+                print(f"error: {e}", file=sys.stderr)
+        elif line.startswith("/"):
+            print(f"error: unknown command {line.split()[0]} (/image PATH, /reset, /quit)", file=sys.stderr)
+        elif line:
+            messages = [*history, Message("user", line, len(pending))]
+            try:
+                answer, reused, prompt = answer_turn(engine, Request(messages, [*images, *pending] or None, params))
+            except RequestError as e:
+                print(f"error: {e} (/reset starts a new conversation)", file=sys.stderr)
+                continue
+            print(f"({reused} of the prompt's {prompt} tokens reused from the earlier turns)", file=sys.stderr)
+            history, images, pending = [*messages, Message("assistant", answer)], [*images, *pending], []
+
+
+def answer_turn(engine, request) -> tuple[str, int, int]:
+    """Serve one turn, printing the answer as it comes; returns it, with the prompt tokens found cached and all."""
+    group = engine.prepare(request)
+    engine.enqueue(group)
+    detokenizer = IncrementalDetokenizer(engine.tokenizer)
+    stops = set(engine.model.config.stop_ids)
+    while engine.has_unfinished():
+        for output in engine.step():
+            print(detokenizer.add([token for token in output.new_tokens[0] if token not in stops]), end="", flush=True)
+    print(detokenizer.finish(), flush=True)
+    return detokenizer.text.strip(), group.num_cached or 0, group.num_prompt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", help="run or checkpoint directory, or a hub id of a SmolVLM / Idefics3 or "
@@ -127,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image", action="append", help="image file to ask about (repeat for several)")
     parser.add_argument("--batch", help="a JSONL file of requests ({\"image\": path, \"prompt\": text} per line)")
     parser.add_argument("--output", help="with --batch: the JSONL file to write the answers to")
-    parser.add_argument("--kv-cache-mib", type=int, default=1024, help="with --batch: KV-cache memory (MiB)")
+    parser.add_argument("--chat", action="store_true", help="a conversation in the terminal (see above)")
+    parser.add_argument("--kv-cache-mib", type=int, default=1024, help="with --batch or --chat: KV-cache memory (MiB)")
     parser.add_argument("--prompt", help=f"question (default: caption the image with {CAPTION_PROMPT!r})")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--greedy", action="store_true",
@@ -144,10 +227,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="accept pytorch_model.bin weights (read with torch.load(weights_only=True)); "
                              "only for files you trust")
     args = parser.parse_args(argv)
-    if (args.image is None) == (args.batch is None) or (args.batch is None) != (args.output is None):
-        parser.error("give --image (one answer), or --batch and --output (a file of requests)")
+    one_answer_or_batch = (args.image is None) != (args.batch is None) and (args.batch is None) == (args.output is None)
+    if not args.chat and not one_answer_or_batch:
+        parser.error("give --image (one answer), --batch and --output (a file of requests), or --chat")
     try:
-        if args.batch:
+        if args.chat:
+            run_chat(args, RequestParams(**sampling_settings(args), max_tokens=args.max_new_tokens, seed=args.seed))
+        elif args.batch:
             run_batch(args, RequestParams(**sampling_settings(args), n=args.num_samples,
                                           max_tokens=args.max_new_tokens, seed=args.seed))
         else:

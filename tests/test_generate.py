@@ -1,6 +1,14 @@
 """generate.py's normal output against the model it loads: streamed text, captions, samples, compile, stop tokens."""
 
 import json
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,7 +16,8 @@ from PIL import Image
 from transformers import PreTrainedTokenizerFast
 
 import generate
-from data import CAPTION_PROMPT, IM_END, IMAGE_TOKEN, ImageProcessor, encode_prompt, stop_token_ids
+from data import CAPTION_PROMPT, IM_END, IMAGE_TOKEN, ImageProcessor, Message, encode_prompt, stop_token_ids
+from data.chat_processors import load_for_inference
 from data.prompts import encode_text
 from data.tokenizer import token_id
 from models import VisionLanguageModel
@@ -157,10 +166,80 @@ def test_batch_mode_answers_every_line_in_order(random_checkpoint, image, tmp_pa
         assert answer["answer"] == expected[0]
 
 
+def _conversation_answer(directory, messages: list[Message], images: list, max_new_tokens: int) -> str:
+    """The model's greedy answer to a conversation as its processor renders it."""
+    model, processor = load_for_inference(directory, torch.device("cpu"))
+    ids, pixels = processor.encode_chat(messages, images)
+    row = model.generate(torch.tensor([ids]), pixels, max_new_tokens=max_new_tokens, greedy=True)[0].tolist()
+    stops = [i for i, token in enumerate(row) if token in model.config.stop_ids]
+    return processor.tokenizer.decode(row[: stops[0]] if stops else row, skip_special_tokens=True).strip()
+
+
+def test_batch_lines_may_be_conversations(random_checkpoint, image, tmp_path, capsys):
+    batch = tmp_path / "requests.jsonl"
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": "what colour is it?", "images": [str(image)]},
+                {"role": "assistant", "content": "blue"}, {"role": "user", "content": "and the sea?"}]
+    batch.write_text(json.dumps({"messages": messages}) + "\n" + json.dumps({"messages": messages[:2]}) + "\n")
+    output = tmp_path / "answers.jsonl"
+    code, _, err = _run(capsys, "--checkpoint", random_checkpoint, "--batch", batch, "--output", output,
+                        "--max-new-tokens", 10)
+    assert code == 0, err
+    answers = [json.loads(line)["answer"] for line in output.read_text().splitlines()]
+    rendered = [Message("system", "Answer briefly."), Message("user", "what colour is it?", 1),
+                Message("assistant", "blue"), Message("user", "and the sea?")]
+    pixels = [Image.open(image)]
+    assert answers == [_conversation_answer(random_checkpoint, rendered, pixels, 10),
+                       _conversation_answer(random_checkpoint, rendered[:2], pixels, 10)]
+
+
+def test_chat_in_a_terminal_answers_each_turn_and_reuses_the_earlier_ones(random_checkpoint, image):
+    """generate.py --chat driven through a pseudo-terminal: an image, then two questions; each answer is the model's
+    to the conversation so far, and the second turn found the first one's tokens in the prefix cache."""
+    master, terminal = pty.openpty()
+    process = subprocess.Popen([sys.executable, "generate.py", "--chat", "--checkpoint", str(random_checkpoint),
+                                "--max-new-tokens", "8", "--kv-cache-mib", "16"], stdin=terminal, stdout=terminal,
+                               stderr=terminal, cwd=Path(generate.__file__).parent, close_fds=True)
+    os.close(terminal)
+    screen = b""
+
+    def until_prompt() -> str:
+        nonlocal screen
+        deadline, start = time.monotonic() + 120, len(screen)
+        while not screen[start:].rstrip().endswith(b">"):
+            assert time.monotonic() < deadline and process.poll() is None, screen.decode(errors="replace")
+            if select.select([master], [], [], 1)[0]:
+                screen += os.read(master, 4096)
+        return screen[start:].decode().replace("\r\n", "\n")
+
+    try:
+        until_prompt()
+        os.write(master, f"/image {image}\n".encode())
+        assert "attached" in until_prompt()
+        replies = []
+        for question in ("what colour is it?", "and the sky?"):
+            os.write(master, f"{question}\n".encode())
+            replies.append(until_prompt())
+        os.write(master, b"/quit\n")
+        assert process.wait(timeout=30) == 0
+    finally:
+        process.kill()
+        os.close(master)
+    first = _conversation_answer(random_checkpoint, [Message("user", "what colour is it?", 1)], [Image.open(image)], 8)
+    second = _conversation_answer(random_checkpoint, [Message("user", "what colour is it?", 1),
+                                                      Message("assistant", first), Message("user", "and the sky?")],
+                                  [Image.open(image)], 8)
+    assert first and second
+    assert first in replies[0] and second in replies[1]
+    reused = [re.search(r"\((\d+) of the prompt's (\d+) tokens reused", reply).groups() for reply in replies]
+    assert int(reused[0][0]) == 0 and int(reused[1][0]) > 0
+
+
 @pytest.mark.parametrize("content, message", [
     ('{"prompt": "hi"}\nnot json\n', "requests.jsonl:2: not valid JSON"),
     ('{"image": "missing.png"}\n', "missing.png: no such file"),
     ('["a list"]\n', "requests.jsonl:1: expected"),
+    ('{"messages": [{"role": "assistant", "content": "hi"}]}\n', "ending with a user message"),
 ])
 def test_bad_batch_files_are_one_line_errors_before_any_work(random_checkpoint, tmp_path, capsys, content, message):
     batch = tmp_path / "requests.jsonl"
