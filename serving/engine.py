@@ -26,15 +26,11 @@ from torch import Tensor
 from data.chat_processors import ChatProcessor, CheckpointProcessor
 from data.prompts import Message, PromptError
 from models import VisionLanguageModel
-from models.errors import TinyVLMError
 from serving.block_manager import BlockManager
 from serving.runner import ModelRunner
 from serving.scheduler import Scheduler
-from serving.sequence import Group, RequestParams, Sequence, TokenLogprobs, token_keys
-
-
-class RequestError(TinyVLMError, ValueError):
-    """A request the engine cannot serve: longer than the context, larger than the whole KV cache, bad settings."""
+from serving.sequence import Group, RequestError, RequestParams, Sequence, TokenLogprobs, token_keys
+from serving.structured import Grammars, accepted
 
 
 @dataclasses.dataclass
@@ -101,6 +97,8 @@ class Engine:
         self.groups: dict[str, Group] = {}
         self._arrivals = itertools.count()
         self.prompt_tokens = self.generation_tokens = 0  # of the requests accepted, and the tokens sampled
+        self.grammars = None if self.tokenizer is None else Grammars(self.tokenizer, model.config.language.vocab_size,
+                                                                     model.config.stop_ids)
 
     # -- requests ------------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> str:
@@ -137,9 +135,14 @@ class Engine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(self.runner.device).manual_seed(params.seed)
+        grammar = None
+        if params.structure is not None:
+            if self.grammars is None:
+                raise RequestError("structured output needs the engine's tokenizer")
+            grammar = self.grammars.compile(params.structure)
         placeholders = np.flatnonzero(np.asarray(prompt) == config.image_token_id) if images is not None else []
         group = Group(request_id, prompt, images, np.asarray(placeholders, np.int64), params, frozenset(stop),
-                      len(prompt) + params.max_tokens, next(self._arrivals), generator=generator)
+                      len(prompt) + params.max_tokens, next(self._arrivals), generator=generator, grammar=grammar)
         group.sequences = [Sequence(group, 0, list(prompt), token_keys(prompt, images, config.image_token_id))]
         return group
 
@@ -252,7 +255,7 @@ class Engine:
             output.new_tokens[sequence.index].append(token)
             if output.logprobs is not None:
                 output.logprobs[sequence.index].append(logprobs[i])
-            if token in group.stop_ids:
+            if token in group.stop_ids or (sequence.matcher is not None and not accepted(sequence.matcher, token)):
                 sequence.finish_reason = "stop"
             elif len(sequence.tokens) >= group.max_length:
                 sequence.finish_reason = "length"

@@ -8,6 +8,7 @@ as is any field the API does not have; `user` and `metadata` label a request and
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
@@ -15,13 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from data import CAPTION_PROMPT, Message
 from serving.engine import Request, RequestError
 from serving.media import MediaPolicy, open_image
-from serving.sequence import MAX_LOGPROBS, RequestParams
+from serving.sequence import MAX_LOGPROBS, RequestParams, Structure
 
 MAX_N = 16
 LABELS = {"user", "metadata"}  # they name a request and change nothing
 NEUTRAL = {  # fields the server cannot honour, with the values that ask for nothing it lacks
     "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
-    "logit_bias": (None, {}), "response_format": (None, {"type": "text"}), "tools": (None, []),
+    "logit_bias": (None, {}), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False), "functions": (None, []),
     "function_call": (None, "none", "auto"), "modalities": (None, ["text"]), "store": (None, False),
     "service_tier": (None, "auto", "default"),
@@ -47,6 +48,18 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class JSONSchema(BaseModel):
+    name: StrictStr = "answer"
+    schema_: dict = Field(alias="schema")
+    description: StrictStr | None = None
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchema | None = None
+
+
 class GenerationRequest(BaseModel):
     """What both APIs share. The fields tinyvlm honours are typed and checked here; any other field lands in
     `model_extra`, which `refused_field` judges against the API's NEUTRAL values."""
@@ -65,7 +78,8 @@ class GenerationRequest(BaseModel):
     ignore_eos: StrictBool = False  # vLLM's extension
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-
+    response_format: ResponseFormat | None = None
+    guided_choice: list[StrictStr] | None = Field(default=None, min_length=1)  # vLLM's extension
     @property
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -81,11 +95,25 @@ class GenerationRequest(BaseModel):
                 return f"{name}: {value!r} is not supported by this server"
         return None
 
+    def structure(self) -> Structure | None:
+        """The structured output asked for: `response_format` JSON (a schema, or any object) or `guided_choice`."""
+        kind = self.response_format.type if self.response_format else "text"
+        if kind != "text" and self.guided_choice:
+            raise RequestError("give response_format or guided_choice, not both")
+        if self.guided_choice:
+            return Structure("choice", tuple(self.guided_choice))
+        if kind == "json_schema":
+            if self.response_format.json_schema is None:
+                raise RequestError("response_format: json_schema needs its json_schema.schema")
+            return Structure("json_schema", json.dumps(self.response_format.json_schema.schema_))
+        return Structure("json_object") if kind == "json_object" else None
+
     def params(self, max_tokens: int | None, logprobs: int | None = None) -> RequestParams:
         """The engine's settings for this request."""
         return RequestParams(greedy=self.temperature == 0, temperature=float(self.temperature) or 1.0,
                              top_p=float(self.top_p), top_k=max(self.top_k, 0), n=self.n, seed=self.seed,
-                             ignore_eos=self.ignore_eos, logprobs=logprobs, max_tokens=max_tokens)
+                             ignore_eos=self.ignore_eos, logprobs=logprobs, max_tokens=max_tokens,
+                             structure=self.structure())
 
 
 class ChatRequest(GenerationRequest):

@@ -21,6 +21,7 @@ from models.sampling import sample_rows
 from serving.decode_graphs import DecodeGraphs
 from serving.input_buffers import InputBuffers, StepInputs
 from serving.sequence import MAX_LOGPROBS, Sequence, TokenLogprobs
+from serving.structured import apply_masks, matcher
 
 ATTENTION = ("auto", "gather", "triton")
 
@@ -55,6 +56,7 @@ class ModelRunner:
         self.sampled = torch.zeros(max_num_seqs * (2 + 2 * MAX_LOGPROBS), dtype=torch.float64,
                                    pin_memory=self.device.type == "cuda")
         self.sampled_ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        self.bitmask: Tensor | None = None  # structured output's token masks (made when first needed)
         if cuda_graphs is None:  # gather + SDPA in a graph would gather every row's whole context
             cuda_graphs = self.device.type == "cuda" and attention == "triton"
         if cuda_graphs and self.device.type != "cuda":
@@ -109,10 +111,13 @@ class ModelRunner:
     def sample(self, logits: Tensor, sequences: list[Sequence], rows: list[int] | None = None
                ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """A token for each of `sequences` from its row of `logits` (row rows[i], or i), each with its request's
-        settings, in one call, and, if any of them asks, the log-probabilities (the log-softmax of the logits) of the
-        sampled tokens and of the top k: all in the step's one device-to-host copy."""
+        settings (and structured-output mask), in one call, and, if any of them asks, the log-probabilities (the
+        log-softmax of the logits sampled from) of the sampled tokens and of the top k: all in the step's one
+        device-to-host copy."""
         if rows is not None:
             logits = logits[self.inputs.index(rows)]
+        if any(sequence.group.grammar is not None for sequence in sequences):
+            apply_masks(logits, [self._matcher(sequence) for sequence in sequences], self._bitmask(logits.shape[-1]))
         settings = self.inputs.sampling_settings(sequences)
         if settings is None:
             tokens = logits.argmax(-1)
@@ -151,6 +156,19 @@ class ModelRunner:
                 start += group.params.n
             noise[self.inputs.index(rows)] = torch.cat(draws)[self.inputs.index(picks)]
         return noise
+
+    def _matcher(self, sequence: Sequence):
+        """The sequence's grammar state (made at its first token), or None when its request is unconstrained."""
+        if sequence.group.grammar is not None and sequence.matcher is None:
+            sequence.matcher = matcher(sequence.group.grammar)
+        return sequence.matcher
+
+    def _bitmask(self, vocab_size: int) -> Tensor:
+        """The pinned buffer structured-output masks are filled into: one row of 32-token words per row."""
+        if self.bitmask is None:
+            self.bitmask = torch.zeros(self.inputs.max_rows, -(-vocab_size // 32), dtype=torch.int32,
+                                       pin_memory=self.device.type == "cuda")
+        return self.bitmask
 
     def _to_host(self, sampled: Tensor) -> list:
         """`sampled` on the host: a non-blocking copy into pinned memory, then a wait for that copy's event (the only

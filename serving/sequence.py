@@ -11,10 +11,31 @@ import torch
 from torch import Tensor
 
 from models.config import check
+from models.errors import TinyVLMError
 from models.sampling import SamplingParams
 from serving.block_manager import TokenKey
 
 MAX_LOGPROBS = 20  # top log-probabilities a request may ask for (OpenAI's limit)
+STRUCTURES = ("json_schema", "json_object", "choice")
+
+
+class RequestError(TinyVLMError, ValueError):
+    """A request the engine cannot serve: longer than the context, larger than the whole KV cache, bad settings."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Structure:
+    """What an answer must be (serving/structured.py): "json_schema" (`spec` the schema, as JSON text),
+    "json_object" (any JSON object), or "choice" (`spec` the allowed answers)."""
+
+    kind: str
+    spec: str | tuple[str, ...] = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURES:
+            raise RequestError(f"structured output must be one of {STRUCTURES}, got {self.kind!r}")
+        if self.kind == "choice" and not (self.spec and all(isinstance(c, str) and c for c in self.spec)):
+            raise RequestError("a choice needs a non-empty list of non-empty strings")
 
 
 @dataclasses.dataclass
@@ -22,7 +43,8 @@ class RequestParams(SamplingParams):
     """Per-request settings (as vLLM's SamplingParams): sampling, `n` samples sharing one prefill, `max_tokens` (None:
     as many as fit the context after the prompt, and the KV cache), a `seed` for reproducible sampling, extra
     `stop_token_ids` (the model's own stop tokens always apply, unless `ignore_eos`, which benchmarks use to fix output
-    lengths), `logprobs` (the log-softmax of the model's logits at each sampled token, and at the top k)."""
+    lengths), `logprobs` (the log-softmax of the model's logits at each sampled token, and at the top k), `structure`
+    (structured output)."""
 
     n: int = 1
     max_tokens: int | None = 64
@@ -30,6 +52,7 @@ class RequestParams(SamplingParams):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: each sampled token's log-probability and the k most likely tokens'
+    structure: Structure | None = None  # hold the answer to a JSON schema, any JSON object or a list of choices
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -65,6 +88,7 @@ class Sequence:
     hashes: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_registered: int = 0  # leading full blocks registered in the prefix cache (serving/block_manager.py)
+    matcher: object | None = None  # its structured-output grammar's state (serving/structured.py), if constrained
     row: int | None = None  # its row of the runner's input buffers while it holds a seat (serving/input_buffers.py)
     finish_reason: str | None = None
 
@@ -105,6 +129,7 @@ class Group:
     features: Tensor | None = None  # the images' LM-space embeddings [image tokens, hidden], computed once
     num_cached: int | None = None  # prompt tokens found in the prefix cache at its first admission
     generator: torch.Generator | None = None
+    grammar: object | None = None  # the compiled grammar of params.structure (serving/structured.py)
     forked: bool = False
 
     @property

@@ -1,6 +1,8 @@
 """The engine against `VisionLanguageModel.generate` run on each request alone: same tokens under continuous
 batching, chunked prefill, preemption, prefix caching and n samples per request."""
 
+import json
+
 import pytest
 import torch
 
@@ -195,3 +197,35 @@ def _accepts(engine: Engine, prompt: list[int], params: RequestParams) -> bool:
     except RequestError:
         return False
     return True
+
+
+def test_structured_answers_validate_and_leave_free_requests_in_the_same_steps_unchanged():
+    """20 requests held to a JSON schema (an enum and an integer), sampled at temperature 1, all parse and validate;
+    free requests in the same steps get exactly the tokens they get without them (one sampling call, a mask per
+    constrained row)."""
+    pytest.importorskip("xgrammar")
+    jsonschema = pytest.importorskip("jsonschema")
+    from serving.sequence import Structure
+    from tests.models.helpers import base_tokenizer, chat_vlm
+
+    tokenizer = base_tokenizer()
+    model = chat_vlm(tokenizer)
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                               "count": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["colour", "count"], "additionalProperties": False}
+    structure = Structure("json_schema", json.dumps(schema))
+    held = [Request(f"what is it? {i}", None, RequestParams(temperature=1.0, max_tokens=80, seed=i,
+                                                            structure=structure)) for i in range(20)]
+    free = [Request("what colour is the sky?", None, RequestParams(greedy=True, max_tokens=12)),
+            Request("the sky", None, RequestParams(temperature=0.8, top_k=20, seed=3, max_tokens=12))]
+    mixed = Engine(model, tokenizer, num_blocks=400, block_size=8, max_num_seqs=32).generate(held + free)
+    for result in mixed[:20]:
+        jsonschema.validate(json.loads(result.texts[0]), schema)
+        assert result.finish_reasons == ["stop"]
+    alone = Engine(model, tokenizer, num_blocks=400, block_size=8, max_num_seqs=32).generate(free)
+    assert [r.token_ids for r in mixed[20:]] == [r.token_ids for r in alone]
+    choice = Structure("choice", ("yes", "no", "maybe"))
+    answers = Engine(model, tokenizer, num_blocks=400, block_size=8).generate(
+        [Request("well?", None, RequestParams(temperature=1.0, seed=s, max_tokens=10, structure=choice))
+         for s in range(6)])
+    assert {r.texts[0] for r in answers} <= {"yes", "no", "maybe"}

@@ -210,6 +210,32 @@ def test_text_completions_continue_a_plain_prompt(served):
     _idle(engine)
 
 
+def test_structured_answers_through_the_openai_client(served):
+    """response_format json_schema (parsed by the client into the schema's model), json_object, and guided_choice."""
+    pytest.importorskip("xgrammar")
+    jsonschema = pytest.importorskip("jsonschema")
+    server, client, model, tokenizer, engine = served
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                               "count": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["colour", "count"], "additionalProperties": False}
+    for seed in range(3):
+        reply = client.chat.completions.create(
+            model="tiny", messages=_message("describe it", _png()), temperature=1.0, seed=seed, max_tokens=60,
+            response_format={"type": "json_schema", "json_schema": {"name": "scene", "schema": schema}})
+        jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    anything = client.chat.completions.create(model="tiny", messages=_message("hi"), temperature=1.0, seed=1,
+                                              max_tokens=200, response_format={"type": "json_object"})
+    if anything.choices[0].finish_reason == "stop":  # a random model may run out of tokens inside the object
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    chosen = client.chat.completions.create(model="tiny", messages=_message("well?"), temperature=1.0, max_tokens=10,
+                                            n=4, seed=2, extra_body={"guided_choice": ["yes", "no"]})
+    assert {c.message.content for c in chosen.choices} <= {"yes", "no"}
+    bad = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": _message("hi"), "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}})
+    assert bad.status_code == 400 and "cannot be compiled" in bad.json()["error"]["message"], bad.text
+    _idle(engine)
+
+
 def test_n_samples_with_a_seed_equal_generate_num_samples(served):
     server, client, model, tokenizer, engine = served
     image = _png("orange")

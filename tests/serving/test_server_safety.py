@@ -252,7 +252,8 @@ def test_oversized_bodies_and_prompts_are_refused_while_health_keeps_answering(s
 def test_fields_are_honoured_or_refused(served):
     server, model, tokenizer, engine = served
     for fields, message in [({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-                            ({"response_format": {"type": "json_object"}}, "response_format"),
+                            ({"logit_bias": {"5": 10}}, "logit_bias"),
+                            ({"response_format": {"type": "xml"}}, "response_format"),
                             ({"top_logprobs": 2}, "needs logprobs"),
                             ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"foo": 1}, "foo: not a field"),
                             ({"model": "gpt-4o"}, "does not exist")]:
