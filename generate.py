@@ -99,16 +99,19 @@ def read_requests(path: Path) -> list[dict]:
                                f"or {{\"messages\": [...]}}")
         if "messages" in record and not _messages_ok(record["messages"]):
             raise RequestError(f"{path}:{number}: \"messages\" must be a list of {{\"role\": system|user|assistant, "
-                               f"\"content\": text, \"images\": [paths]}} ending with a user message")
+                               f"\"content\": text, \"images\": [paths] (user messages)}} ending with a user message")
         records.append(record)
     return records
 
 
 def _messages_ok(messages) -> bool:
-    return (isinstance(messages, list) and bool(messages) and all(
-        isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and isinstance(m.get("content"), str)
-        and isinstance(m.get("images", []), list) and all(isinstance(i, str) for i in m.get("images", []))
-        for m in messages) and messages[-1]["role"] == "user")
+    def ok(message) -> bool:
+        images = message.get("images", []) if isinstance(message, dict) else None
+        return (isinstance(message, dict) and message.get("role") in ("system", "user", "assistant")
+                and isinstance(message.get("content"), str) and isinstance(images, list)
+                and all(isinstance(i, str) for i in images) and (not images or message["role"] == "user"))
+
+    return isinstance(messages, list) and bool(messages) and all(map(ok, messages)) and messages[-1]["role"] == "user"
 
 
 def conversation(record: dict, directory: Path) -> tuple[list[Message], list]:
@@ -118,6 +121,8 @@ def conversation(record: dict, directory: Path) -> tuple[list[Message], list]:
         paths = message.get("images", [])
         images += [load_image(directory / path) for path in paths]
         messages.append(Message(message["role"], message["content"], len(paths)))
+    if paths and not messages[-1].text.strip():  # the last message: images alone ask for a caption
+        messages[-1] = Message("user", CAPTION_PROMPT, len(paths))
     return messages, images
 
 
@@ -170,7 +175,7 @@ def run_chat(args: argparse.Namespace, params: RequestParams) -> None:
         if line == "/reset":
             history, images, pending = [], [], []
             print("(a new conversation)", file=sys.stderr)
-        elif line.startswith("/image"):
+        elif line == "/image" or line.startswith("/image "):
             try:
                 pending.append(load_image(line.removeprefix("/image").strip()))
                 print(f"(image {len(images) + len(pending)} attached to your next question)", file=sys.stderr)
@@ -184,6 +189,11 @@ def run_chat(args: argparse.Namespace, params: RequestParams) -> None:
                 answer, reused, prompt = answer_turn(engine, Request(messages, [*images, *pending] or None, params))
             except RequestError as e:
                 print(f"error: {e} (/reset starts a new conversation)", file=sys.stderr)
+                continue
+            except KeyboardInterrupt:  # Ctrl-C stops the answer, not the conversation
+                for request_id in list(engine.groups):
+                    engine.abort(request_id)
+                print("\n(answer stopped; ask again or go on)", file=sys.stderr)
                 continue
             print(f"({reused} of the prompt's {prompt} tokens reused from the earlier turns)", file=sys.stderr)
             history, images, pending = [*messages, Message("assistant", answer)], [*images, *pending], []
@@ -199,7 +209,7 @@ def answer_turn(engine, request) -> tuple[str, int, int]:
         for output in engine.step():
             print(detokenizer.add([token for token in output.new_tokens[0] if token not in stops]), end="", flush=True)
     print(detokenizer.finish(), flush=True)
-    return detokenizer.text.strip(), group.num_cached or 0, group.num_prompt
+    return detokenizer.text, group.num_cached or 0, group.num_prompt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                              "only for files you trust")
     args = parser.parse_args(argv)
     one_answer_or_batch = (args.image is None) != (args.batch is None) and (args.batch is None) == (args.output is None)
+    if args.chat and (args.batch or args.output or args.prompt is not None or args.num_samples != 1):
+        parser.error("--chat takes no --batch, --output, --prompt or --num-samples (type your questions)")
     if not args.chat and not one_answer_or_batch:
         parser.error("give --image (one answer), --batch and --output (a file of requests), or --chat")
     try:

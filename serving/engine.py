@@ -97,8 +97,8 @@ class Engine:
         self.groups: dict[str, Group] = {}
         self._arrivals = itertools.count()
         self.prompt_tokens = self.generation_tokens = 0  # of the requests accepted, and the tokens sampled
-        self.grammars = None if self.tokenizer is None else Grammars(self.tokenizer, model.config.language.vocab_size,
-                                                                     model.config.stop_ids)
+        vocab = model.language.head.out_features  # the logits' width, which the grammars' masks must match
+        self.grammars = None if self.tokenizer is None else Grammars(self.tokenizer, vocab, model.config.stop_ids)
 
     # -- requests ------------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> str:
@@ -180,6 +180,11 @@ class Engine:
             if images is not None and not isinstance(images, Tensor):
                 raise RequestError("a prompt of token ids takes processed pixels [N, C, H, W], not PIL images")
             prompt = list(request.prompt)
+            vocab = self.model.language.head.out_features
+            if prompt and not all(0 <= token < vocab for token in prompt):
+                raise RequestError(f"the prompt's token ids must lie in 0..{vocab - 1}")
+        if not prompt:
+            raise RequestError("the prompt is empty")
         num_image_tokens = sum(token == self.model.config.image_token_id for token in prompt)
         expected = 0 if images is None else len(images) * self.model.config.tokens_per_image
         if num_image_tokens != expected:

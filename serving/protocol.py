@@ -80,6 +80,7 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     guided_choice: list[StrictStr] | None = Field(default=None, min_length=1)  # vLLM's extension
+
     @property
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -134,18 +135,19 @@ class CompletionRequest(GenerationRequest):
     prompt: StrictStr | list[StrictStr] | list[StrictInt]
     max_tokens: StrictInt | None = Field(default=16, ge=1)  # the API's default
 
-    def prompt_ids(self, tokenizer) -> list[int]:
-        """The prompt's token ids (the tokenizer's own special tokens added, as transformers' `encode` does)."""
+    def prompt_ids(self, tokenizer, max_chars: int) -> list[int]:
+        """The prompt's token ids (the tokenizer's own special tokens added, as transformers' `encode` does); the
+        engine checks token ids against the model's vocabulary."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
                 raise RequestError("prompt: one prompt per request (a list of prompts is not supported)")
             prompt = prompt[0]
-        if isinstance(prompt, str):
-            return tokenizer(prompt)["input_ids"]
-        if not prompt or min(prompt) < 0 or max(prompt) >= len(tokenizer):
-            raise RequestError(f"prompt: token ids must lie in 0..{len(tokenizer) - 1}")
-        return list(prompt)
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if len(prompt) > max_chars:
+            raise RequestError(f"the prompt has {len(prompt)} characters; at most {max_chars} are accepted")
+        return tokenizer(prompt)["input_ids"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +216,5 @@ def completion_to_engine_request(completion: CompletionRequest, tokenizer, limit
     """A text completion's prompt as token ids, with the sampling settings; RequestError otherwise."""
     if refused := completion.refused_field():
         raise RequestError(refused)
-    if isinstance(completion.prompt, str) and len(completion.prompt) > limits.max_prompt_chars:
-        raise RequestError(f"the prompt has {len(completion.prompt)} characters; at most {limits.max_prompt_chars} "
-                           f"are accepted")
-    return Request(completion.prompt_ids(tokenizer), None, completion.params(completion.max_tokens), request_id)
+    return Request(completion.prompt_ids(tokenizer, limits.max_prompt_chars), None,
+                   completion.params(completion.max_tokens), request_id)

@@ -112,10 +112,12 @@ class ModelRunner:
                ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """A token for each of `sequences` from its row of `logits` (row rows[i], or i), each with its request's
         settings (and structured-output mask), in one call, and, if any of them asks, the log-probabilities (the
-        log-softmax of the logits sampled from) of the sampled tokens and of the top k: all in the step's one
-        device-to-host copy."""
+        log-softmax of the model's logits, before any mask) of the sampled tokens and of the top k: all in the step's
+        one device-to-host copy."""
         if rows is not None:
             logits = logits[self.inputs.index(rows)]
+        asked = self.inputs.logprobs[[sequence.row for sequence in sequences]]
+        logprobs = logits.float().log_softmax(-1) if asked.max() >= 0 else None  # the model's, before any mask
         if any(sequence.group.grammar is not None for sequence in sequences):
             apply_masks(logits, [self._matcher(sequence) for sequence in sequences], self._bitmask(logits.shape[-1]))
         settings = self.inputs.sampling_settings(sequences)
@@ -123,10 +125,8 @@ class ModelRunner:
             tokens = logits.argmax(-1)
         else:
             tokens = sample_rows(logits, settings, self._noise(logits, sequences))
-        asked = self.inputs.logprobs[[sequence.row for sequence in sequences]]
-        if asked.max() < 0:
+        if logprobs is None:
             return self._to_host(tokens), None
-        logprobs = logits.float().log_softmax(-1)
         top = logprobs.topk(int(asked.max()), dim=-1)
         # one copy back: ids (exact in float64), the sampled tokens' log-probabilities, the top k's ids and values
         parts = [tokens[:, None], logprobs.gather(1, tokens[:, None]), top.indices, top.values]
@@ -180,22 +180,6 @@ class ModelRunner:
         self.sampled_ready.record()
         self.sampled_ready.synchronize()
         return host.tolist()
-
-    def _noise(self, logits: Tensor, sequences: list[Sequence]) -> Tensor:
-        """Exponential noise for the sampling race: one draw for the batch, and rows of seeded requests from their own
-        generator, [n, vocab] at a time for a request's n samples, as generate(num_samples=n) draws it, so that seeded
-        results agree."""
-        noise = torch.empty(logits.shape, device=logits.device).exponential_(1)
-        seeded: dict = {}
-        for row, sequence in enumerate(sequences):
-            if sequence.group.generator is not None:
-                seeded.setdefault(sequence.group, []).append((row, sequence.index))
-        for group, places in seeded.items():
-            draw = torch.empty(group.params.n, logits.shape[1], device=logits.device)
-            draw.exponential_(1, generator=group.generator)
-            rows, samples = zip(*places)
-            noise[list(rows)] = draw[list(samples)]
-        return noise
 
     def _decode(self, inputs: StepInputs) -> Tensor:
         return self._blocks(self.model.language.token_embedding(inputs.tokens)[None], inputs)

@@ -10,11 +10,12 @@
 
 Endpoints: POST /v1/chat/completions (a conversation: system, user and assistant messages, images in any user
 message; `n`, `max_tokens` (default: the rest of the context), `temperature`, `top_p`, `top_k`, `seed`, `stop`,
-`ignore_eos`, `logprobs` / `top_logprobs`, streaming as server-sent events with `stream_options.include_usage`), POST
-/v1/completions (a plain text prompt, the same settings), GET /v1/models, /health and /metrics (Prometheus' text
-format: running and waiting requests, KV-cache blocks, prefix-cache hits, preemptions, tokens in and out, time to first
-token and between tokens, end to end). A client that disconnects aborts its request; bad requests get a 4xx JSON error
-in OpenAI's shape, and a full server answers 429.
+`ignore_eos`, `logprobs` / `top_logprobs`, `response_format` json_object / json_schema, `guided_choice`, streaming
+as server-sent events with `stream_options.include_usage`), POST /v1/completions (a plain text prompt or token ids,
+the same settings but log-probabilities), GET /v1/models, /health and /metrics (Prometheus' text format: running and
+waiting requests, KV-cache blocks, prefix-cache hits, preemptions, tokens in and out, time to first token and
+between tokens, end to end). A client that disconnects aborts its request; bad requests get a 4xx JSON error in
+OpenAI's shape, and a full server answers 429.
 
 Safe to expose: with --api-key (or TINYVLM_API_KEY) every /v1 route wants `Authorization: Bearer KEY` (401 without);
 images come as data URLs, as http(s) URLs fetched with limits from public addresses only (--allow-private-image-urls

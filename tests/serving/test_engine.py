@@ -229,3 +229,7 @@ def test_structured_answers_validate_and_leave_free_requests_in_the_same_steps_u
         [Request("well?", None, RequestParams(temperature=1.0, seed=s, max_tokens=10, structure=choice))
          for s in range(6)])
     assert {r.texts[0] for r in answers} <= {"yes", "no", "maybe"}
+    emoji = Structure("choice", ("😀", "🙂"))  # regression: written into the grammar as escaped surrogates, unreachable
+    (smile,) = Engine(model, tokenizer, num_blocks=400, block_size=8).generate(
+        [Request("well?", None, RequestParams(temperature=1.0, seed=0, max_tokens=10, structure=emoji))])
+    assert smile.texts[0] in ("😀", "🙂") and smile.finish_reasons == ["stop"]

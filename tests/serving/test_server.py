@@ -5,6 +5,7 @@ import asyncio
 import base64
 import io
 import json
+import math
 import socket
 import threading
 import time
@@ -204,7 +205,8 @@ def test_text_completions_continue_a_plain_prompt(served):
     default = client.completions.create(model="tiny", prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
     assert default.usage.completion_tokens == 16  # the API's default max_tokens
     for body, message in [({"prompt": prompt, "echo": True}, "echo"), ({"prompt": [prompt, prompt]}, "one prompt"),
-                          ({"prompt": [10**9]}, "token ids must lie")]:
+                          ({"prompt": [10**9]}, "token ids must lie"), ({"prompt": ""}, "the prompt is empty"),
+                          ({"prompt": ["x" * 300_000]}, "characters")]:
         response = httpx.post(f"{server.url}/v1/completions", json=body)
         assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
     _idle(engine)
@@ -228,8 +230,11 @@ def test_structured_answers_through_the_openai_client(served):
     if anything.choices[0].finish_reason == "stop":  # a random model may run out of tokens inside the object
         assert isinstance(json.loads(anything.choices[0].message.content), dict)
     chosen = client.chat.completions.create(model="tiny", messages=_message("well?"), temperature=1.0, max_tokens=10,
-                                            n=4, seed=2, extra_body={"guided_choice": ["yes", "no"]})
+                                            n=4, seed=2, logprobs=True, top_logprobs=5,
+                                            extra_body={"guided_choice": ["yes", "no"]})
     assert {c.message.content for c in chosen.choices} <= {"yes", "no"}
+    # log-probabilities are the model's, before the mask: finite, even where the mask left one token (regression)
+    assert all(math.isfinite(t.logprob) for c in chosen.choices for e in c.logprobs.content for t in e.top_logprobs)
     bad = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": _message("hi"), "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}})
     assert bad.status_code == 400 and "cannot be compiled" in bad.json()["error"]["message"], bad.text
