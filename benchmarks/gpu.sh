@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu.sh speed OUT   # decode, time to first token, training throughput and serving, side by side
 #   bash benchmarks/gpu.sh serving OUT # issue 41: the engine's GPU tests (CUDA graphs, no syncs), then serving at
 #                                      # 256 and 1,024 requests and nano-vllm's workload against static and transformers
+#   bash benchmarks/gpu.sh engine OUT  # issue 41, shorter: the GPU tests, the engine against the compiled static batch
+#                                      # at 1,024 and 256 requests, and its decode step split into host and device time
 #
 # Each writes its tables and logs under OUT (then copy them to benchmarks/results/).
 #
@@ -15,8 +17,8 @@
 #     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pyarrow==26.0.1 fsspec==2026.9.0
 # They are installed into /tmp/site, with gpu_site/sitecustomize.py (see there why).
 set -uo pipefail
-mode=${1:?usage: benchmarks/gpu.sh seeds|speed|serving OUT}
-out=${2:?usage: benchmarks/gpu.sh seeds|speed|serving OUT}
+mode=${1:?usage: benchmarks/gpu.sh seeds|speed|serving|engine OUT}
+out=${2:?usage: benchmarks/gpu.sh seeds|speed|serving|engine OUT}
 mkdir -p "$out"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -56,5 +58,14 @@ serving)
     --methods engine engine-eager static hf-one hf-cb --baseline-workloads 256 --hf-one-requests 16 --out "$out" 2>&1 \
     | tee "$out/serving.log"
   ;;
-*) echo "unknown mode $mode: seeds, speed or serving" >&2; exit 2 ;;
+engine)
+  timeout "${TESTS_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/serving/test_gpu.py 2>&1 \
+    | tee "$out/gpu-tests.log"
+  timeout "${SERVING_TIMEOUT:-300}" python3 benchmarks/serving.py --device cuda --workloads 1024 256 \
+    --max-num-seqs 256 --kv-blocks 40000 --max-batch-tokens 8192 --compile-static --methods engine static \
+    --out "$out" 2>&1 | tee "$out/serving.log"
+  timeout "${STEP_TIMEOUT:-120}" python3 benchmarks/host_overhead.py --device cuda --model smollm2-135m \
+    --running 16 64 256 --steps 30 --out "$out" 2>&1 | tee "$out/host_overhead.log"
+  ;;
+*) echo "unknown mode $mode: seeds, speed, serving or engine" >&2; exit 2 ;;
 esac

@@ -6,9 +6,14 @@ cost per sequence of the host's own work (schedule + prepare + bookkeeping) and 
 
     python benchmarks/host_overhead.py                      # greedy and sampled requests, 1 thread
     python benchmarks/host_overhead.py --running 16 64 256 --steps 50
+    python benchmarks/host_overhead.py --device cuda --model smollm2-135m   # the real shape on a GPU (bf16, graphs)
+    python benchmarks/host_overhead.py --device cuda --model smollm2-135m --running 16 256 --profile  # + device kernels
+
+On a GPU, forward is the launch of the step's CUDA graph and sample includes the wait for the device: host work next to
+a step's whole time shows whether the step is host-bound.
 
 Target (issue 41): <= 10 us per sequence and <= 1 ms fixed, outside the forward. Writes
-benchmarks/results/host_overhead-cpu.{md,json}.
+benchmarks/results/host_overhead-<device>.{md,json}.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.decode import build_models  # noqa: E402
 from models import LanguageConfig, VisionConfig, VisionLanguageModel, VLMConfig  # noqa: E402
 from serving.engine import Engine, Request  # noqa: E402
 from serving.sequence import RequestParams  # noqa: E402
@@ -60,8 +66,10 @@ def timed(owner, name: str, totals: dict, key: str) -> None:
     setattr(owner, name, wrapper)
 
 
-def measure(model, running: int, params: RequestParams, steps: int) -> dict[str, float]:
-    """Median over `steps` decode steps of each phase's time (ms), with `running` sequences decoding."""
+def measure(model, running: int, params: RequestParams, steps: int, kernels: list[str] | None = None
+            ) -> dict[str, float]:
+    """Median over `steps` decode steps of each phase's time (ms), with `running` sequences decoding; the device's
+    kernels appended to `kernels`, if given."""
     engine = Engine(model, num_blocks=running * ((PROMPT + MAX_TOKENS) // BLOCK_SIZE + 2) + 1, block_size=BLOCK_SIZE,
                     max_num_seqs=running, max_batch_tokens=max(2048, running))
     for i in range(running):
@@ -85,7 +93,29 @@ def measure(model, running: int, params: RequestParams, steps: int) -> dict[str,
         extra = {"step": step, "host": sum(phases[p] for p in HOST), "outside forward": step - phases["forward"]}
         for key, value in [*phases.items(), *extra.items()]:
             samples[key].append(1000 * value)
+    if kernels is not None:
+        kernels += ["", f"**{running} sequences decoding**", "", *profile(engine)]
     return {key: statistics.median(values) for key, values in samples.items()}
+
+
+def profile(engine: Engine, steps: int = 5) -> list[str]:
+    """The device kernels of `steps` decode steps (torch.profiler): per step, each kernel's launches and time, and the
+    totals."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+        for _ in range(steps):
+            engine.step()
+    kernels = [e for e in trace.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: -e.device_time_total)
+    total_us = sum(e.device_time_total for e in kernels) / steps
+    lines = [f"device kernels a step: {sum(e.count for e in kernels) / steps:.0f}, {total_us:.0f} us", "",
+             "| kernel | launches a step | us a step | share |", "|---|---|---|---|"]
+    for e in kernels[:20]:
+        lines.append(f"| {e.key[:90]} | {e.count / steps:.0f} | {e.device_time_total / steps:.0f} | "
+                     f"{100 * e.device_time_total / steps / total_us:.1f}% |")
+    return lines
 
 
 def fit(xs: list[int], ys: list[float]) -> tuple[float, float]:
@@ -100,17 +130,27 @@ def main() -> None:
     parser.add_argument("--running", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--model", choices=["micro", "smollm2-135m"], default="micro")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--profile", action="store_true", help="list the device kernels of greedy decode steps")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = micro_model()
-    title = (f"Engine decode step on a micro model (1 layer, 32 dims), medians of {args.steps} steps; "
-             f"{platform.processor() or 'CPU'}, {args.threads} thread(s); torch {torch.__version__}")
+    device = torch.device(args.device)
+    if args.model == "micro":
+        model, shape = micro_model().to(device), "a micro model (1 layer, 32 dims)"
+    else:  # random weights, bf16 on a GPU
+        model = build_models(device, torch.bfloat16 if device.type == "cuda" else torch.float32)[1]
+        shape = "SmolLM2-135M's shape"
+    hardware = (torch.cuda.get_device_name(device) if device.type == "cuda"
+                else f"{platform.processor() or 'CPU'}, {args.threads} thread(s)")
+    title = (f"Engine decode step on {shape}, medians of {args.steps} steps; {hardware}; torch {torch.__version__}")
     lines = [f"**{title}**", "", "| requests | running | step ms | " + " | ".join(f"{p} ms" for p in PHASES)
              + " | host us / sequence |", "|---" * (len(PHASES) + 4) + "|"]
-    results = {}
+    results, kernels = {}, []
     for name, params in SETTINGS.items():
-        rows = [measure(model, running, params, args.steps) for running in args.running]
+        watch = kernels if args.profile and name == "greedy" else None
+        rows = [measure(model, running, params, args.steps, watch) for running in args.running]
         results[name] = dict(zip(map(str, args.running), rows))
         for running, row in zip(args.running, rows):
             lines.append(f"| {name} | {running} | {row['step']:.2f} | "
@@ -121,8 +161,10 @@ def main() -> None:
             lines.append(f"| {name} | {part} ({' + '.join(HOST) if part == 'host' else 'with sample'}): | "
                          f"**{fixed:.3f} ms + {1000 * slope:.2f} us a sequence** |" + " |" * (len(PHASES) + 1))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "host_overhead-cpu.md").write_text("\n".join(lines) + "\n")
-    (args.out / "host_overhead-cpu.json").write_text(json.dumps(dict(title=title, results=results), indent=2))
+    lines += kernels
+    stem = args.out / f"host_overhead-{device.type}"
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(dict(title=title, results=results), indent=2))
     print("\n".join(lines))
 
 

@@ -32,6 +32,7 @@ import random
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -232,11 +233,12 @@ def table(rows: list[dict], title: str) -> list[str]:
     return lines
 
 
-def write(results: dict[str, list[dict]], args, device, title: str) -> None:
+def write(results: dict[str, list[dict]], failures: list[str], args, device, title: str) -> None:
     lines = [f"**{title}**"]
     for name, rows in results.items():
         if rows:
             lines += ["", *table(rows, describe(name, args))]
+    lines += ["", *(f"- failed: {failure}" for failure in failures)] if failures else []
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"serving-{device.type}"
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -294,6 +296,7 @@ def main() -> None:
              f"{args.max_num_seqs}, max_batch_tokens {args.max_batch_tokens}, {args.kv_blocks} blocks of "
              f"{args.block_size}; {hardware}; torch {torch.__version__}")
     results: dict[str, list[dict]] = {}
+    failures: list[str] = []
     for name in args.workloads:
         requests, rows, baseline = workload(name, args), [], None
         results[name] = rows
@@ -302,13 +305,20 @@ def main() -> None:
                 continue
             if method == "engine-eager" and device.type != "cuda":
                 continue  # on a CPU the engine runs eagerly anyway
-            result = RUNNERS[method](reference if method in HF_METHODS else ours, requests, args, device)
+            try:
+                result = RUNNERS[method](reference if method in HF_METHODS else ours, requests, args, device)
+            except Exception as error:  # reported in the table; the other methods still run
+                traceback.print_exc()
+                failures.append(f"{name} {method}: {type(error).__name__}: {error}".splitlines()[0])
+                write(results, failures, args, device, title)
+                continue
             baseline = result["tokens"] if method == "engine" else baseline
             rows.append(summarize(method, result, requests, None if method == "engine" else baseline))
             print(f"{name} {method}: {rows[-1]['wall_s']:.1f} s, {rows[-1]['output_tokens_per_s']:,.1f} tok/s",
                   flush=True)
-            write(results, args, device, title)  # after every method: a run cut short keeps what it measured
+            write(results, failures, args, device, title)  # after every method: a run cut short keeps what it measured
     print((args.out / f"serving-{device.type}.md").read_text())
+    sys.exit(1 if failures else 0)
 
 
 if __name__ == "__main__":

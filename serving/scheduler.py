@@ -8,16 +8,24 @@ the front of the queue, to be recomputed (prompt and tokens so far) when blocks 
 
 A request holds a seat per sample (`max_num_seqs` in all) from admission to its end; the step says which sequences
 were admitted and preempted, so the runner can give them input rows or take those back.
+
+With CUDA graphs a decode-only step replays a graph, but a step with prompt chunks runs them eagerly, ~4x its cost: a
+full batch admitting each request as a seat frees would keep nearly every step eager. So while sequences decode,
+waiting requests join in batches of `admission_batch` seats (or what the queue's head wants, if less), or after
+MAX_HELD_STEPS steps held back (as TGI's max_waiting_tokens).
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 from collections import deque
 
 from serving.block_manager import BlockManager
 from serving.sequence import Group, Sequence, Status
+
+MAX_HELD_STEPS = 16
 
 
 @dataclasses.dataclass
@@ -37,11 +45,16 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batch_tokens: int) -> None:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batch_tokens: int, admission_batch: int = 1
+                 ) -> None:
         if max_batch_tokens < max_num_seqs:
             raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_num_seqs ({max_num_seqs}): "
                              f"every running sequence decodes a token each step")
+        if not 1 <= admission_batch <= max_num_seqs:
+            raise ValueError(f"admission_batch must be in 1..max_num_seqs ({max_num_seqs}), got {admission_batch}")
         self.blocks, self.max_num_seqs, self.max_batch_tokens = blocks, max_num_seqs, max_batch_tokens
+        self.admission_batch = admission_batch
+        self.held = 0  # steps in a row that held waiting requests back
         self.waiting: deque[Group] = deque()
         self.running: list[Group] = []  # oldest first
         self.num_preemptions = 0
@@ -94,7 +107,8 @@ class Scheduler:
                 count = min(sequence.num_pending, budget)
                 step.prefills.append((sequence, count))
                 budget -= count
-        while budget and self.waiting and self._admit(self.waiting[0], step):
+        admitting = budget and self.waiting and self._admitting(decoding=bool(step.decodes))
+        while admitting and budget and self.waiting and self._admit(self.waiting[0], step):
             group = self.waiting.popleft()
             for sequence in group.live:
                 count = min(sequence.num_pending, budget)
@@ -138,6 +152,20 @@ class Scheduler:
         group.status = Status.WAITING
         self.waiting.appendleft(group)
         self.num_preemptions += 1
+
+    def _admitting(self, decoding: bool) -> bool:
+        """Whether waiting requests may join this step (see the module's docstring)."""
+        free = self.max_num_seqs - self.seats
+        if not decoding:
+            return True
+        if not free:
+            return False  # nothing could join: not a step held back
+        wanted = sum(self._seats(group) for group in itertools.islice(self.waiting, self.admission_batch))
+        if free >= min(self.admission_batch, wanted) or self.held >= MAX_HELD_STEPS:
+            self.held = 0
+            return True
+        self.held += 1
+        return False
 
     def _admit(self, group: Group, step: ScheduledStep) -> bool:
         """Give each live sequence of `group` blocks for all its tokens (cached prefix blocks reused), or nothing."""

@@ -88,6 +88,15 @@ def test_continuous_batching_gives_each_request_its_greedy_tokens(model, attenti
         assert engine.stats()["preemptions"] == 0
 
 
+def test_requests_held_back_to_join_in_batches_keep_their_greedy_tokens(model):
+    requests = _requests()
+    engine = Engine(model, num_blocks=200, block_size=8, max_num_seqs=4, max_batch_tokens=64, admission_batch=3)
+    tokens = _serve(engine, requests, arrivals=[0, 0, 1, 3, 3, 4, 8, 9, 15, 15])
+    for i, (prompt, images, params) in enumerate(requests):
+        assert tokens[str(i)] == _alone(model, prompt, images, params)[0], i
+    assert engine.blocks.num_free == engine.blocks.num_usable
+
+
 def test_n_samples_equal_generate_with_num_samples_under_the_same_seed(model):
     prompt, images = _prompt(13, 7, 1), _images(1, 7)
     params = RequestParams(temperature=1.3, top_k=40, max_tokens=12, n=3, seed=11)
