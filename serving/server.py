@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
@@ -62,6 +62,11 @@ from serving.protocol import (
     to_engine_request,
 )
 from serving.sequence import Group, TokenLogprobs
+
+CHAT_PAGE = (Path(__file__).parent / "static" / "chat.html").read_text()
+# the page's own inline script and style, and its images as data URLs; nothing from anywhere else
+PAGE_POLICY = ("default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src 'self' data: blob:; "
+               "connect-src 'self'")
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
@@ -150,6 +155,11 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
                           "invalid_api_key")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page() -> HTMLResponse:
+        """The chat page: one static file that talks to this server's /v1/chat/completions."""
+        return HTMLResponse(CHAT_PAGE, headers={"Content-Security-Policy": PAGE_POLICY})
 
     @app.get("/health")
     async def health() -> dict:
