@@ -37,7 +37,9 @@ _IMAGE = datasets.Image()  # decodes a stored image ({"bytes", "path"}) as `data
 def checked_record(record: dict[str, Any]) -> dict[str, Any]:
     """The record with its images fully decoded to RGB (stored ones, {"bytes", "path"}, too; corrupt image data fails
     here, not inside a batch) and its texts checked to be user/assistant pairs of valid Unicode strings; anything else
-    raises."""
+    raises (so does a record that carries the `problem` its source met, as data/sources.py's load_jsonl keeps one)."""
+    if record.get("problem"):
+        raise ValueError(record["problem"])
     texts = record["texts"]
     if not (isinstance(texts, list) and texts and all(isinstance(turn, dict) and isinstance(turn.get("user"), str)
                                                        and isinstance(turn.get("assistant"), str) for turn in texts)):

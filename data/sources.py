@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Any, Literal
 
 from datasets import Dataset, Features, List, Value, concatenate_datasets, load_dataset
 
-from data.bad_records import record_images
+from data.bad_records import Policy, record_images
 from data.processors import ImageLoadError, load_image
 from data.prompts import CAPTION_PROMPT
 from data.synthetic import ShapesConfig, shapes_datasets
 from models.config import Config, check
 from models.errors import TinyVLMError
 
+MAX_DEFAULT_HOLDOUT = 500
 _TEXTS = List({"user": Value("string"), "assistant": Value("string")})
 
 
@@ -28,32 +30,45 @@ def load_cauldron(subset: str, split: str = "train") -> Dataset:
     return load_dataset("HuggingFaceM4/the_cauldron", subset, split=split).select_columns(["images", "texts"])
 
 
-def load_jsonl(path: str | Path) -> Dataset:
+def load_jsonl(path: str | Path, on_bad_record: Policy = "fail") -> Dataset:
     """Records from a JSONL file, a line each; images (paths relative to the file) are opened when a record is read.
 
     A line is {"images": ["a.png", ...], "texts": [{"user": ..., "assistant": ...}, ...]}, or has
     "conversations": [{"role": "user" | "assistant", "content": ...}, ...] in place of "texts"; a text-only record
-    has no "images", or "images": [] or null. Lines may carry a "question_type" string (every line, or none): the
-    held-out exact-match scores are then given per type ("caption" is left out of the overall accuracy). Other fields
-    are dropped.
+    has no "images", or "images": [] or null. A line may carry a "question_type" string: the held-out exact-match
+    scores are then given per type ("caption" is left out of the overall accuracy; lines without one count as
+    "question"). Other fields are dropped.
+
+    A malformed line (not JSON, no user/assistant turns, an image file that is not there) stops the load under
+    `on_bad_record="fail"`; under "skip" it is kept as a record carrying its `problem`, which reading it raises, so
+    that training skips and counts it with every other bad record (data/bad_records.py).
     """
     path = Path(path)
     try:
         lines = path.read_text().splitlines()
     except OSError as e:
         raise DataSourceError(f"{path}: cannot read ({e.strerror or e})") from None
-    records = [_parse_line(line, f"{path}:{number}", path.parent)
+    records = [_read_line(line, f"{path}:{number}", path.parent, on_bad_record)
                for number, line in enumerate(lines, 1) if line.strip()]
     if not records:
         raise DataSourceError(f"{path}: no records")
     features = {"images": List(Value("string")), "texts": _TEXTS}
-    typed = {"question_type" in record for record in records}
-    if typed == {True, False}:
-        raise DataSourceError(f"{path}: some lines have a 'question_type' and others not; give every line one, or none")
-    if typed == {True}:
-        features["question_type"] = Value("string")
+    for optional in ("question_type", "problem"):
+        if any(optional in record for record in records):
+            features[optional] = Value("string")
+            for record in records:
+                record.setdefault(optional, None)
     dataset = Dataset.from_list(records, features=Features(features))
     return dataset.with_transform(_open_images)
+
+
+def _read_line(line: str, where: str, root: Path, on_bad_record: Policy) -> dict[str, Any]:
+    try:
+        return _parse_line(line, where, root)
+    except (DataSourceError, ImageLoadError) as error:
+        if on_bad_record == "fail":
+            raise
+        return {"images": [], "texts": [], "problem": str(error)}
 
 
 def _parse_line(line: str, where: str, root: Path) -> dict[str, Any]:
@@ -134,7 +149,8 @@ class DataConfig(Config):
     subsets: tuple[str, ...] = ()  # source=cauldron: the_cauldron subsets, concatenated
     path: str | None = None  # source=jsonl|imagefolder: the JSONL file or the image folder
     validation_path: str | None = None  # source=jsonl|imagefolder: optional; without it, `holdout` records are held out
-    holdout: int = 500  # training records held out for validation when there is no validation_path
+    # training records held out for validation when there is no validation_path (default: a tenth, 1 to 500)
+    holdout: int | None = None
     on_bad_record: Literal["skip", "fail"] = "skip"  # a corrupt image or malformed record: skip and count it, or stop
 
     def __post_init__(self) -> None:
@@ -144,7 +160,7 @@ class DataConfig(Config):
         check(not files or bool(self.path), f"data.path: source={self.source} needs a path")
         check(files or self.validation_path is None,
               f"data.validation_path applies to jsonl and imagefolder, not {self.source}")
-        check(self.holdout > 0, f"data.holdout must be positive, got {self.holdout}")
+        check(self.holdout is None or self.holdout > 0, f"data.holdout must be positive, got {self.holdout}")
 
 
 def build_datasets(config: DataConfig) -> tuple[Dataset, Dataset]:
@@ -154,11 +170,12 @@ def build_datasets(config: DataConfig) -> tuple[Dataset, Dataset]:
     if config.source == "cauldron":
         train = concatenate_datasets([load_cauldron(subset) for subset in config.subsets])
     else:
-        load = load_jsonl if config.source == "jsonl" else load_imagefolder
+        load = (functools.partial(load_jsonl, on_bad_record=config.on_bad_record) if config.source == "jsonl"
+                else load_imagefolder)
         train = load(config.path)
         if config.validation_path:
             return train, load(config.validation_path)
-    check(config.holdout < len(train),
-          f"data.holdout ({config.holdout}) must be smaller than the dataset ({len(train)} records)")
-    split = train.train_test_split(test_size=config.holdout, seed=0)
+    holdout = config.holdout or min(max(len(train) // 10, 1), MAX_DEFAULT_HOLDOUT)
+    check(holdout < len(train), f"data.holdout ({holdout}) must be smaller than the dataset ({len(train)} records)")
+    split = train.train_test_split(test_size=holdout, seed=0)
     return split["train"], split["test"]

@@ -69,7 +69,7 @@ def exact_match(records: list[dict], predictions: list[str]) -> dict[str, float]
     hits: dict[str, list[bool]] = defaultdict(list)
     for record, prediction in zip(records, predictions):
         right = normalize(prediction) == normalize(record["texts"][0]["assistant"])
-        hits[record.get("question_type", "question")].append(right)
+        hits[record.get("question_type") or "question"].append(right)
     scores = {f"accuracy/{kind}": sum(h) / len(h) for kind, h in sorted(hits.items())}
     questions = [h for kind, values in hits.items() if kind != "caption" for h in values]
     if questions:

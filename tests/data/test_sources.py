@@ -18,7 +18,9 @@ from data import (
     load_imagefolder,
     load_jsonl,
 )
+from data.bad_records import CheckedRecords
 from models.config import ConfigError
+from training.evaluate import exact_match
 
 RED, BLUE = (255, 0, 0), (0, 0, 255)
 
@@ -75,6 +77,34 @@ def test_jsonl_corrupt_image_fails_when_read(images):
     dataset = load_jsonl(images / "data.jsonl")
     with pytest.raises(ImageLoadError, match="broken.png: not an image"):
         dataset[0]
+
+
+def test_malformed_lines_are_bad_records_under_skip(images):
+    """data.on_bad_record=skip: a line that is not JSON, lacks an assistant, or lists a missing image loads as a record
+    that reading raises on, so training skips and counts it (CheckedRecords) instead of stopping."""
+    good = {"images": ["pics/red.png"], "texts": [{"user": "Color?", "assistant": "red"}]}
+    lines = [json.dumps(good), "{not json", json.dumps({"texts": [{"user": "no answer"}]}),
+             json.dumps({**good, "images": ["pics/gone.png"]}), json.dumps(good)]
+    (images / "data.jsonl").write_text("\n".join(lines))
+    with pytest.raises(DataSourceError, match=r"data.jsonl:2: not valid JSON"):
+        load_jsonl(images / "data.jsonl")  # "fail", the default: the first one stops the load
+    reports = []
+    records = CheckedRecords(load_jsonl(images / "data.jsonl", "skip"), "skip", report=reports.append)
+    read = [records[i] for i in range(len(records))]
+    assert [record is not None for record in read] == [True, False, False, False, True]
+    assert records.num_bad == 3 and colour(read[4]["images"][0]) == RED
+    where = images / "data.jsonl"
+    assert [r.split(" is bad (ValueError: ")[1] for r in reports] == [
+        f"{where}:2: not valid JSON (Expecting property name enclosed in double quotes))",
+        f"{where}:3: needs 'texts' (a list of user/assistant string pairs) or 'conversations')",
+        f"{images / 'pics' / 'gone.png'}: no such file (listed at {where}:4))"]
+
+
+def test_a_small_dataset_holds_out_a_tenth_by_default(images):
+    rows = [{"images": ["pics/red.png"], "texts": [{"user": f"q{i}", "assistant": "red"}]} for i in range(50)]
+    write_jsonl(images / "data.jsonl", rows)
+    train, validation = build_datasets(DataConfig(source="jsonl", path=str(images / "data.jsonl")))
+    assert (len(train), len(validation)) == (45, 5)
 
 
 @pytest.mark.parametrize("line,words", [
@@ -169,9 +199,10 @@ def test_jsonl_question_types_are_kept_for_per_type_scores(images):
     assert colour(dataset[0]["images"][0]) == RED
     train, validation = build_datasets(DataConfig(source="jsonl", path=str(images / "typed.jsonl"), holdout=1))
     assert sorted(r["question_type"] for r in [*train, *validation]) == ["colour", "colour", "shape"]
-    write_jsonl(images / "mixed.jsonl", [*rows, {"texts": [{"user": "q", "assistant": "a"}]}])
-    with pytest.raises(DataSourceError, match="mixed.jsonl: some lines have a 'question_type' and others not"):
-        load_jsonl(images / "mixed.jsonl")
+    write_jsonl(images / "mixed.jsonl", [*rows, {"texts": [{"user": "q", "assistant": "a"}]}])  # optional per line
+    assert [r["question_type"] for r in load_jsonl(images / "mixed.jsonl")] == ["colour", "shape", "colour", None]
+    scores = exact_match(list(load_jsonl(images / "mixed.jsonl")), ["red", "blue", "red", "a"])
+    assert (scores["accuracy/colour"], scores["accuracy/shape"], scores["accuracy/question"]) == (1.0, 0.0, 1.0)
     write_jsonl(images / "number.jsonl", [{**rows[0], "question_type": 3}])
     with pytest.raises(DataSourceError, match="number.jsonl:1: 'question_type' must be a string"):
         load_jsonl(images / "number.jsonl")

@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from data import ImageLoadError, build_datasets, make_shapes_dataset
+from data import build_datasets, make_shapes_dataset
+from data.bad_records import checked_record
 from models import CheckpointError, VisionLanguageModel
 from models.checkpoints import find_checkpoint
 from tests.training.helpers import SMALL, small_config
@@ -84,15 +85,16 @@ def test_a_nan_loss_stops_the_run_when_asked(tmp_path, monkeypatch):
     assert [p.name for p in sorted(tmp_path.glob("step_*"))] == ["step_000002"]
 
 
-def _jsonl_with_bad_images(tmp_path, bad: dict[int, bytes]):
-    """A JSONL dataset of 40 synthetic records whose images at the `bad` indices are overwritten with those bytes."""
+def _jsonl_with_bad_images(tmp_path, bad: dict[int, bytes], malformed: dict[int, str] | None = None):
+    """A JSONL dataset of 40 synthetic records whose images at the `bad` indices are overwritten with those bytes, and
+    whose lines at the `malformed` indices are replaced by those."""
     rows = make_shapes_dataset("train", 40, seed=0, image_size=32)
     lines = []
     for i, row in enumerate(rows):
         row["images"][0].save(tmp_path / f"{i}.png")
         if i in bad:
             (tmp_path / f"{i}.png").write_bytes(bad[i])
-        lines.append(json.dumps({"images": [f"{i}.png"], "texts": row["texts"]}))
+        lines.append((malformed or {}).get(i, json.dumps({"images": [f"{i}.png"], "texts": row["texts"]})))
     (tmp_path / "data.jsonl").write_text("\n".join(lines))
     return {"data.source": "jsonl", "data.path": str(tmp_path / "data.jsonl"), "data.holdout": "4"}
 
@@ -100,7 +102,9 @@ def _jsonl_with_bad_images(tmp_path, bad: dict[int, bytes]):
 @pytest.mark.parametrize("workers", ["0", "2"])
 def test_bad_records_are_skipped_and_counted_once(tmp_path, workers):
     """Each step reads every record: a bad one is read 3 times and counted once, in the workers as in this process."""
-    data = _jsonl_with_bad_images(tmp_path, {3: b"", 7: b"\x89PNG\r\n\x1a\n truncated", 11: b"plain text"})
+    malformed = {5: "{not json", 9: json.dumps({"images": ["gone.png"], "texts": [{"user": "q", "assistant": "a"}]}),
+                 13: json.dumps({"texts": [{"user": "no answer"}]})}  # data.on_bad_record=skip skips these too
+    data = _jsonl_with_bad_images(tmp_path, {3: b"", 7: b"\x89PNG\r\n\x1a\n truncated", 11: b"plain text"}, malformed)
     config = small_config(tmp_path / "run", **data, **{"train.max_steps": "3", "train.save_every": "3",
                                                        "train.eval_every": "3", "train.num_workers": workers,
                                                        "train.batch_size": "36"})  # one batch = every training record
@@ -117,8 +121,8 @@ def test_bad_records_are_skipped_and_counted_once(tmp_path, workers):
 
 def _unreadable(dataset, index: int) -> bool:
     try:
-        dataset[index]
-    except ImageLoadError:
+        checked_record(dataset[index])
+    except ValueError:  # ImageLoadError, or a malformed line's problem
         return True
     return False
 
