@@ -4,6 +4,7 @@
     python train.py --config configs/smollm2-shapes.yaml  # real SmolLM2-135M-Instruct + a small ViT (GPU)
     python train.py --config configs/tiny.yaml --train.max_steps 200 --train.output_dir runs/try1 --train.compile false
     python train.py --resume runs/tiny                    # continue from the newest complete checkpoint
+    python train.py --init_from runs/tiny --data.source jsonl --data.path mine.jsonl   # fine-tune a trained run
     torchrun --nproc-per-node 8 train.py --config configs/nanovlm-222m.yaml    # DDP on 8 GPUs (see README for more)
     python train.py --config configs/smolvlm-256m-finetune.yaml  # fine-tune a released VLM (init_from; GPU, hub)
 
@@ -51,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             train(config, resume=checkpoint)
         else:
             config_path = args.config or (Path(__file__).parent / "configs" / "tiny.yaml")
-            train(load_run_config(config_path, overrides))
+            # --init_from over the default recipe: its data and training, the start's own model
+            train(load_run_config(config_path, overrides, keep_model=bool(args.config) or "init_from" not in overrides))
     except TinyVLMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -216,7 +216,12 @@ def parse_overrides(arguments: list[str]) -> dict[str, str]:
     return overrides
 
 
-def load_run_config(path: str | Path | None, overrides: dict[str, str]) -> RunConfig:
-    """Defaults, then the YAML file, then the overrides; every step validated."""
-    config = RunConfig.from_dict(load_yaml(path)) if path else RunConfig()
-    return config.replace(overrides)
+def load_run_config(path: str | Path | None, overrides: dict[str, str], keep_model: bool = True) -> RunConfig:
+    """Defaults, then the YAML file, then the overrides; every step validated. `keep_model=False` takes the file's
+    data and training settings only, not its model section nor its ViT pre-training: for fine-tuning a whole VLM
+    (`init_from`, which brings both) with the default recipe."""
+    values = load_yaml(path) if path else {}
+    if not keep_model:
+        values = {key: value for key, value in values.items() if key != "model"}
+        values["train"] = {**(values.get("train") or {}), "vision_pretrain_steps": 0}
+    return RunConfig.from_dict(values).replace(overrides)

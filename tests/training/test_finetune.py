@@ -18,7 +18,15 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import generate
-from data import IGNORE_INDEX, BadRecordError, CheckedRecords, PromptError, VQACollator, build_datasets
+from data import (
+    IGNORE_INDEX,
+    BadRecordError,
+    CheckedRecords,
+    PromptError,
+    VQACollator,
+    build_datasets,
+    make_shapes_dataset,
+)
 from data.chat_processors import ChatProcessor, CheckpointProcessor, TemplateError, load_for_inference
 from models import (
     CheckpointError,
@@ -280,6 +288,28 @@ def test_a_tinyvlm_run_is_a_start_too(tmp_path, monkeypatch):
     assert metrics["train_loss"] == pytest.approx(float(expected), rel=1e-4)
     model, processor = load_for_inference(tmp_path / "second", torch.device("cpu"))
     assert isinstance(processor, ChatProcessor) and model.config == start.config
+
+
+def test_the_command_line_fine_tunes_a_trained_run_with_the_default_recipe(tmp_path, capsys):
+    """`python train.py --init_from RUN` takes the default recipe's data and training settings and the run's own
+    model, on the synthetic shapes and on a JSONL of one's own (the default's model section and ViT pre-training
+    were refused before)."""
+    from train import main
+
+    train(small_config(tmp_path / "first", **{"train.max_steps": "2", "train.save_every": "2",
+                                               "train.eval_every": "2", "train.eval_questions": "0"}))
+    rows = make_shapes_dataset("train", 20, seed=0, image_size=32)
+    for i, row in enumerate(rows):
+        row["images"][0].save(tmp_path / f"{i}.png")
+    (tmp_path / "mine.jsonl").write_text("\n".join(json.dumps({"images": [f"{i}.png"], "texts": row["texts"]})
+                                                   for i, row in enumerate(rows)))
+    shrunk = [f"--{key}={value}" for key, value in {**SHRUNK, "train.max_steps": "1"}.items()]
+    own = ["--data.source", "jsonl", "--data.path", str(tmp_path / "mine.jsonl")]
+    for name, data in [("shapes", []), ("mine", own)]:
+        assert main(["--init_from", str(tmp_path / "first"), *shrunk, *data,
+                     "--train.output_dir", str(tmp_path / name)]) == 0, capsys.readouterr().err
+        model, _ = load_for_inference(tmp_path / name, torch.device("cpu"))
+        assert model.config == VisionLanguageModel.from_pretrained(tmp_path / "first" / "step_000002").config
 
 
 def test_a_resumed_fine_tune_loads_its_own_checkpoint(smolvlm, tmp_path):
