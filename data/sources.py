@@ -14,7 +14,7 @@ from data.bad_records import Policy, record_images
 from data.processors import ImageLoadError, load_image
 from data.prompts import CAPTION_PROMPT
 from data.synthetic import ShapesConfig, shapes_datasets
-from models.config import Config, check
+from models.config import Config, check, one_line
 from models.errors import TinyVLMError
 
 MAX_DEFAULT_HOLDOUT = 500
@@ -27,7 +27,12 @@ class DataSourceError(TinyVLMError, ValueError):
 
 def load_cauldron(subset: str, split: str = "train") -> Dataset:
     """One subset of HuggingFaceM4/the_cauldron (downloads it); records as they are: images and texts."""
-    return load_dataset("HuggingFaceM4/the_cauldron", subset, split=split).select_columns(["images", "texts"])
+    try:
+        dataset = load_dataset("HuggingFaceM4/the_cauldron", subset, split=split)
+    except (OSError, ValueError) as e:  # offline (ConnectionError), an unknown subset, a failed download, ...
+        raise DataSourceError(f"the_cauldron subset {subset!r}: the hub could not provide it ({type(e).__name__}: "
+                              f"{one_line(e)})") from None
+    return dataset.select_columns(["images", "texts"])
 
 
 def load_jsonl(path: str | Path, on_bad_record: Policy = "fail") -> Dataset:

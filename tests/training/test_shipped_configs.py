@@ -78,3 +78,19 @@ def _get(config, key: str):
     for part in key.split("."):
         config = getattr(config, part)
     return config
+
+
+HUB_CONFIGS = [path for path in sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+               if load_run_config(path, {}).data.source == "cauldron"]
+
+
+@pytest.mark.parametrize("path", HUB_CONFIGS, ids=[path.stem for path in HUB_CONFIGS])
+def test_a_hub_config_offline_stops_with_one_line(path, tmp_path, capsys):
+    """Offline (HF_HUB_OFFLINE=1, tests/conftest.py), a config that needs the hub's data or weights stops with one
+    line naming what the hub could not provide, exit code 2, no traceback."""
+    from train import main
+
+    assert main(["--config", str(path), "--train.output_dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: ") and "the hub could not provide it" in err
