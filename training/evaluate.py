@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import textwrap
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -41,17 +41,20 @@ def validation_loss(model: VisionLanguageModel, batches: Iterable[dict], device:
 
 
 def answer(model: VisionLanguageModel, tokenizer, processor: ConversationEncoder | ImageProcessor | ImageInputs,
-           records: list[dict], device: torch.device, max_new_tokens: int = 64, batch_size: int = 64) -> list[str]:
+           records: list[dict], device: torch.device, max_new_tokens: int = 64, batch_size: int = 64,
+           stopped: Callable[[], bool] | None = None) -> list[str]:
     """Greedy answers to the first question of each record, in batches of left-padded prompts asked the way the model
     was trained: `processor` is the run's chat processor (data/chat_processors.py: its `encode` builds each prompt),
     or an ImageProcessor (one square per image) / ImageInputs (split when the model's config says so) for tinyvlm's
-    ChatML with the model's image position."""
+    ChatML with the model's image position. Once `stopped()` is true, no further batch is asked (fewer answers)."""
     model.eval()
     answers = []
     if not hasattr(processor, "encode"):
         inputs = as_image_inputs(processor, model.config.tokens_per_image, tokenizer)
         processor = ChatProcessor(tokenizer, inputs, model.config.image_position)
     for start in range(0, len(records), batch_size):
+        if stopped is not None and stopped():
+            break
         chunk = records[start : start + batch_size]
         encoded = [processor.encode(r["texts"][0]["user"], r["images"]) for r in chunk]
         ids, mask = left_pad([prompt for prompt, _ in encoded], tokenizer.pad_token_id)

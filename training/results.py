@@ -4,25 +4,34 @@ prediction grid and one held-out image for the demo."""
 from __future__ import annotations
 
 import json
+import sys
 
 from data import CheckedRecords
 from models import VisionLanguageModel
 from training.evaluate import answer, exact_match, save_loss_curve, save_prediction_grid
 from training.loop import Trainer, TrainState
+from training.signals import GracefulStop
 
 GRID_EXAMPLES = 16
 
 
 def write_results(model: VisionLanguageModel, trainer: Trainer, state: TrainState,
-                  validation_records: CheckedRecords) -> dict:
+                  validation_records: CheckedRecords, stop: GracefulStop) -> dict:
     """Score `model` (the trained model, unwrapped) on held-out questions asked through the run's chat processor,
-    write the artifacts; return the metrics."""
+    write the artifacts; return the metrics. A stop signal (`stop`) ends the scoring after its batch: metrics.json
+    is then written without held-out scores, saying so."""
     tc, output_dir, metrics = trainer.config.train, trainer.output_dir, state.summary()
     model.to(trainer.device)
     count = min(tc.eval_questions, len(validation_records))
     records = [r for r in map(validation_records.__getitem__, range(count)) if r]
     if records:
-        predictions = answer(model, trainer.processor.tokenizer, trainer.processor, records, trainer.device)
+        predictions = answer(model, trainer.processor.tokenizer, trainer.processor, records, trainer.device,
+                             stopped=lambda: stop.requested is not None)
+    if stop.requested:
+        metrics["stopped_by"] = f"{stop.requested} during the final evaluation"
+        print(f"{stop.requested}: stopped during the final evaluation; the model is saved "
+              f"(step_{state.step:06d}), metrics.json has no held-out scores", file=sys.stderr, flush=True)
+    elif records:
         metrics.update(exact_match(records, predictions))
         save_prediction_grid(records[:GRID_EXAMPLES], predictions[:GRID_EXAMPLES], output_dir / "predictions.png")
         with_image = [r for r in records if r["images"]]

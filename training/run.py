@@ -24,6 +24,7 @@ from training.config import RunConfig, check_fresh_start
 from training.optim import build_optimizer, build_scheduler, check_same_parts, freeze_parts
 from training.results import write_results
 from training.setup import build_model, build_tokenizer, load_for_resume, load_pretrained, unsharded
+from training.signals import GracefulStop
 from training.vision_pretraining import pretrain_vision
 
 
@@ -90,10 +91,12 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
         stopped_by = loop.run(trainer, state)
     if stopped_by:
         return {"step": state.step, "stopped_by": stopped_by}
-    final_model = unsharded(model, config, Path(tc.output_dir) / f"step_{tc.max_steps:06d}", ranks)
-    if not ranks.is_main:
-        return state.summary()
-    return write_results(final_model, trainer, state, validation_records)
+    # the last checkpoint is written: a stop signal from here on ends the run with its results, unscored
+    with GracefulStop(escalate=not ranks.distributed) as stop:
+        final_model = unsharded(model, config, Path(tc.output_dir) / f"step_{tc.max_steps:06d}", ranks)
+        if not ranks.is_main:
+            return state.summary()
+        return write_results(final_model, trainer, state, validation_records, stop)
 
 
 def _pretrain_vision(config: RunConfig, model: VisionLanguageModel, chat: ChatProcessor, train_records: CheckedRecords,

@@ -54,6 +54,33 @@ def test_a_stop_signal_writes_a_resumable_checkpoint_and_exits_0(tmp_path, signu
     assert json.loads((tmp_path / f"step_{step + 2:06d}" / "training_state.json").read_text())["step"] == step + 2
 
 
+def test_a_stop_signal_during_the_final_evaluation_writes_metrics_and_exits_0(tmp_path):
+    """SIGTERM while the held-out questions are asked (sent from inside generate): the run ends with its checkpoint,
+    a metrics.json that says it was stopped and holds no scores, a line on stderr, exit code 0 (it exited 143 with
+    neither). In a process of its own: before the fix the signal killed whatever received it."""
+    overrides = {**SMALL, "train.max_steps": "2", "train.save_every": "2", "train.eval_every": "2",
+                 "train.output_dir": str(tmp_path)}
+    argv = [arg for key, value in overrides.items() for arg in (f"--{key}", value)]
+    script = f"""
+import os, signal, sys
+from models import VisionLanguageModel
+from train import main
+
+original = VisionLanguageModel.generate
+def generate(self, *args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return original(self, *args, **kwargs)
+VisionLanguageModel.generate = generate
+sys.exit(main({argv!r}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "SIGTERM: stopped during the final evaluation" in done.stderr and "Traceback" not in done.stderr
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["stopped_by"] == "SIGTERM during the final evaluation" and metrics["step"] == 2
+    assert "accuracy" not in metrics and (tmp_path / "step_000002" / "model.safetensors").is_file()
+
+
 def _nan_on_call(monkeypatch, bad_call: int):
     original, calls = VisionLanguageModel.forward, []
 
