@@ -25,7 +25,7 @@ from pathlib import Path
 
 from models import TinyVLMError
 from models.checkpoints import find_checkpoint
-from models.config import one_line
+from models.config import one_line, settings_help
 from training.checkpoint import RUN_CONFIG
 from training.config import RunConfig, load_run_config, parse_overrides
 from training.distributed import lost_contact
@@ -35,7 +35,11 @@ from training.run import train
 def main(argv: list[str] | None = None) -> int:
     """Train (or resume) as the command line says; the exit code: 0 done or stopped by a signal after a checkpoint,
     2 a clear error (bad config, data or checkpoint), 3 lost contact with the other ranks, 130 interrupted."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    default_config = Path(__file__).parent / "configs" / "tiny.yaml"
+    settings = "\n".join(settings_help(load_run_config(default_config, {})))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=f"settings (--section.field VALUE; values as configs/tiny.yaml sets them):"
+                                            f"\n{settings}")
     parser.add_argument("--config", help="YAML run config (default: configs/tiny.yaml)")
     parser.add_argument("--resume", type=Path, help="a run directory or checkpoint to continue from; the run goes on "
                         "in the checkpoint's run directory")
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"resuming from {checkpoint}", flush=True)
             train(config, resume=checkpoint)
         else:
-            config_path = args.config or (Path(__file__).parent / "configs" / "tiny.yaml")
+            config_path = args.config or default_config
             # --init_from over the default recipe: its data and training, the start's own model
             train(load_run_config(config_path, overrides, keep_model=bool(args.config) or "init_from" not in overrides))
     except TinyVLMError as e:

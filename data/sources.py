@@ -149,7 +149,7 @@ def _imagefolder_records(batch: dict[str, list]) -> dict[str, list]:
 class DataConfig(Config):
     """Where training and validation records come from; every source yields the_cauldron record format."""
 
-    source: Literal["synthetic", "cauldron", "jsonl", "imagefolder"] = "synthetic"
+    source: Literal["synthetic", "cauldron", "jsonl", "imagefolder"] = "synthetic"  # where the records come from
     shapes: ShapesConfig = dataclasses.field(default_factory=ShapesConfig)  # source=synthetic
     subsets: tuple[str, ...] = ()  # source=cauldron: the_cauldron subsets, concatenated
     path: str | None = None  # source=jsonl|imagefolder: the JSONL file or the image folder

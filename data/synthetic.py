@@ -242,10 +242,10 @@ def _png(image: Image.Image) -> dict:
 class ShapesConfig(Config):
     """The synthetic shapes data: sizes of the two splits, image size, noise, turns per training record."""
 
-    image_size: int = 64
-    num_train: int = 20000
-    num_validation: int = 1200
-    seed: int = 0
+    image_size: int = 64  # side of the square images in pixels
+    num_train: int = 20000  # training records
+    num_validation: int = 1200  # validation records (from scenes never used in training)
+    seed: int = 0  # seed of the scene generator
     noise: int = 0  # uniform per-pixel noise amplitude on the 0-255 scale; 0 = clean images
     train_turns: int = 3  # question/answer turns per training record (validation records always hold one)
     # The cycle of single-turn training records' types, from QUESTION_TYPES and TRAINING_ONLY_TYPES.

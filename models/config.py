@@ -2,13 +2,18 @@
 
 Every config validates itself on construction and raises `ConfigError` with a message that names the field.
 `Config.from_dict` checks keys and types (nested configs included); `to_dict` / `from_dict` round-trip through
-`config.json`; `apply_overrides` sets fields from `section.field=value` strings (the CLI's `--section.field VALUE`).
+`config.json`; `replace` sets fields from `section.field=value` strings (the CLI's `--section.field VALUE`);
+`settings_help` lists every field with its type, value and the comment its class gives it (`train.py --help`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import io
 import json
+import re
+import tokenize
 import types
 import typing
 from pathlib import Path
@@ -136,6 +141,65 @@ class Config:
         return type(self).from_dict(values)
 
 
+def settings_help(config: Config) -> list[str]:
+    """A line per setting of `config` and its nested configs: `--section.field TYPE (= value)  description`, the
+    description being the first sentence of the field's comment in its class (see `field_comments`)."""
+    rows = list(_settings(config, ""))
+    width = max(len(f"--{name} {kind}") for name, kind, _, _ in rows)
+    return [f"  {f'--{name} {kind}':<{width}}  (= {value})  {text}" for name, kind, value, text in rows]
+
+
+def _settings(config: Config, prefix: str):
+    hints, comments = typing.get_type_hints(type(config)), field_comments(type(config))
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, Config):
+            yield from _settings(value, f"{prefix}{field.name}.")
+        else:
+            shown = json.dumps(list(value) if isinstance(value, tuple) else value)
+            yield prefix + field.name, _type_name(hints[field.name]), shown, _first_sentence(comments.get(field.name))
+
+
+def _first_sentence(text: str | None, limit: int = 110) -> str:
+    """Up to the first full stop that a capital follows (or the end), cut at a word within `limit` characters."""
+    sentence = re.split(r"(?<=[\w)])\.(?:\s+(?=[A-Z])|$)", text or "", maxsplit=1)[0]
+    return sentence if len(sentence) <= limit else sentence[: sentence.rfind(" ", 0, limit)] + " ..."
+
+
+def _type_name(annotation: Any) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (Union, types.UnionType):
+        return "|".join(_type_name(arg) for arg in args if arg is not type(None)) + "|null"
+    if origin is Literal:
+        return "|".join(map(str, args))
+    if origin in (tuple, list):
+        return f"list[{_type_name(args[0])}]"
+    return {bool: "true|false", str: "text"}.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """Each field's comment in the source of dataclass `cls`: the comment that ends its line, else the comment lines
+    just above it."""
+    source = inspect.getsource(cls)
+    indent = len(source) - len(source.lstrip()) + 4  # the class body's
+    comments = {token.start[0]: (token.start[1], token.string.lstrip("#").strip())
+                for token in tokenize.generate_tokens(io.StringIO(source).readline) if token.type == tokenize.COMMENT}
+    names, found = {field.name for field in dataclasses.fields(cls)}, {}
+    for number, line in enumerate(source.splitlines(), 1):
+        match = re.match(rf" {{{indent}}}(\w+)\s*:", line)
+        if not match or match.group(1) not in names:
+            continue
+        column, text = comments.get(number, (0, ""))
+        if column <= indent:  # no comment at the end of the line: the block just above
+            above, row = [], number - 1
+            while comments.get(row, (0, ""))[0] == indent:
+                above.insert(0, comments[row][1])
+                row -= 1
+            text = " ".join(above)
+        found[match.group(1)] = text
+    return found
+
+
 ImagePosition = Literal["before_text", "after_text"]
 
 
@@ -143,16 +207,16 @@ ImagePosition = Literal["before_text", "after_text"]
 class VisionConfig(Config):
     """A SigLIP-style ViT (defaults: SigLIP-B/16 at 224 px)."""
 
-    image_size: int = 224
-    patch_size: int = 16
-    hidden_size: int = 768
-    intermediate_size: int = 3072
-    num_layers: int = 12
-    num_heads: int = 12
-    num_channels: int = 3
-    layer_norm_eps: float = 1e-6
-    image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
-    image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    image_size: int = 224  # input side in pixels (images are resized to it; one tile when splitting)
+    patch_size: int = 16  # side of a square patch in pixels: (image_size / patch_size)^2 patch tokens
+    hidden_size: int = 768  # width of the ViT's tokens
+    intermediate_size: int = 3072  # width of each MLP's hidden layer
+    num_layers: int = 12  # transformer blocks
+    num_heads: int = 12  # attention heads per block
+    num_channels: int = 3  # colour channels of the input
+    layer_norm_eps: float = 1e-6  # epsilon of each LayerNorm
+    image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)  # per-channel mean subtracted from pixels in [0, 1]
+    image_std: tuple[float, ...] = (0.5, 0.5, 0.5)  # per-channel standard deviation the pixels are divided by
     pretrained: str | None = None  # SigLIP checkpoint to load: local directory or hub id
 
     def __post_init__(self) -> None:
@@ -180,8 +244,8 @@ class ProjectorConfig(Config):
     """Pixel shuffle by `pixel_shuffle_factor` (fewer, wider patch tokens), then a linear map to the LM width, plus
     (with `position_embedding`) a learned embedding per image token, which tells the LM where each token came from."""
 
-    pixel_shuffle_factor: int = 2
-    position_embedding: bool = False
+    pixel_shuffle_factor: int = 2  # merge factor x factor neighbouring patches into one image token
+    position_embedding: bool = False  # add a learned embedding per image token (which cell it shows)
 
     def __post_init__(self) -> None:
         check(self.pixel_shuffle_factor >= 1,
@@ -201,10 +265,10 @@ class SplitConfig(Config):
     `<fake_token_around_image>`, `<row_R_col_C>`, `<global-img>`) or "nanovlm" (the global image, then the tiles;
     nanoVLM's `global_image_token` and `rRcC` tokens). Disabled: one square resize per image."""
 
-    enabled: bool = False
-    max_image_size: int = 1536
-    layout: SplitLayout = "idefics3"
-    resample: Resample = "lanczos"
+    enabled: bool = False  # split images into tiles plus a global image (else one square resize)
+    max_image_size: int = 1536  # the longer side an image is resized to before it is cut into tiles
+    layout: SplitLayout = "idefics3"  # whose tile order and marker tokens: idefics3 or nanovlm
+    resample: Resample = "lanczos"  # the resizing filter
 
     def __post_init__(self) -> None:
         self.check_at_least("splitting", 1, ("max_image_size",))
@@ -214,17 +278,17 @@ class SplitConfig(Config):
 class LanguageConfig(Config):
     """A Llama-style decoder (defaults: SmolLM2-135M)."""
 
-    vocab_size: int = 49152
-    hidden_size: int = 576
-    intermediate_size: int = 1536
-    num_layers: int = 30
-    num_heads: int = 9
-    num_kv_heads: int = 3
+    vocab_size: int = 49152  # token embeddings (training sets it from the tokenizer)
+    hidden_size: int = 576  # width of the residual stream
+    intermediate_size: int = 1536  # width of each SwiGLU MLP's hidden layer
+    num_layers: int = 30  # decoder blocks
+    num_heads: int = 9  # query heads per block
+    num_kv_heads: int = 3  # key/value heads per block (grouped-query attention: num_heads / num_kv_heads share one)
     max_position_embeddings: int = 8192  # the context length
-    rope_theta: float = 100000.0
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = True
-    eos_token_id: int | None = None
+    rope_theta: float = 100000.0  # base of the rotary position embedding's frequencies
+    rms_norm_eps: float = 1e-5  # epsilon of each RMSNorm
+    tie_word_embeddings: bool = True  # the output head reuses the token embedding matrix
+    eos_token_id: int | None = None  # the tokenizer's end-of-sequence id (training sets it from the tokenizer)
     pretrained: str | None = None  # Llama checkpoint: local directory, hub id, .gguf path or package://pkg/file.gguf
 
     def __post_init__(self) -> None:
@@ -254,7 +318,7 @@ class VLMConfig(Config):
     projector: ProjectorConfig = dataclasses.field(default_factory=ProjectorConfig)
     language: LanguageConfig = dataclasses.field(default_factory=LanguageConfig)
     splitting: SplitConfig = dataclasses.field(default_factory=SplitConfig)
-    image_token_id: int | None = None
+    image_token_id: int | None = None  # the image placeholder token's id (training sets it from the tokenizer)
     # before_text: image tokens open the user turn (nanoVLM, Idefics3). after_text: they close it, so that in a causal
     # LM each image token can attend to the question and the image is read with the question in mind.
     image_position: ImagePosition = "before_text"

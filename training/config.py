@@ -15,10 +15,10 @@ from training.loss import LossWeight
 
 @dataclasses.dataclass
 class TrainConfig(Config):
-    output_dir: str = "runs/tiny"
-    max_steps: int = 1000
+    output_dir: str = "runs/tiny"  # where checkpoints, metrics.json and the plots go
+    max_steps: int = 1000  # optimizer steps
     batch_size: int = 32  # per rank and micro-batch: a step sees batch_size x grad_accum_steps x world_size samples
-    grad_accum_steps: int = 1
+    grad_accum_steps: int = 1  # micro-batches whose gradients add up to one step
     # Batches of similar lengths (characters of text, in buckets of 64) drawn from windows of 16 batches: less padding,
     # the same samples. Resume with the same global batch size (batch_size x world_size) to see the same batches.
     group_by_length: bool = False
@@ -35,15 +35,15 @@ class TrainConfig(Config):
     # pre-training whatever the objective): it learns from one question per image where cells names every patch,
     # so it needs more steps.
     answer_pretrain_steps: int | None = None
-    vision_pretrain_objective: Literal["auto", "cells", "answers"] = "auto"
-    vision_pretrain_batch_size: int = 64
-    vision_pretrain_lr: float = 1e-3
-    lr_projector: float = 3e-3  # a learning rate of 0 freezes that part
-    lr_vision: float = 3e-3
-    lr_language: float = 3e-3
+    vision_pretrain_objective: Literal["auto", "cells", "answers"] = "auto"  # see vision_pretrain_steps
+    vision_pretrain_batch_size: int = 64  # images per ViT pre-training step
+    vision_pretrain_lr: float = 1e-3  # the ViT pre-training's learning rate
+    lr_projector: float = 3e-3  # the projector's learning rate (0 freezes it)
+    lr_vision: float = 3e-3  # the ViT's learning rate (0 freezes it)
+    lr_language: float = 3e-3  # the language model's learning rate (0 freezes it)
     weight_decay: float = 0.01  # matrices only; norms, biases and embeddings' gains are not decayed
-    adam_beta2: float = 0.95
-    warmup_steps: int = 50
+    adam_beta2: float = 0.95  # AdamW's second-moment decay
+    warmup_steps: int = 50  # steps of linear learning-rate warmup
     # The cosine decay's length in steps, for a run that stops early and resumes onto the same schedule (0: see
     # min_lr_tail_fraction).
     decay_steps: int = 0
@@ -58,16 +58,16 @@ class TrainConfig(Config):
     loss_weight: LossWeight = "token"
     on_nonfinite: Literal["skip", "stop"] = "skip"  # a NaN/inf loss or gradient: skip that step, or stop the run
     max_length: int = 256  # samples longer than this (in tokens) are skipped, never truncated
-    eval_every: int = 250
+    eval_every: int = 250  # steps between validation losses
     eval_batches: int = 8  # validation-loss batches
     eval_questions: int = 600  # held-out questions scored by exact match (synthetic data)
-    save_every: int = 250
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    seed: int = 0
+    save_every: int = 250  # steps between checkpoints
+    keep_checkpoints: int = 2  # the newest checkpoints kept (older ones are deleted)
+    log_every: int = 10  # steps between log lines
+    seed: int = 0  # seeds the model's initialisation and the batches' order
     device: str = "auto"  # auto: cuda if available, else cpu
     bf16: bool = True  # autocast to bfloat16 on GPU (CPU trains in float32)
-    compile: bool = False
+    compile: bool = False  # torch.compile the training step
     # Under torchrun: DDP replicas, or FSDP2 shards for models too big for one GPU.
     parallel: Literal["ddp", "fsdp"] = "ddp"
     dist_timeout: int = 600  # seconds a collective may wait for the other ranks before the job fails
@@ -77,10 +77,10 @@ class TrainConfig(Config):
     # GPU; on a CPU they take cores from the step (the tiny default on 2 cores: 10.7 steps/s with 0, 10.0 with 1).
     num_workers: int = 0
     prefetch_factor: int = 2  # batches each worker prepares ahead
-    wandb: bool = False
+    wandb: bool = False  # log to Weights & Biases
     # Read pretrained backbones' .bin weights (torch.load(weights_only=True)); safetensors otherwise.
     allow_pickle: bool = False
-    wandb_project: str = "tinyvlm"
+    wandb_project: str = "tinyvlm"  # the Weights & Biases project
 
     def __post_init__(self) -> None:
         self.check_at_least("train", 1, ("max_steps", "batch_size", "grad_accum_steps", "max_length", "eval_every",

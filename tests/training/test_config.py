@@ -1,6 +1,7 @@
 """Run configs: YAML files map onto the dataclasses, and every field can be overridden from the command line."""
 
 import dataclasses
+import json
 import types
 import typing
 from typing import Any, Literal
@@ -8,7 +9,7 @@ from typing import Any, Literal
 import pytest
 
 from data import QUESTION_TYPES
-from models.config import Config, ConfigError
+from models.config import Config, ConfigError, field_comments
 from training.config import RunConfig, load_run_config, parse_overrides
 
 
@@ -166,3 +167,35 @@ def test_nothing_in_a_config_is_executed(tmp_path):
 ])
 def test_the_vit_pretrains_for_its_objectives_steps(overrides, steps):
     assert load_run_config("configs/tiny.yaml", overrides).pretrain_steps() == steps
+
+
+def test_help_lists_every_setting_with_its_type_value_and_description(capsys):
+    """`python train.py --help`: a line per setting of the run config, from the typed configs themselves."""
+    from train import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  --")}
+    tiny = load_run_config("configs/tiny.yaml", {})
+    for key, value, annotation in _leaf_fields(tiny):
+        line = lines[f"--{key}"]
+        kind, rest = line.split()[1], line.split("(= ", 1)[1]
+        shown, description = rest.split(")  ", 1)
+        assert json.loads(shown) == (list(value) if isinstance(value, tuple) else value), line
+        assert len(description.split()) >= 2, line  # every field has its comment
+        assert kind == {bool: "true|false", int: "int", float: "float"}.get(annotation, kind), line
+    assert len(lines) == len(list(_leaf_fields(tiny))) + 2  # and --config, --resume
+
+
+def test_field_comments_are_a_fields_own_line_or_the_block_above():
+    @dataclasses.dataclass
+    class Example(Config):
+        plain: int = 1  # the comment on its line
+        # a comment above,
+        # over two lines
+        above: str = "a"
+        bare: bool = False
+
+    assert field_comments(Example) == {"plain": "the comment on its line", "above": "a comment above, over two lines",
+                                       "bare": ""}
