@@ -265,6 +265,19 @@ def load_for_inference(checkpoint: str | Path | None, device: torch.device, allo
     tinyvlm's own, a SmolVLM / Idefics3 or a nanoVLM one; a directory, a hub id, or None for the newest under `runs`."""
     path = locate(checkpoint, runs, allow_pickle)
     model, tokenizer = load_checkpoint(path, device, allow_pickle)
-    if tokenizer is None:  # the checkpoint ships its own processor
-        return model, CheckpointProcessor.from_pretrained(path)
+    if tokenizer is None:  # the checkpoint ships its own processor, unless it is a model of tinyvlm's exported
+        tokenizer = exported_tinyvlm_tokenizer(path, model.config)
+        if tokenizer is None:
+            return model, CheckpointProcessor.from_pretrained(path)
     return model, ChatProcessor.from_config(model.config, tokenizer)
+
+
+def exported_tinyvlm_tokenizer(path: Path, config: VLMConfig) -> PreTrainedTokenizerBase | None:
+    """The tokenizer of a model tinyvlm trained and exported as Idefics3 (training/export.py): Idefics3's files, but
+    a tokenizer whose image token is tinyvlm's, so the model is asked in tinyvlm's ChatML. None for any other."""
+    if not (path / "tokenizer_config.json").is_file() or config.image_token_id is None:
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return tokenizer if tokenizer.convert_ids_to_tokens(config.image_token_id) == IMAGE_TOKEN else None

@@ -32,20 +32,36 @@ def export(checkpoint: Path, out: Path | None = None) -> Path:
     return out
 
 
+# tinyvlm's ChatML (data/prompts.py encode_chat) for transformers' apply_chat_template: each message as
+# <|im_start|>role\n + content + <|im_end|>\n, a user message's images (content parts {"type": "image"}, each
+# IMAGE_PLACEHOLDERS of the model's image token) before its text, then <|im_start|>assistant\n.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}{%- else -%}"
+    "{%- for part in message['content'] if part['type'] == 'image' -%}IMAGE_PLACEHOLDERS{%- endfor -%}"
+    "{%- for part in message['content'] if part['type'] == 'text' -%}{{ part['text'] }}{%- endfor -%}"
+    "{%- endif -%}{{ '<|im_end|>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}")
+
+
 def export_idefics3(checkpoint: Path, out: Path) -> Path:
-    """Write the tinyvlm checkpoint as a transformers Idefics3 one (and its processor or tokenizer files)."""
+    """Write the tinyvlm checkpoint as a transformers Idefics3 one, with its processor (a SmolVLM fine-tune's) or its
+    tokenizer; a tokenizer of tinyvlm's gets the chat template of tinyvlm's prompts, content parts included."""
     from models.checkpoints import find_checkpoint
     from models.idefics3 import export_idefics3 as write_idefics3
 
     checkpoint = find_checkpoint(checkpoint)
-    write_idefics3(VisionLanguageModel.from_pretrained(checkpoint), out)
-    copy_processor(checkpoint, out)
+    model = VisionLanguageModel.from_pretrained(checkpoint)
+    write_idefics3(model, out)
+    copy_processor(checkpoint, out, model.config)
     return out
 
 
-def copy_processor(checkpoint: Path, out: Path) -> None:
+def copy_processor(checkpoint: Path, out: Path, config: VLMConfig | None = None) -> None:
     """What inference needs besides the weights: the checkpoint's whole transformers processor where it has one (a
-    SmolVLM fine-tune: image splitting settings and chat template too), else its tokenizer files, if any."""
+    SmolVLM fine-tune: image splitting settings and chat template too), else its tokenizer files, if any: with
+    `config` (an Idefics3 export) a tokenizer of tinyvlm's own gets CHAT_TEMPLATE, which transformers' Idefics3
+    processor cannot replace (it writes Idefics3's own image tokens)."""
     if any((checkpoint / name).is_file() for name in PROCESSOR_FILES):
         from transformers import AutoProcessor
 
@@ -53,7 +69,13 @@ def copy_processor(checkpoint: Path, out: Path) -> None:
     elif (checkpoint / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(checkpoint).save_pretrained(out)
+        from data import IMAGE_TOKEN
+
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        if config is not None and tokenizer.convert_ids_to_tokens(config.image_token_id) == IMAGE_TOKEN:
+            tokenizer.chat_template = CHAT_TEMPLATE.replace("IMAGE_PLACEHOLDERS",
+                                                            IMAGE_TOKEN * config.tokens_per_image)
+        tokenizer.save_pretrained(out)
 
 
 def main(argv: list[str] | None = None) -> int:

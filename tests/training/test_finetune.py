@@ -39,7 +39,9 @@ from models import (
 )
 from models.nanovlm import nanovlm_tokenizer
 from tests.models.helpers import (
+    base_tokenizer,
     base_tokenizer_dir,
+    chat_vlm,
     nanovlm_config,
     save_backbones,
     save_tiny_idefics3,
@@ -421,6 +423,32 @@ def test_an_exported_smolvlm_keeps_its_processor(smolvlm, tmp_path):
     ids, pixels = encoder.encode("what colour?", [image])
     expected_ids, expected_pixels = original.encode("what colour?", [image])
     assert ids == expected_ids and torch.equal(pixels, expected_pixels)
+
+
+def test_a_model_tinyvlm_trained_answers_after_its_idefics3_export(tmp_path, capsys):
+    """generate.py answers from the export as from the original (the export's Idefics3 processor files made it ask
+    through transformers' processor, with no usable chat template: a traceback); transformers gets tinyvlm's prompt
+    ids from the exported tokenizer's chat template with an image part, and its Idefics3 model answers them alike."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    tokenizer = base_tokenizer()
+    chat_vlm(tokenizer).save_pretrained(tmp_path / "ours")
+    tokenizer.save_pretrained(tmp_path / "ours")
+    export_idefics3(tmp_path / "ours", tmp_path / "exported")
+    photo(50, 40).save(tmp_path / "photo.png")
+    answer = ask(tmp_path / "ours", tmp_path / "photo.png", capsys)
+    assert ask(tmp_path / "exported", tmp_path / "photo.png", capsys) == answer and answer.strip()
+
+    exported = AutoTokenizer.from_pretrained(tmp_path / "exported")
+    messages = [{"role": "user", "content": [{"type": "text", "text": QUESTION}, {"type": "image"}]}]
+    text = exported.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    _, processor = load_for_inference(tmp_path / "ours", torch.device("cpu"))
+    ids, pixels = processor.encode(QUESTION, [Image.open(tmp_path / "photo.png")])
+    assert exported.encode(text, add_special_tokens=False) == ids
+    reference = AutoModelForImageTextToText.from_pretrained(tmp_path / "exported").eval()
+    tokens = reference.generate(input_ids=torch.tensor([ids]), pixel_values=pixels[None], max_new_tokens=6,
+                                do_sample=False)[0, len(ids):]
+    assert exported.decode(tokens, skip_special_tokens=True).strip() == answer.strip()
 
 
 def test_a_typed_image_token_in_training_data_is_a_bad_record_not_a_stopped_run(smolvlm):
