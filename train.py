@@ -28,6 +28,7 @@ from models.checkpoints import find_checkpoint
 from models.config import one_line, settings_help
 from training.checkpoint import RUN_CONFIG
 from training.config import RunConfig, load_run_config, parse_overrides
+from training.data_check import check_data
 from training.distributed import lost_contact
 from training.run import train
 
@@ -43,10 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML run config (default: configs/tiny.yaml)")
     parser.add_argument("--resume", type=Path, help="a run directory or checkpoint to continue from; the run goes on "
                         "in the checkpoint's run directory")
+    parser.add_argument("--check-data", action="store_true", help="read and encode every record as training would "
+                        "and report what it would meet (bad records by cause, token lengths, what max_length "
+                        "drops); train nothing; exit 1 where training would stop on the data")
     args, rest = parser.parse_known_args(argv)
     try:
         overrides = parse_overrides(rest)
         if args.resume:
+            if args.check_data:
+                parser.error("--check-data checks the data before a run starts: leave --resume out")
             checkpoint = find_checkpoint(args.resume)
             # The run goes on where its checkpoint lies, not where it was first written: a copied or moved run must
             # not write into (and prune the checkpoints of) the original. --train.output_dir still wins.
@@ -57,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             config_path = args.config or default_config
             # --init_from over the default recipe: its data and training, the start's own model
-            train(load_run_config(config_path, overrides, keep_model=bool(args.config) or "init_from" not in overrides))
+            keep_model = bool(args.config) or "init_from" not in overrides
+            config = load_run_config(config_path, overrides, keep_model=keep_model)
+            if args.check_data:
+                return check_data(config)
+            train(config)
     except TinyVLMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

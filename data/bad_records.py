@@ -36,8 +36,9 @@ _IMAGE = datasets.Image()  # decodes a stored image ({"bytes", "path"}) as `data
 
 def checked_record(record: dict[str, Any]) -> dict[str, Any]:
     """The record with its images fully decoded to RGB (stored ones, {"bytes", "path"}, too; corrupt image data fails
-    here, not inside a batch) and its texts checked to be user/assistant pairs of valid Unicode strings; anything else
-    raises (so does a record that carries the `problem` its source met, as data/sources.py's load_jsonl keeps one)."""
+    here, not inside a batch) and its texts checked to be user/assistant pairs of valid Unicode strings with no empty
+    answer; anything else raises (so does a record that carries the `problem` its source met, as data/sources.py's
+    load_jsonl keeps one)."""
     if record.get("problem"):
         raise ValueError(record["problem"])
     texts = record["texts"]
@@ -46,6 +47,8 @@ def checked_record(record: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("'texts' must be a non-empty list of user/assistant string pairs")
     for turn in texts:
         (turn["user"] + turn["assistant"]).encode("utf-8")  # a lone surrogate (JSON allows "\ud800") raises here
+        if not turn["assistant"].strip():
+            raise ValueError("an empty answer: the turn would teach the model to stop at once")
     images = [_IMAGE.decode_example(image) if isinstance(image, dict) else image for image in record_images(record)]
     return {**record, "images": [to_rgb(image) for image in images]}
 

@@ -100,7 +100,14 @@ class ChatProcessor:
         self.images.check_tokenizer()
 
     def check_texts(self, turns: Turns) -> None:
-        """Nothing to refuse: a typed special-token string ("<|image|>") stays ordinary text (data/prompts.py)."""
+        """Raise PromptError where a text holds an image placeholder (`<|image|>`, or LLaVA's `<image>`): encoding
+        would keep it as text (data/prompts.py), but a record's images belong in its "images", not in its texts."""
+        for turn in turns:
+            for text in turn.values():
+                for placeholder in (IMAGE_TOKEN, "<image>"):
+                    if placeholder in text:
+                        raise PromptError(f"the text holds {placeholder}: a record's images go in its \"images\" "
+                                          f"(the prompt format places them), not in its texts: {text[:60]!r}")
 
     def encode(self, prompt: str, images: Sequence[Image.Image]) -> tuple[list[int], torch.Tensor | None]:
         return self.encode_chat([Message("user", prompt, len(images))], images)

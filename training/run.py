@@ -23,7 +23,7 @@ from training.checkpoint import RUN_CONFIG, load_training_state
 from training.config import RunConfig, check_fresh_start
 from training.optim import build_optimizer, build_scheduler, check_same_parts, freeze_parts
 from training.results import write_results
-from training.setup import build_model, build_tokenizer, load_for_resume, load_pretrained, unsharded
+from training.setup import model_and_processor, unsharded
 from training.signals import GracefulStop
 from training.vision_pretraining import pretrain_vision
 
@@ -49,14 +49,7 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     if not resume:
         check_fresh_start(config)
     train_data, validation_data = build_datasets(config.data)
-    if resume:
-        model, processor = load_for_resume(resume)  # its own checkpoint: never init_from again
-    elif config.init_from:
-        model, processor = load_pretrained(config)
-    else:
-        tokenizer = build_tokenizer(config, train_data)
-        model = build_model(config, tokenizer)
-        processor = ChatProcessor.from_config(model.config, tokenizer)  # split if config.model.splitting says so
+    model, processor = model_and_processor(config, resume, train_data)
     config = dataclasses.replace(config, model=model.config)
     _check(config, resume)
     train_records = CheckedRecords(train_data, config.data.on_bad_record, "train", report=report,

@@ -100,3 +100,16 @@ def unsharded(model, config: RunConfig, checkpoint: Path, ranks: distributed.Ran
     plain.load_state_dict(weights)
     plain.save_pretrained(checkpoint)
     return plain
+
+
+def model_and_processor(config: RunConfig, resume: Path | None,
+                        train_dataset) -> tuple[VisionLanguageModel, ConversationEncoder]:
+    """What a run trains and how it encodes records: the checkpoint it resumes, the VLM it starts from (init_from),
+    or a model built from the config with a tokenizer (trained on `train_dataset`'s texts if none is configured)."""
+    if resume:
+        return load_for_resume(resume)  # its own checkpoint: never init_from again
+    if config.init_from:
+        return load_pretrained(config)
+    tokenizer = build_tokenizer(config, train_dataset)
+    model = build_model(config, tokenizer)
+    return model, ChatProcessor.from_config(model.config, tokenizer)  # split if config.model.splitting says so

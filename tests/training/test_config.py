@@ -185,7 +185,7 @@ def test_help_lists_every_setting_with_its_type_value_and_description(capsys):
         assert json.loads(shown) == (list(value) if isinstance(value, tuple) else value), line
         assert len(description.split()) >= 2, line  # every field has its comment
         assert kind == {bool: "true|false", int: "int", float: "float"}.get(annotation, kind), line
-    assert len(lines) == len(list(_leaf_fields(tiny))) + 2  # and --config, --resume
+    assert len(lines) == len(list(_leaf_fields(tiny))) + 3  # and --config, --resume, --check-data
 
 
 def test_field_comments_are_a_fields_own_line_or_the_block_above():

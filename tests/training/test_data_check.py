@@ -1,0 +1,59 @@
+"""`python train.py --check-data`: every record read and encoded as training would, each fault reported with its
+line and cause, and a non-zero exit where training would stop on the data."""
+
+import json
+
+import pytest
+from PIL import Image
+
+from train import main
+
+GOOD = {"images": ["red.png"], "texts": [{"user": "What color is it?", "assistant": "red"}]}
+PLANTED = {  # line number -> (the line, the cause the report gives it)
+    4: (json.dumps({**GOOD, "images": ["gone.png"]}), "missing image file"),
+    6: (json.dumps({**GOOD, "texts": [{"user": "<image>\nWhat color is it?", "assistant": "red"}]}),
+        "image placeholder in a text"),
+    8: (json.dumps({**GOOD, "texts": [{"user": "What color is it?", "assistant": ""}]}), "empty answer"),
+    10: (json.dumps({**GOOD, "images": ["broken.png"]}), "unreadable image"),
+    12: ("{not json", "malformed record"),
+}
+
+
+def _data(tmp_path, planted: dict[int, tuple[str, str]], lines: int = 30):
+    Image.new("RGB", (40, 30), "red").save(tmp_path / "red.png")
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    rows = [planted[n][0] if n in planted else json.dumps(GOOD) for n in range(1, lines + 1)]
+    rows[13] = json.dumps({**GOOD, "texts": [{"user": "Describe it.", "assistant": "red " * 300}]})  # line 14
+    (tmp_path / "data.jsonl").write_text("\n".join(rows) + "\n")
+    return ["--data.source", "jsonl", "--data.path", str(tmp_path / "data.jsonl"), "--check-data"]
+
+
+def test_each_planted_fault_is_reported_with_its_line_and_cause(tmp_path, capsys):
+    assert main(_data(tmp_path, PLANTED)) == 0  # 5 of 30 bad: training skips and counts them
+    out = capsys.readouterr().out
+    path = tmp_path / "data.jsonl"
+    for number, (_, cause) in PLANTED.items():
+        section = out.split(f"  {cause}: 1\n", 1)[1]
+        assert section.splitlines()[0].strip().startswith(f"{path}:{number}:"), (cause, out)
+    assert "longer than train.max_length (256): 1 records" in out and "answer tokens lost" in out
+    assert f"{path}: 30 records, 5 bad" in out
+    assert "data check passed: 24 of 30 records train; 5 bad ones are skipped and counted; 1 too long" in out
+
+
+def test_it_fails_where_training_would_stop(tmp_path, capsys):
+    arguments = _data(tmp_path, PLANTED)
+    assert main([*arguments, "--data.on_bad_record", "fail"]) == 1
+    assert "data check failed: 5 bad records" in capsys.readouterr().out
+    mostly_bad = {n: PLANTED[4] for n in range(1, 21)}
+    assert main(_data(tmp_path, mostly_bad)) == 1
+    assert "data check failed: 19 of 30 records are bad" in capsys.readouterr().out  # line 14: too long
+
+
+def test_it_trains_nothing(tmp_path):
+    assert main([*_data(tmp_path, {}), "--train.output_dir", str(tmp_path / "run")]) == 0
+    assert not (tmp_path / "run").exists()
+
+
+def test_resuming_takes_no_check(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["--resume", str(tmp_path), "--check-data"])
