@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from models.attention import causal_mask, grouped_attention, paged_attention
 from models.config import LanguageConfig
@@ -162,6 +163,9 @@ class LanguageModel(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Training without a cache: keep each block's input only and recompute the block in the backward pass
+        # (activation checkpointing; the same loss and gradients for less memory).
+        self.activation_checkpointing = False
         self.apply(self._init_weights)
         if config.tie_word_embeddings:
             self.head.weight = self.token_embedding.weight
@@ -199,6 +203,11 @@ class LanguageModel(nn.Module):
                                                        embeddings.device)
         cos, sin = self.rotary(positions)
         x, new_caches = embeddings, []
+        if self.activation_checkpointing and kv_cache is None and torch.is_grad_enabled():
+            for block in self.blocks:  # no cache to return: nothing of a block is kept but its input
+                x = checkpoint(lambda x, block=block: block(x, cos, sin, mask, None, start_pos)[0], x,
+                               use_reentrant=False)
+            return self.norm(x), []
         for block, cache in zip(self.blocks, caches):
             x, cache = block(x, cos, sin, mask, cache, start_pos)
             new_caches.append(cache)

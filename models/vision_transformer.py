@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from models.config import VisionConfig
 from models.errors import InputError
@@ -94,6 +95,7 @@ class VisionTransformer(nn.Module):
                                                / config.hidden_size**0.5)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.num_layers))
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.activation_checkpointing = False  # recompute each block in the backward pass (see LanguageModel)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -112,8 +114,9 @@ class VisionTransformer(nn.Module):
         if tuple(images.shape[1:]) != expected:
             raise InputError(f"images must be [N, {', '.join(map(str, expected))}], got {list(images.shape)}")
         x = self.patch_embedding(images).flatten(2).transpose(1, 2) + self.position_embedding
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         return self.norm(x)
 
     @classmethod

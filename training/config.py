@@ -68,6 +68,9 @@ class TrainConfig(Config):
     device: str = "auto"  # auto: cuda if available, else cpu
     bf16: bool = True  # autocast to bfloat16 on GPU (CPU trains in float32)
     compile: bool = False  # torch.compile the training step
+    # Recompute each block of the LM and the ViT in the backward pass instead of keeping its activations: the same
+    # loss and gradients for less memory, for a second forward pass of each block.
+    activation_checkpointing: bool = False
     # Under torchrun: DDP replicas, or FSDP2 shards for models too big for one GPU.
     parallel: Literal["ddp", "fsdp"] = "ddp"
     dist_timeout: int = 600  # seconds a collective may wait for the other ranks before the job fails

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import resource
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -120,6 +121,14 @@ def train_step(forward, model, batches, optimizer, scheduler, tc, autocast, devi
     return step_loss, int(tokens), finite
 
 
+def peak_memory_mib(device: torch.device) -> float:
+    """The most memory the run has held so far: the GPU's allocated tensors on CUDA, else the process's resident
+    set (the CPU's figure includes the interpreter and the data)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def run(trainer: Trainer, state: TrainState) -> str | None:
     """Train from `state.step` to train.max_steps, updating `state`; log, validate and save on the way. Returns the
     name of the signal that stopped the run early (after a checkpoint), or None at max_steps."""
@@ -148,9 +157,11 @@ def run(trainer: Trainer, state: TrainState) -> str | None:
             done = state.step == tc.max_steps
             if state.step % tc.log_every == 0 or done:
                 rate = tokens_seen / (time.perf_counter() - started)
-                progress.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{rate:,.0f}")
+                peak = peak_memory_mib(trainer.device)
+                progress.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{rate:,.0f}", peak_mib=f"{peak:,.0f}")
                 if not bar:
-                    say(f"step {state.step}/{tc.max_steps}: loss {step_loss:.4f}, {rate:,.0f} tokens/s", flush=True)
+                    say(f"step {state.step}/{tc.max_steps}: loss {step_loss:.4f}, {rate:,.0f} tokens/s, peak memory "
+                        f"{peak:,.0f} MiB", flush=True)
                 _log(trainer, state.step, {"train/loss": step_loss, "train/tokens_per_s": rate,
                                            "lr": trainer.scheduler.get_last_lr()[-1]})
             if state.step % tc.eval_every == 0 or done:

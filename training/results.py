@@ -9,7 +9,7 @@ import sys
 from data import CheckedRecords
 from models import VisionLanguageModel
 from training.evaluate import answer, exact_match, save_loss_curve, save_prediction_grid
-from training.loop import Trainer, TrainState
+from training.loop import Trainer, TrainState, peak_memory_mib
 from training.signals import GracefulStop
 
 GRID_EXAMPLES = 16
@@ -20,7 +20,8 @@ def write_results(model: VisionLanguageModel, trainer: Trainer, state: TrainStat
     """Score `model` (the trained model, unwrapped) on held-out questions asked through the run's chat processor,
     write the artifacts; return the metrics. A stop signal (`stop`) ends the scoring after its batch: metrics.json
     is then written without held-out scores, saying so."""
-    tc, output_dir, metrics = trainer.config.train, trainer.output_dir, state.summary()
+    tc, output_dir = trainer.config.train, trainer.output_dir
+    metrics = {**state.summary(), "peak_memory_mib": round(peak_memory_mib(trainer.device))}
     model.to(trainer.device)
     count = min(tc.eval_questions, len(validation_records))
     records = [r for r in map(validation_records.__getitem__, range(count)) if r]

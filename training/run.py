@@ -58,6 +58,7 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
         _pretrain_vision(config, model, processor, train_records, device, say)
         distributed.broadcast_parameters(model.vision)  # GPU kernels need not be bit-exact across ranks
     freeze_parts(model, tc)
+    model.language.activation_checkpointing = model.vision.activation_checkpointing = tc.activation_checkpointing
     model = distributed.wrap(model.to(device), tc.parallel, ranks, device)
     optimizer = build_optimizer(distributed.unwrap(model), tc, device)
     state = loop.TrainState.resumed(load_training_state(resume, model, optimizer, ranks), tc) if resume \

@@ -92,3 +92,37 @@ def test_resizing_the_vocabulary_keeps_the_rest_of_the_config():
     model = VisionLanguageModel(tiny_vlm_config())
     model.resize_token_embeddings(120, image_token_id=119)
     assert model.config == dataclasses.replace(tiny_vlm_config(vocab_size=120), image_token_id=119)
+
+
+def _saved_elements_loss_and_grads(model, ids, images, targets) -> tuple[int, torch.Tensor, dict]:
+    """Elements kept for the backward pass, the loss, and every gradient, for one forward and backward."""
+    model.zero_grad()
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        _, loss = model(ids, images, targets=targets)
+    loss.backward()
+    return sum(saved), loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()
+                                       if p.grad is not None}
+
+
+def test_activation_checkpointing_keeps_less_for_the_same_loss_and_gradients():
+    model = tiny_vlm(seed=3).train()
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 90, (2, 14), generator=generator)
+    ids[:, 2:6] = IMAGE_ID
+    images = torch.randn(2, 3, 32, 32, generator=generator)
+    targets = ids.roll(-1, 1)
+    kept, loss, grads = _saved_elements_loss_and_grads(model, ids, images, targets)
+    model.language.activation_checkpointing = model.vision.activation_checkpointing = True
+    kept_checkpointed, loss_checkpointed, grads_checkpointed = _saved_elements_loss_and_grads(model, ids, images,
+                                                                                             targets)
+    assert kept_checkpointed < 0.6 * kept
+    torch.testing.assert_close(loss_checkpointed, loss, atol=1e-6, rtol=0)
+    assert grads_checkpointed.keys() == grads.keys() and len(grads) == len(list(model.parameters()))
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_checkpointed[name], grad, atol=1e-6, rtol=0, msg=name)

@@ -198,3 +198,19 @@ def test_progress_to_a_file_is_plain_lines(tmp_path, capsys):
     assert [line.split(":")[0] for line in lines] == ["step 2/5", "step 4/5", "step 5/5"]
     for line, (_, loss) in zip(lines, [history[1], history[3], history[4]]):
         assert f"loss {loss:.4f}, " in line
+
+
+def test_activation_checkpointing_trains_the_same_run(tmp_path, capsys):
+    """train.activation_checkpointing: the same losses and weights as without (float32, the same batches), and the
+    log reports peak memory."""
+    settings = {"train.max_steps": "3", "train.eval_every": "3", "train.save_every": "3", "train.lr_vision": "0.01"}
+    plain = train(small_config(tmp_path / "plain", **settings))
+    checkpointed = train(small_config(tmp_path / "checkpointed",
+                                      **{**settings, "train.activation_checkpointing": "true"}))
+    (history, weights), (history_checkpointed, weights_checkpointed) = (_history(tmp_path / name)
+                                                                          for name in ("plain", "checkpointed"))
+    assert [loss for _, loss in history_checkpointed] == pytest.approx([loss for _, loss in history], abs=1e-6)
+    for name, tensor in weights.items():
+        torch.testing.assert_close(weights_checkpointed[name], tensor, atol=1e-6, rtol=0, msg=name)
+    assert plain["peak_memory_mib"] > 0 and checkpointed["peak_memory_mib"] > 0
+    assert "peak memory" in capsys.readouterr().out
