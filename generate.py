@@ -34,8 +34,8 @@ from data.detokenizer import IncrementalDetokenizer
 from models import GenerationError, TinyVLMError, kv_cache_bytes
 from models.checkpoints import pick_device
 from models.loading import atomic_write
-from serving.engine import RequestError, engine_size
-from serving.sequence import RequestParams
+from serving.engine import engine_size
+from serving.requests import RequestError, RequestParams
 
 
 def check_prompt(prompt: str) -> str:
@@ -131,7 +131,8 @@ def run_batch(args: argparse.Namespace, params: RequestParams) -> None:
     lines with their answers to --output, in input order, once all are answered (atomically)."""
     from tqdm import tqdm
 
-    from serving.engine import Engine, Request
+    from serving.engine import Engine
+    from serving.requests import Request
 
     batch = Path(args.batch)
     records = read_requests(batch)
@@ -157,7 +158,8 @@ def run_batch(args: argparse.Namespace, params: RequestParams) -> None:
 def run_chat(args: argparse.Namespace, params: RequestParams) -> None:
     """A conversation in the terminal on the serving engine: each line a user turn, the answer streamed; the earlier
     turns' KV blocks are found in the prefix cache, not computed again."""
-    from serving.engine import Engine, Request
+    from serving.engine import Engine
+    from serving.requests import Request
 
     pending = [load_image(path) for path in args.image or []]  # for the next turn
     model, processor = load_for_inference(args.checkpoint, pick_device(args.device), args.allow_pickle)

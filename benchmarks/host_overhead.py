@@ -32,8 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decode import build_models  # noqa: E402
 from models import LanguageConfig, VisionConfig, VisionLanguageModel, VLMConfig  # noqa: E402
-from serving.engine import Engine, Request  # noqa: E402
-from serving.sequence import RequestParams  # noqa: E402
+from serving.engine import Engine  # noqa: E402
+from serving.requests import (
+    Request,  # noqa: E402
+    RequestParams,  # noqa: E402
+)
 
 PROMPT, MAX_TOKENS, BLOCK_SIZE = 100, 1000, 16
 SETTINGS = {"greedy": RequestParams(greedy=True, max_tokens=MAX_TOKENS, ignore_eos=True),

@@ -39,8 +39,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decode import build_models, synchronize  # noqa: E402
-from serving.engine import Engine, Request  # noqa: E402
-from serving.sequence import RequestParams  # noqa: E402
+from serving.engine import Engine  # noqa: E402
+from serving.requests import (
+    Request,  # noqa: E402
+    RequestParams,  # noqa: E402
+)
 
 METHODS = ("engine", "engine-eager", "static", "hf-one", "hf-batch", "hf-cb")
 HF_METHODS = ("hf-one", "hf-batch", "hf-cb")

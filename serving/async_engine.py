@@ -9,7 +9,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from serving.engine import Engine, Output, Request
+from serving.engine import Engine
+from serving.requests import Output, Request
 from serving.sequence import Group
 
 

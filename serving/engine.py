@@ -20,53 +20,17 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
-from PIL import Image
 from torch import Tensor
 
 from data.chat_processors import ChatProcessor, CheckpointProcessor
 from data.prompts import Message, PromptError
 from models import VisionLanguageModel
 from serving.block_manager import BlockManager
+from serving.requests import Output, Request, RequestError, Result, TokenLogprobs
 from serving.runner import ModelRunner
 from serving.scheduler import Scheduler
-from serving.sequence import Group, RequestError, RequestParams, Sequence, TokenLogprobs, token_keys
+from serving.sequence import Group, Sequence, token_keys
 from serving.structured import Grammars, accepted
-
-
-@dataclasses.dataclass
-class Request:
-    """A prompt (text: one user turn; a conversation: data.Message's, each user message with its number of images;
-    or token ids with image placeholders already in place) with its images (PIL images, in order, or processed
-    pixels [N, C, H, W] for token ids) and settings."""
-
-    prompt: str | list[Message] | list[int]
-    images: list[Image.Image] | Tensor | None = None
-    params: RequestParams = dataclasses.field(default_factory=RequestParams)
-    request_id: str | None = None
-
-
-@dataclasses.dataclass
-class Output:
-    """What a step produced for one request: each sample's new tokens (and their log-probabilities, if asked for),
-    and, once finished, each sample's reason ("stop": a stop token, included in its tokens; "length": max_tokens or
-    the context)."""
-
-    request_id: str
-    new_tokens: list[list[int]]
-    finished: bool = False
-    finish_reasons: list[str | None] = dataclasses.field(default_factory=list)
-    logprobs: list[list[TokenLogprobs]] | None = None
-
-
-@dataclasses.dataclass
-class Result:
-    request_id: str
-    token_ids: list[list[int]]  # per sample
-    texts: list[str]
-    finish_reasons: list[str]
-    prompt_tokens: int
-    cached_tokens: int  # of the prompt's, found in the prefix cache when it was admitted
-    logprobs: list[list[TokenLogprobs]] | None = None  # per sample, per token (RequestParams.logprobs)
 
 
 def engine_size(model: VisionLanguageModel, kv_cache_mib: int, block_size: int = 16,

@@ -30,7 +30,7 @@ import httpx
 from PIL import Image
 
 from data import ImageLoadError, load_image
-from serving.engine import RequestError
+from serving.requests import RequestError
 
 GLOBAL_IPV6 = ipaddress.ip_network("2000::/3")  # global unicast; every other IPv6 range is refused
 

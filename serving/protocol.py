@@ -14,9 +14,8 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from data import CAPTION_PROMPT, Message
-from serving.engine import Request, RequestError
 from serving.media import MediaPolicy, open_image
-from serving.sequence import MAX_LOGPROBS, RequestParams, Structure
+from serving.requests import MAX_LOGPROBS, Request, RequestError, RequestParams, Structure
 
 MAX_N = 16
 LABELS = {"user", "metadata"}  # they name a request and change nothing

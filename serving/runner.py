@@ -20,7 +20,8 @@ from models.kv_cache import Paged
 from models.sampling import sample_rows
 from serving.decode_graphs import DecodeGraphs
 from serving.input_buffers import InputBuffers, StepInputs
-from serving.sequence import MAX_LOGPROBS, Sequence, TokenLogprobs
+from serving.requests import MAX_LOGPROBS, TokenLogprobs
+from serving.sequence import Sequence
 from serving.structured import apply_masks, matcher
 
 ATTENTION = ("auto", "gather", "triton")

@@ -1,4 +1,4 @@
-"""What the engine tracks per request: its settings, its samples (sequences) and their place in the KV cache."""
+"""What the engine tracks per request: its samples (sequences), their state and their place in the KV cache."""
 
 from __future__ import annotations
 
@@ -10,64 +10,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from models.config import check
-from models.errors import TinyVLMError
-from models.sampling import SamplingParams
 from serving.block_manager import TokenKey
-
-MAX_LOGPROBS = 20  # top log-probabilities a request may ask for (OpenAI's limit)
-STRUCTURES = ("json_schema", "json_object", "choice")
-
-
-class RequestError(TinyVLMError, ValueError):
-    """A request the engine cannot serve: longer than the context, larger than the whole KV cache, bad settings."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Structure:
-    """What an answer must be (serving/structured.py): "json_schema" (`spec` the schema, as JSON text),
-    "json_object" (any JSON object), or "choice" (`spec` the allowed answers)."""
-
-    kind: str
-    spec: str | tuple[str, ...] = ""
-
-    def __post_init__(self) -> None:
-        if self.kind not in STRUCTURES:
-            raise RequestError(f"structured output must be one of {STRUCTURES}, got {self.kind!r}")
-        if self.kind == "choice" and not (self.spec and all(isinstance(c, str) and c for c in self.spec)):
-            raise RequestError("a choice needs a non-empty list of non-empty strings")
-
-
-@dataclasses.dataclass
-class RequestParams(SamplingParams):
-    """Per-request settings (as vLLM's SamplingParams): sampling, `n` samples sharing one prefill, `max_tokens` (None:
-    as many as fit the context after the prompt, and the KV cache), a `seed` for reproducible sampling, extra
-    `stop_token_ids` (the model's own stop tokens always apply, unless `ignore_eos`, which benchmarks use to fix output
-    lengths), `logprobs` (the log-softmax of the model's logits at each sampled token, and at the top k), `structure`
-    (structured output)."""
-
-    n: int = 1
-    max_tokens: int | None = 64
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: none; k: each sampled token's log-probability and the k most likely tokens'
-    structure: Structure | None = None  # hold the answer to a JSON schema, any JSON object or a list of choices
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check(self.n >= 1, f"n must be >= 1, got {self.n}")
-        check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-              f"logprobs must lie in 0..{MAX_LOGPROBS}, got {self.logprobs}")
-        check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
-
-
-@dataclasses.dataclass
-class TokenLogprobs:
-    """A sampled token's log-probability under the model (the log-softmax of its logits) and the top k tokens'."""
-
-    logprob: float
-    top: list[tuple[int, float]]
+from serving.requests import RequestParams
 
 
 class Status(enum.Enum):

@@ -50,7 +50,7 @@ from data.detokenizer import IncrementalDetokenizer
 from models.checkpoints import pick_device
 from models.errors import TinyVLMError
 from serving.async_engine import AsyncEngine, EngineFailure, QueueFull
-from serving.engine import Engine, Output, engine_size
+from serving.engine import Engine, engine_size
 from serving.media import MediaPolicy
 from serving.metrics import ServerMetrics
 from serving.protocol import (
@@ -61,7 +61,8 @@ from serving.protocol import (
     completion_to_engine_request,
     to_engine_request,
 )
-from serving.sequence import Group, TokenLogprobs
+from serving.requests import Output, TokenLogprobs
+from serving.sequence import Group
 
 CHAT_PAGE = (Path(__file__).parent / "static" / "chat.html").read_text()
 # the page's own inline script and style, and its images as data URLs; nothing from anywhere else

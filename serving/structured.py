@@ -17,7 +17,7 @@ import threading
 
 from torch import Tensor
 
-from serving.sequence import RequestError, Structure
+from serving.requests import RequestError, Structure
 
 CACHE_BYTES = 64 * 2**20  # compiled grammars kept for requests that repeat a structure
 

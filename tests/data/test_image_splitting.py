@@ -33,8 +33,8 @@ from data.image_splitting import FAKE_IMAGE_TOKEN, IDEFICS3_GLOBAL_TOKEN, NANOVL
 from data.prompts import encode_text
 from models import LanguageConfig, VisionConfig, VisionLanguageModel, VLMConfig
 from models.config import ConfigError, ProjectorConfig, SplitConfig
-from serving.engine import Engine, Request, RequestError
-from serving.sequence import RequestParams
+from serving.engine import Engine
+from serving.requests import Request, RequestError, RequestParams
 
 TILE, LONGEST = 32, 96  # Idefics3's max_image_size.longest_edge and size.longest_edge, small
 MEAN, STD = (0.9, 0.886, 0.878), (0.13, 0.15, 0.19)  # configs/tiny.yaml's, so that normalising is tested too

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from serving.engine import Engine, Request, RequestError
-from serving.sequence import RequestParams
+from serving.engine import Engine
+from serving.requests import Request, RequestError, RequestParams
 from tests.models.generation_helpers import IMAGE_ID, TOKENS_PER_IMAGE
 from tests.models.helpers import TRITON_ON_CPU, tiny_vlm
 
@@ -214,7 +214,7 @@ def test_structured_answers_validate_and_leave_free_requests_in_the_same_steps_u
     constrained row)."""
     pytest.importorskip("xgrammar")
     jsonschema = pytest.importorskip("jsonschema")
-    from serving.sequence import Structure
+    from serving.requests import Structure
     from tests.models.helpers import base_tokenizer, chat_vlm
 
     tokenizer = base_tokenizer()

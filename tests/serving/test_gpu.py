@@ -5,8 +5,8 @@ only for its one copy of the sampled ids."""
 import pytest
 import torch
 
-from serving.engine import Engine, Request
-from serving.sequence import RequestParams
+from serving.engine import Engine
+from serving.requests import Request, RequestParams
 from tests.models.helpers import tiny_vlm
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -8,8 +8,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import serving.block_manager
-from serving.engine import Engine, Request
-from serving.sequence import RequestParams
+from serving.engine import Engine
+from serving.requests import Request, RequestParams
 from tests.models.helpers import tiny_vlm
 
 # Operations whose output shape depends on tensor values, or that read a value back: each is a host sync on a GPU.

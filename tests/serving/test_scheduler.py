@@ -4,9 +4,10 @@ Each request's tokens stay generate's (tests/serving/test_engine.py holds the en
 
 import pytest
 
-from serving.engine import Engine, Request
+from serving.engine import Engine
+from serving.requests import Request, RequestParams
 from serving.scheduler import MAX_HELD_STEPS
-from serving.sequence import RequestParams, Status
+from serving.sequence import Status
 from tests.models.helpers import tiny_vlm
 
 

@@ -21,7 +21,8 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from data import ImageProcessor, Message, encode_prompt  # noqa: E402
 from serving.async_engine import AsyncEngine  # noqa: E402
-from serving.engine import Engine, Output  # noqa: E402
+from serving.engine import Engine  # noqa: E402
+from serving.requests import Output  # noqa: E402
 from serving.server import Completion, create_app  # noqa: E402
 from tests.models.helpers import base_tokenizer, chat_vlm  # noqa: E402
 

@@ -23,9 +23,10 @@ openai = pytest.importorskip("openai")
 
 from data import CAPTION_PROMPT  # noqa: E402
 from serving.async_engine import AsyncEngine  # noqa: E402
-from serving.engine import Engine, RequestError  # noqa: E402
+from serving.engine import Engine  # noqa: E402
 from serving.media import MediaPolicy, _public, open_image  # noqa: E402
 from serving.protocol import RequestLimits  # noqa: E402
+from serving.requests import RequestError  # noqa: E402
 from serving.server import create_app  # noqa: E402
 from tests.models.helpers import base_tokenizer, chat_vlm  # noqa: E402
 from tests.serving.test_server import Server, _alone, _data_url, _idle, _png  # noqa: E402
