@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from models.loading import CheckpointError, read_json, resolve, weight_patterns
+from models.lora import ADAPTER_CONFIG, adapter_base, load_adapter, merge_adapters
 
 STATE_JSON = "training_state.json"  # written last into a checkpoint: its presence marks the checkpoint complete
 SHARDED = "sharded"  # an FSDP2 checkpoint's weights and optimizer state (torch.distributed.checkpoint),
@@ -28,8 +29,8 @@ def checkpoints(run_dir: Path) -> list[Path]:
 
 
 def find_checkpoint(path: Path) -> Path:
-    """`path` if it is a model directory, else its complete checkpoint with the highest step."""
-    if (path / "config.json").is_file():
+    """`path` if it is a model directory (or an adapter's), else its complete checkpoint with the highest step."""
+    if (path / "config.json").is_file() or (path / ADAPTER_CONFIG).is_file():
         return path
     found = checkpoints(path)
     if not found:
@@ -72,6 +73,14 @@ def load_checkpoint(path: Path, device: torch.device, allow_pickle: bool = False
     if (path / SHARDED).is_dir() and not (path / "model.safetensors").is_file():
         raise CheckpointError(f"{path}: a sharded (FSDP2) checkpoint; export it first: "
                               f"python -m training.export {path}")
+    base = adapter_base(path)
+    if base is not None:  # a LoRA checkpoint: its base model, the adapter merged in, and its own tokenizer files
+        model, tokenizer = load_checkpoint(locate(base, allow_pickle=allow_pickle), device, allow_pickle)
+        load_adapter(model, path)
+        merge_adapters(model).eval()
+        if any((path / name).is_file() for name in PROCESSOR_FILES):
+            return model, None
+        return model, AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").is_file() else tokenizer
     model = VisionLanguageModel.from_pretrained(path, map_location=device, allow_pickle=allow_pickle).eval()
     if any((path / name).is_file() for name in PROCESSOR_FILES):
         return model, None

@@ -10,7 +10,26 @@ import yaml
 
 from data import DataConfig
 from models.config import Config, ConfigError, VLMConfig, check
+from models.lora import LANGUAGE_PROJECTIONS
 from training.loss import LossWeight
+
+
+@dataclasses.dataclass
+class LoraConfig(Config):
+    """Low-rank adapters (LoRA, through peft; models/lora.py) on the model a run starts from (`init_from`): only the
+    adapters train, and checkpoints hold them alone in peft's format, pointing at that model."""
+
+    rank: int = 0  # the adapters' rank (0: no adapters, the parts train whole)
+    alpha: float = 16.0  # an adapter's output is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on an adapter's input
+    # The linear layers that get adapters: a regex over full module names (language.blocks.N.attn.q_proj, ...,
+    # vision.blocks.N.attn.q_proj, vision.blocks.N.fc1, projector.proj); by default the LM's attention and MLP.
+    target_modules: str = LANGUAGE_PROJECTIONS
+
+    def __post_init__(self) -> None:
+        check(self.rank >= 0, f"train.lora.rank must be 0 (off) or positive, got {self.rank}")
+        check(self.alpha > 0 and 0 <= self.dropout < 1,
+              f"train.lora.alpha must be positive and train.lora.dropout in [0, 1), got {self.alpha}, {self.dropout}")
 
 
 @dataclasses.dataclass
@@ -71,6 +90,7 @@ class TrainConfig(Config):
     # Recompute each block of the LM and the ViT in the backward pass instead of keeping its activations: the same
     # loss and gradients for less memory, for a second forward pass of each block.
     activation_checkpointing: bool = False
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     # Under torchrun: DDP replicas, or FSDP2 shards for models too big for one GPU.
     parallel: Literal["ddp", "fsdp"] = "ddp"
     dist_timeout: int = 600  # seconds a collective may wait for the other ranks before the job fails
@@ -156,6 +176,10 @@ class RunConfig(Config):
                   "null")
             check(self.train.vision_pretrain_steps == 0, f"{start} brings a trained ViT: "
                   f"train.vision_pretrain_steps ({self.train.vision_pretrain_steps}) must be 0")
+        check(not self.train.lora.rank or self.init_from is not None, "train.lora.rank: adapters go on a trained "
+              "model: set init_from (a run directory, a checkpoint or a hub id)")
+        check(not self.train.lora.rank or self.train.parallel == "ddp",
+              "train.lora.rank: adapters train with train.parallel=ddp (FSDP2 shards whole models)")
         if self.train.vision_pretrain_steps:
             check(self.data.source == "synthetic" or self.train.vision_pretrain_objective != "cells",
                   f"train.vision_pretrain_objective=cells needs data.source=synthetic, whose scene generator gives its "

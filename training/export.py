@@ -1,9 +1,11 @@
 """Export checkpoints: a sharded (FSDP2) one into the ordinary `save_pretrained` layout (one process, no GPU needed),
-or any tinyvlm model as a transformers Idefics3 checkpoint, which transformers, vLLM and SGLang load.
+a LoRA one (an adapter and the model it adapts) merged into a plain checkpoint, or any tinyvlm model as a transformers
+Idefics3 checkpoint, which transformers, vLLM and SGLang load.
 
     python -m training.export runs/big/step_001000            # adds model.safetensors next to the shards
     python -m training.export runs/big/step_001000 --out exported/
-    python -m training.export --format idefics3 runs/tiny/step_002000 exported-idefics3/
+    python -m training.export --merge runs/lora merged/        # base + adapter -> one plain checkpoint
+    python -m training.export --format idefics3 runs/tiny/step_002000 exported-idefics3/   # (adapters merged first)
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
+
 from models import CheckpointError, ConfigError, VisionLanguageModel, VLMConfig
-from models.checkpoints import PROCESSOR_FILES, SHARDED
+from models.checkpoints import PROCESSOR_FILES, SHARDED, find_checkpoint, load_checkpoint
 from models.config import one_line
+from models.lora import ADAPTER_CONFIG, adapter_base
 from training.distributed import ShardError, read_sharded_weights
 
 
@@ -29,6 +34,18 @@ def export(checkpoint: Path, out: Path | None = None) -> Path:
     model.save_pretrained(out)
     if out != checkpoint:
         copy_processor(checkpoint, out)
+    return out
+
+
+def export_merged(checkpoint: Path, out: Path) -> Path:
+    """Write a LoRA checkpoint's base model with the adapter merged in, as a plain checkpoint (and its processor or
+    tokenizer files) into `out`."""
+    checkpoint = find_checkpoint(checkpoint)
+    if adapter_base(checkpoint) is None:
+        raise CheckpointError(f"{checkpoint}: not a LoRA checkpoint (no {ADAPTER_CONFIG}): nothing to merge")
+    model, _ = load_checkpoint(checkpoint, torch.device("cpu"))
+    model.save_pretrained(out)
+    copy_processor(checkpoint, out)
     return out
 
 
@@ -47,11 +64,13 @@ CHAT_TEMPLATE = (
 def export_idefics3(checkpoint: Path, out: Path) -> Path:
     """Write the tinyvlm checkpoint as a transformers Idefics3 one, with its processor (a SmolVLM fine-tune's) or its
     tokenizer; a tokenizer of tinyvlm's gets the chat template of tinyvlm's prompts, content parts included."""
-    from models.checkpoints import find_checkpoint
     from models.idefics3 import export_idefics3 as write_idefics3
 
     checkpoint = find_checkpoint(checkpoint)
-    model = VisionLanguageModel.from_pretrained(checkpoint)
+    if adapter_base(checkpoint) is not None:  # a LoRA checkpoint: its base with the adapter merged in
+        model, _ = load_checkpoint(checkpoint, torch.device("cpu"))
+    else:
+        model = VisionLanguageModel.from_pretrained(checkpoint)
     write_idefics3(model, out)
     copy_processor(checkpoint, out, model.config)
     return out
@@ -83,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", type=Path, help="a step_NNNNNN directory (sharded, or any for idefics3)")
     parser.add_argument("out", type=Path, nargs="?", help="where to write (default: into the sharded checkpoint)")
     parser.add_argument("--out", type=Path, dest="out_option", help="the same as the OUT argument")
+    parser.add_argument("--merge", action="store_true", help="merge a LoRA checkpoint's adapter into its base model")
     parser.add_argument("--format", choices=["tinyvlm", "idefics3"], default="tinyvlm",
                         help="tinyvlm: a sharded checkpoint's weights as model.safetensors; idefics3: a transformers "
                              "Idefics3 checkpoint")
@@ -93,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
             if out is None:
                 parser.error("--format idefics3 needs an output directory")
             print(f"exported {export_idefics3(args.checkpoint, out)}")
+        elif args.merge:
+            if out is None:
+                parser.error("--merge needs an output directory")
+            print(f"exported {export_merged(args.checkpoint, out)}")
         else:
             print(f"exported {export(args.checkpoint, out)}")
     except (CheckpointError, ConfigError, ShardError) as e:

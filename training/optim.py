@@ -46,7 +46,8 @@ def build_optimizer(model: nn.Module, config: TrainConfig, device: torch.device)
     for part, lr in learning_rates(config).items():
         if lr == 0:
             continue
-        unique = list({id(p): p for p in getattr(model, part).parameters()}.values())  # tied weights once
+        # tied weights once; with adapters (models/lora.py) only they train
+        unique = [p for p in {id(p): p for p in getattr(model, part).parameters()}.values() if p.requires_grad]
         groups.append({"name": f"{part}.decay", "params": [p for p in unique if p.dim() >= 2]})
         groups.append({"name": f"{part}.no_decay", "params": [p for p in unique if p.dim() < 2]})
     groups = [{**g, **group_settings(g["name"], config)} for g in groups if g["params"]]

@@ -17,6 +17,7 @@ from data.loader import training_batches
 from data.sampler import ResumableBatchSampler
 from models import VisionLanguageModel
 from models.config import check
+from models.lora import add_adapters, has_adapters, train_only_adapters
 from training import distributed, loop
 from training.answer_pretraining import pretrain_vision_on_answers, read_question_types
 from training.checkpoint import RUN_CONFIG, load_training_state
@@ -58,6 +59,10 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
         _pretrain_vision(config, model, processor, train_records, device, say)
         distributed.broadcast_parameters(model.vision)  # GPU kernels need not be bit-exact across ranks
     freeze_parts(model, tc)
+    if tc.lora.rank and not has_adapters(model):  # a resumed LoRA run's checkpoint brought its adapters
+        add_adapters(model, tc.lora.rank, tc.lora.alpha, tc.lora.target_modules, tc.lora.dropout)
+    elif has_adapters(model):
+        train_only_adapters(model)
     model.language.activation_checkpointing = model.vision.activation_checkpointing = tc.activation_checkpointing
     model = distributed.wrap(model.to(device), tc.parallel, ranks, device)
     optimizer = build_optimizer(distributed.unwrap(model), tc, device)

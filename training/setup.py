@@ -18,8 +18,9 @@ from data import (
 )
 from data.chat_processors import ChatProcessor, CheckpointProcessor, ConversationEncoder, load_for_inference
 from models import VisionLanguageModel, VLMConfig
-from models.checkpoints import PROCESSOR_FILES, SHARDED
+from models.checkpoints import PROCESSOR_FILES, SHARDED, locate
 from models.loading import CheckpointError, resolve
+from models.lora import adapter_base, load_adapter
 from training import distributed
 from training.config import RunConfig
 
@@ -79,7 +80,11 @@ def load_for_resume(checkpoint: Path) -> tuple[VisionLanguageModel, Conversation
     tokenizer with tinyvlm's ChatML); a sharded (FSDP2) one gets its weights from its shards later."""
     from transformers import AutoTokenizer
 
-    if (checkpoint / SHARDED).is_dir():
+    base = adapter_base(checkpoint)
+    if base is not None:  # a LoRA run's checkpoint: the model it adapts, with its adapters (training on)
+        model = VisionLanguageModel.from_pretrained(locate(base))
+        load_adapter(model, checkpoint)
+    elif (checkpoint / SHARDED).is_dir():
         model = VisionLanguageModel(VLMConfig.from_json(checkpoint / "config.json"))
     else:
         model = VisionLanguageModel.from_pretrained(checkpoint)

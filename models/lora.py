@@ -1,0 +1,105 @@
+"""Low-rank adapters (LoRA, Hu et al. 2021) on a VisionLanguageModel, through peft: injected into the linear layers
+whose names match, saved and read in peft's format (adapter_config.json, whose base_model_name_or_path names the model
+the adapter belongs to, and adapter_model.safetensors, keys under `base_model.model.`, as `PeftModel.save_pretrained`
+writes them), and merged into the weights for inference and export.
+
+    add_adapters(model, rank=16, alpha=32, target_modules=LANGUAGE_PROJECTIONS)   # only the adapters train
+    save_adapter(model, "out", base="runs/tiny")
+    load_adapter(base_model, "out"); merge_adapters(base_model)                   # inference: plain weights again
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from models.loading import CheckpointError, atomic_write
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PREFIX = "base_model.model."  # where peft's own PeftModel keeps the model it wraps
+LANGUAGE_PROJECTIONS = r"language\.blocks\.\d+\.(attn|mlp)\.\w+_proj"  # the LM's attention and MLP matrices
+
+
+def add_adapters(model: nn.Module, rank: int, alpha: float, target_modules: str | list[str],
+                 dropout: float = 0.0) -> None:
+    """Wrap the linear layers `target_modules` names (a regex over full module names, or a list of name endings)
+    with LoRA adapters (B initialised to zero: the model's outputs are unchanged) and freeze everything else."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules)
+    inject_adapter_in_model(config, model)
+    model.lora_config = config
+    train_only_adapters(model)
+
+
+def train_only_adapters(model: nn.Module) -> None:
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad = ".lora_" in name
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return getattr(model, "lora_config", None) is not None
+
+
+def save_adapter(model: nn.Module, directory: Path, base: str) -> None:
+    """The adapter's config (pointing at `base`) and weights, in peft's format."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    config = model.lora_config.to_dict() | {"base_model_name_or_path": base}
+    config["target_modules"] = sorted(config["target_modules"]) if isinstance(config["target_modules"], set) \
+        else config["target_modules"]
+    state = get_peft_model_state_dict(model)
+    tensors = {PREFIX + key: value.detach().contiguous().cpu() for key, value in state.items()}
+    directory.mkdir(parents=True, exist_ok=True)
+    atomic_write(directory / ADAPTER_WEIGHTS, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    atomic_write(directory / ADAPTER_CONFIG, lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n"))
+
+
+def adapter_base(directory: Path) -> str | None:
+    """The model an adapter directory's adapter belongs to; None where `directory` holds no adapter."""
+    if not (directory / ADAPTER_CONFIG).is_file():
+        return None
+    base = json.loads((directory / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if not base:
+        raise CheckpointError(f"{directory}: {ADAPTER_CONFIG} names no base model (base_model_name_or_path)")
+    return base
+
+
+def load_adapter(model: nn.Module, directory: Path) -> None:
+    """Inject the adapter saved in `directory` (peft's format: written here or by peft itself) into `model`."""
+    from peft import LoraConfig, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    config = json.loads((directory / ADAPTER_CONFIG).read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise CheckpointError(f"{directory}: a {config['peft_type']} adapter; only LoRA adapters load here")
+    add_adapters(model, config["r"], config["lora_alpha"], config["target_modules"], config.get("lora_dropout", 0.0))
+    model.lora_config = LoraConfig(**{key: value for key, value in config.items()
+                                      if key in LoraConfig.__dataclass_fields__})
+    tensors = {key.removeprefix(PREFIX): value for key, value in load_file(directory / ADAPTER_WEIGHTS).items()}
+    result = set_peft_model_state_dict(model, tensors)
+    missing = [key for key in result.missing_keys if ".lora_" in key]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"{directory}: the adapter does not fit the model (missing {missing[:2]}, "
+                              f"unexpected {list(result.unexpected_keys)[:2]})")
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module) -> nn.Module:
+    """Fold each adapter into its layer's weight and put the plain layer back: the model computes what it did, with
+    no adapter left (its state dict is a plain checkpoint's)."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoraLayer):
+            module.merge()
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, module.get_base_layer())
+    model.lora_config = None
+    for parameter in model.parameters():
+        parameter.requires_grad = True
+    return model

@@ -1,0 +1,106 @@
+"""LoRA through peft (models/lora.py, train.lora): only the adapters train, checkpoints hold them alone in peft's
+format, merged weights compute what base + adapter computed, and inference and resume load base + adapter."""
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+import generate
+from models import VisionLanguageModel
+from models.checkpoints import load_checkpoint
+from models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LANGUAGE_PROJECTIONS, add_adapters, merge_adapters
+from tests.models.helpers import tiny_vlm
+from tests.training.helpers import small_config
+from training import export
+from training.config import load_run_config
+from training.run import train
+
+LORA = {"data.shapes.image_size": "32", "data.shapes.num_train": "64", "data.shapes.num_validation": "8",
+        "train.batch_size": "8", "train.warmup_steps": "2", "train.log_every": "1", "train.device": "cpu",
+        "train.eval_questions": "4", "train.eval_batches": "1", "train.num_workers": "0", "train.lr_vision": "0",
+        "train.lr_projector": "0", "train.lr_language": "0.02", "train.min_lr_tail_fraction": "0",
+        "train.lora.rank": "4", "train.lora.alpha": "8"}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny trained run to adapt."""
+    directory = tmp_path_factory.mktemp("base")
+    train(small_config(directory, **{"train.max_steps": "2", "train.save_every": "2", "train.eval_every": "2",
+                                     "train.eval_questions": "0"}))
+    return directory
+
+
+def _lora_run(base, output, steps: int, **overrides):
+    settings = {**LORA, "init_from": str(base), "train.max_steps": str(steps), "train.save_every": "2",
+                "train.eval_every": str(steps), "train.output_dir": str(output), **overrides}
+    return train(load_run_config("configs/tiny.yaml", settings, keep_model=False))
+
+
+def test_merged_weights_compute_what_base_and_adapter_compute():
+    model = tiny_vlm(seed=2).double().eval()  # float64: the comparison sees the merge, not float32 rounding
+    add_adapters(model, rank=4, alpha=8, target_modules=LANGUAGE_PROJECTIONS)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:  # zero at first: give the adapters something to add
+                parameter.normal_(0, 0.2)
+    ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        adapted, _ = model(ids)
+        merged, _ = merge_adapters(model)(ids)
+    assert not any("lora" in name for name in model.state_dict())
+    torch.testing.assert_close(merged, adapted, atol=1e-10, rtol=0)
+    assert (merged - tiny_vlm(seed=2).double().eval()(ids)[0]).abs().max() > 1e-3  # the adapters changed the model
+
+
+def test_only_the_adapters_train_and_the_checkpoint_holds_them_alone(base, tmp_path):
+    metrics = _lora_run(base, tmp_path / "lora", steps=12)
+    checkpoint = tmp_path / "lora" / "step_000012"
+    assert (checkpoint / ADAPTER_CONFIG).is_file() and not (checkpoint / "model.safetensors").exists()
+    config = json.loads((checkpoint / ADAPTER_CONFIG).read_text())
+    assert config["base_model_name_or_path"] == str((base / "step_000002").resolve()) and config["r"] == 4
+    adapter = load_file(checkpoint / ADAPTER_WEIGHTS)
+    assert adapter and all(key.startswith("base_model.model.language.blocks.") and ".lora_" in key for key in adapter)
+    history = json.loads((checkpoint / "training_state.json").read_text())["history"]
+    assert history[-1][1] < history[0][1] and metrics["step"] == 12
+    # the base is untouched: merging back a zero adapter B gives it exactly; the adapted model differs from it
+    start = VisionLanguageModel.from_pretrained(base / "step_000002")
+    model, _ = load_checkpoint(checkpoint, torch.device("cpu"))
+    changed = {name for name, tensor in start.state_dict().items()
+               if not torch.equal(tensor, model.state_dict()[name])}
+    assert changed and all("language.blocks." in name and name.endswith("_proj.weight") for name in changed)
+
+
+def test_an_adapter_checkpoint_answers_like_its_merged_export(base, tmp_path, capsys):
+    _lora_run(base, tmp_path / "lora", steps=4)
+    checkpoint = tmp_path / "lora" / "step_000004"
+    assert export.main(["--merge", str(tmp_path / "lora"), str(tmp_path / "merged")]) == 0  # the newest checkpoint
+    assert (tmp_path / "merged" / "model.safetensors").is_file() and not (tmp_path / "merged" / ADAPTER_CONFIG).exists()
+    Image.new("RGB", (32, 32), "skyblue").save(tmp_path / "sky.png")
+    capsys.readouterr()
+    answers = []
+    for directory in (checkpoint, tmp_path / "merged"):
+        assert generate.main(["--checkpoint", str(directory), "--image", str(tmp_path / "sky.png"), "--prompt",
+                              "What color is the circle?", "--max-new-tokens", "8"]) == 0
+        answers.append(capsys.readouterr().out.strip())
+    assert answers[0] == answers[1]
+
+
+def test_a_resumed_lora_run_equals_the_uninterrupted_one(base, tmp_path):
+    _lora_run(base, tmp_path / "whole", steps=4, **{"train.decay_steps": "4"})
+    _lora_run(base, tmp_path / "split", steps=2, **{"train.decay_steps": "4"})
+    from train import main
+
+    assert main(["--resume", str(tmp_path / "split"), "--train.max_steps", "4"]) == 0
+    whole, split = (load_file(tmp_path / name / "step_000004" / ADAPTER_WEIGHTS) for name in ("whole", "split"))
+    assert whole.keys() == split.keys()
+    for key in whole:
+        torch.testing.assert_close(split[key], whole[key], atol=1e-6, rtol=0, msg=key)
+
+
+def test_adapters_need_a_model_to_adapt():
+    with pytest.raises(Exception, match="train.lora.rank: adapters go on a trained model"):
+        load_run_config("configs/tiny.yaml", {"train.lora.rank": "4"})
