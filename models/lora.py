@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models.loading import CheckpointError, atomic_write
+from models.loading import CheckpointError, atomic_write, rename_keys
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."  # where peft's own PeftModel keeps the model it wraps
@@ -70,22 +70,39 @@ def adapter_base(directory: Path) -> str | None:
 
 
 def load_adapter(model: nn.Module, directory: Path) -> None:
-    """Inject the adapter saved in `directory` (peft's format: written here or by peft itself) into `model`."""
+    """Inject the adapter saved in `directory` into `model` (a VisionLanguageModel, or a LanguageModel): written here,
+    or by peft itself on transformers' Idefics3 (SmolVLM) or Llama, whose weight names are mapped to ours as the
+    checkpoint loaders map them. The adapters go exactly on the layers the file holds adapters for."""
     from peft import LoraConfig, set_peft_model_state_dict
     from safetensors.torch import load_file
 
     config = json.loads((directory / ADAPTER_CONFIG).read_text())
     if config.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"{directory}: a {config['peft_type']} adapter; only LoRA adapters load here")
-    add_adapters(model, config["r"], config["lora_alpha"], config["target_modules"], config.get("lora_dropout", 0.0))
+    tensors = {_our_key(key.removeprefix(PREFIX), model): value
+               for key, value in load_file(directory / ADAPTER_WEIGHTS).items()}
+    layers = sorted({key.split(".lora_")[0] for key in tensors if ".lora_" in key})
+    add_adapters(model, config["r"], config["lora_alpha"], layers, config.get("lora_dropout", 0.0))
     model.lora_config = LoraConfig(**{key: value for key, value in config.items()
-                                      if key in LoraConfig.__dataclass_fields__})
-    tensors = {key.removeprefix(PREFIX): value for key, value in load_file(directory / ADAPTER_WEIGHTS).items()}
+                                      if key in LoraConfig.__dataclass_fields__} | {"target_modules": layers})
     result = set_peft_model_state_dict(model, tensors)
     missing = [key for key in result.missing_keys if ".lora_" in key]
     if missing or result.unexpected_keys:
         raise CheckpointError(f"{directory}: the adapter does not fit the model (missing {missing[:2]}, "
                               f"unexpected {list(result.unexpected_keys)[:2]})")
+
+
+def _our_key(key: str, model: nn.Module) -> str:
+    """An adapter weight's name in tinyvlm's modules: transformers' names (model.layers..., model.text_model...) mapped
+    as the Llama and Idefics3 loaders map them; our own kept."""
+    from models.idefics3 import to_tinyvlm_key
+    from models.language_model import HF_LLAMA_KEYS, LanguageModel
+
+    if not key.startswith(("model.", "lm_head.")):
+        return key
+    if isinstance(model, LanguageModel):
+        return next(iter(rename_keys({key: None}, HF_LLAMA_KEYS)))
+    return to_tinyvlm_key(key)
 
 
 @torch.no_grad()

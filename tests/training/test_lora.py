@@ -12,7 +12,7 @@ import generate
 from models import VisionLanguageModel
 from models.checkpoints import load_checkpoint
 from models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LANGUAGE_PROJECTIONS, add_adapters, merge_adapters
-from tests.models.helpers import tiny_vlm
+from tests.models.helpers import save_tiny_llama, tiny_vlm
 from tests.training.helpers import small_config
 from training import export
 from training.config import load_run_config
@@ -104,3 +104,32 @@ def test_a_resumed_lora_run_equals_the_uninterrupted_one(base, tmp_path):
 def test_adapters_need_a_model_to_adapt():
     with pytest.raises(Exception, match="train.lora.rank: adapters go on a trained model"):
         load_run_config("configs/tiny.yaml", {"train.lora.rank": "4"})
+
+
+def test_an_adapter_peft_wrote_on_transformers_llama_gives_its_logits_here(tmp_path):
+    """peft's own LoRA on transformers' Llama (its names: model.layers.N.self_attn.q_proj, ...), saved with
+    PeftModel.save_pretrained, loaded onto the same weights in tinyvlm's LanguageModel: the same logits."""
+    from peft import LoraConfig, get_peft_model
+
+    from models import LanguageModel
+    from models.lora import load_adapter
+
+    reference = save_tiny_llama(tmp_path / "llama", tie=False)
+    ids = torch.randint(3, 120, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = reference(input_ids=ids).logits
+    adapted = get_peft_model(reference, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
+                                                                                         "down_proj"]))
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    adapted.save_pretrained(tmp_path / "adapter")
+    with torch.no_grad():
+        expected = adapted(input_ids=ids).logits
+    ours = LanguageModel.from_pretrained(tmp_path / "llama").eval()
+    load_adapter(ours, tmp_path / "adapter")
+    with torch.no_grad():
+        logits = ours.head(ours(ours.token_embedding(ids))[0])
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    assert (plain - expected).abs().max() > 1e-2  # the adapter matters
