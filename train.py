@@ -37,10 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     """Train (or resume) as the command line says; the exit code: 0 done or stopped by a signal after a checkpoint,
     2 a clear error (bad config, data or checkpoint), 3 lost contact with the other ranks, 130 interrupted."""
     default_config = Path(__file__).parent / "configs" / "tiny.yaml"
-    settings = "\n".join(settings_help(load_run_config(default_config, {})))
+    asked_help = any(arg in ("-h", "--help") for arg in (sys.argv[1:] if argv is None else argv))
+    epilog = None
+    if asked_help:  # read only then: the settings list loads and checks configs/tiny.yaml
+        settings = "\n".join(settings_help(load_run_config(default_config, {})))
+        epilog = f"settings (--section.field VALUE; values as configs/tiny.yaml sets them):\n{settings}"
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=f"settings (--section.field VALUE; values as configs/tiny.yaml sets them):"
-                                            f"\n{settings}")
+                                     epilog=epilog)
     parser.add_argument("--config", help="YAML run config (default: configs/tiny.yaml)")
     parser.add_argument("--resume", type=Path, help="a run directory or checkpoint to continue from; the run goes on "
                         "in the checkpoint's run directory")

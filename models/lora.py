@@ -16,10 +16,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models.loading import CheckpointError, atomic_write, rename_keys
+from models.loading import CheckpointError, atomic_write, read_json, rename_keys
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."  # where peft's own PeftModel keeps the model it wraps
+# peft options this module does not reproduce when it loads an adapter (it would compute something else)
+UNSUPPORTED = ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform")
 LANGUAGE_PROJECTIONS = r"language\.blocks\.\d+\.(attn|mlp)\.\w+_proj"  # the LM's attention and MLP matrices
 
 
@@ -63,7 +65,7 @@ def adapter_base(directory: Path) -> str | None:
     """The model an adapter directory's adapter belongs to; None where `directory` holds no adapter."""
     if not (directory / ADAPTER_CONFIG).is_file():
         return None
-    base = json.loads((directory / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    base = read_json(directory / ADAPTER_CONFIG).get("base_model_name_or_path")
     if not base:
         raise CheckpointError(f"{directory}: {ADAPTER_CONFIG} names no base model (base_model_name_or_path)")
     return base
@@ -74,13 +76,20 @@ def load_adapter(model: nn.Module, directory: Path) -> None:
     or by peft itself on transformers' Idefics3 (SmolVLM) or Llama, whose weight names are mapped to ours as the
     checkpoint loaders map them. The adapters go exactly on the layers the file holds adapters for."""
     from peft import LoraConfig, set_peft_model_state_dict
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    config = json.loads((directory / ADAPTER_CONFIG).read_text())
+    config = read_json(directory / ADAPTER_CONFIG)
     if config.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"{directory}: a {config['peft_type']} adapter; only LoRA adapters load here")
-    tensors = {_our_key(key.removeprefix(PREFIX), model): value
-               for key, value in load_file(directory / ADAPTER_WEIGHTS).items()}
+    unsupported = [key for key in UNSUPPORTED if config.get(key)]
+    if unsupported:
+        raise CheckpointError(f"{directory}: the adapter uses {', '.join(unsupported)}, which tinyvlm does not load")
+    try:
+        weights = load_file(directory / ADAPTER_WEIGHTS)
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"{directory}: unreadable {ADAPTER_WEIGHTS} ({type(e).__name__})") from None
+    tensors = {_our_key(key.removeprefix(PREFIX), model): value for key, value in weights.items()}
     layers = sorted({key.split(".lora_")[0] for key in tensors if ".lora_" in key})
     add_adapters(model, config["r"], config["lora_alpha"], layers, config.get("lora_dropout", 0.0))
     model.lora_config = LoraConfig(**{key: value for key, value in config.items()

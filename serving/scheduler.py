@@ -107,6 +107,8 @@ class Scheduler:
                 count = min(sequence.num_pending, budget)
                 step.prefills.append((sequence, count))
                 budget -= count
+        if not self.waiting:
+            self.held = 0  # the count is of steps in a row that held a waiting request back
         admitting = budget and self.waiting and self._admitting(decoding=bool(step.decodes))
         while admitting and budget and self.waiting and self._admit(self.waiting[0], step):
             group = self.waiting.popleft()
@@ -157,6 +159,7 @@ class Scheduler:
         """Whether waiting requests may join this step (see the module's docstring)."""
         free = self.max_num_seqs - self.seats
         if not decoding:
+            self.held = 0
             return True
         if not free:
             return False  # nothing could join: not a step held back

@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from models.checkpoints import SHARDED, STATE_JSON, checkpoints, find_checkpoint
+from models.checkpoints import SHARDED, STATE_JSON, checkpoints
 from models.config import one_line
 from models.loading import CheckpointError, atomic_write
 from models.lora import has_adapters, save_adapter
@@ -102,12 +102,6 @@ def save_checkpoint(run_dir: Path, step: int, model, processor, optimizer: torch
     return final
 
 
-def adapted_checkpoint(init_from: str) -> str:
-    """Where an adapter's base model is: a local start as the absolute path of its very checkpoint (a run directory
-    goes on training: its newest checkpoint would change), a hub id as it is."""
-    return str(find_checkpoint(Path(init_from)).resolve()) if Path(init_from).expanduser().exists() else init_from
-
-
 def _retire(checkpoint: Path) -> Path:
     return checkpoint.rename(checkpoint.with_name(f".retired_{checkpoint.name}"))
 
@@ -118,8 +112,8 @@ def _write(staging: Path, step: int, model, processor, optimizer, run_config, ex
     sharded = extra["sharded_world_size"] > 0
     if sharded:
         atomic_write(staging / "config.json", model.config.save_json)
-    elif has_adapters(model):  # the adapter alone, pointing at the model it adapts
-        save_adapter(model, staging, base=adapted_checkpoint(run_config.init_from))
+    elif has_adapters(model):  # the adapter alone, pointing at the model it adapts (found when the run started)
+        save_adapter(model, staging, base=model.lora_base)
     else:
         model.save_pretrained(staging)
     processor.save_pretrained(staging)

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Literal
 
 import yaml
 
 from data import DataConfig
+from models.checkpoints import STEP_DIR, find_checkpoint
 from models.config import Config, ConfigError, VLMConfig, check
 from models.lora import LANGUAGE_PROJECTIONS
 from training.loss import LossWeight
+
+FINE_TUNE_DIR = "runs/finetune"  # where a fine-tune over the default recipe (train.py --init_from) writes
 
 
 @dataclasses.dataclass
@@ -30,6 +34,10 @@ class LoraConfig(Config):
         check(self.rank >= 0, f"train.lora.rank must be 0 (off) or positive, got {self.rank}")
         check(self.alpha > 0 and 0 <= self.dropout < 1,
               f"train.lora.alpha must be positive and train.lora.dropout in [0, 1), got {self.alpha}, {self.dropout}")
+        try:
+            re.compile(self.target_modules)
+        except re.error as e:
+            raise ConfigError(f"train.lora.target_modules: not a regular expression ({e})") from None
 
 
 @dataclasses.dataclass
@@ -198,9 +206,16 @@ class RunConfig(Config):
 
 def check_fresh_start(config: RunConfig) -> None:
     """What a fresh run's config may not hold (a resumed run's saved config holds its model's real architecture):
-    with init_from, any model field, since the architecture and image splitting come from that checkpoint."""
+    with init_from, any model field, since the architecture and image splitting come from that checkpoint, and an
+    output directory holding the start (the run would write over, and prune, the checkpoints it starts from)."""
     if config.init_from is None:
         return
+    start, output = Path(config.init_from).expanduser(), Path(config.train.output_dir).expanduser().resolve()
+    checkpoint = find_checkpoint(start).resolve() if start.exists() else None
+    run_dir = checkpoint.parent if checkpoint is not None and STEP_DIR.match(checkpoint.name) else None
+    if checkpoint is not None and output in (checkpoint, run_dir):
+        raise ConfigError(f"train.output_dir ({config.train.output_dir}) holds init_from ({config.init_from}): give "
+                          f"the fine-tune a directory of its own, e.g. --train.output_dir runs/finetune")
     defaults, ours = _flat(VLMConfig().to_dict()), _flat(config.model.to_dict())
     changed = [key for key in defaults if ours[key] != defaults[key]]
     if changed:
@@ -248,7 +263,7 @@ def load_run_config(path: str | Path | None, overrides: dict[str, str], keep_mod
     data and training settings only, not its model section nor its ViT pre-training: for fine-tuning a whole VLM
     (`init_from`, which brings both) with the default recipe."""
     values = load_yaml(path) if path else {}
-    if not keep_model:
+    if not keep_model:  # a fine-tune: its own run directory, never the recipe's (where its start may be)
         values = {key: value for key, value in values.items() if key != "model"}
-        values["train"] = {**(values.get("train") or {}), "vision_pretrain_steps": 0}
+        values["train"] = {**(values.get("train") or {}), "vision_pretrain_steps": 0, "output_dir": FINE_TUNE_DIR}
     return RunConfig.from_dict(values).replace(overrides)

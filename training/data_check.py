@@ -135,10 +135,11 @@ def check_data(config: RunConfig) -> int:
     if bad and config.data.on_bad_record == "fail":
         print(f"data check failed: {bad:,} bad records, and data.on_bad_record=fail stops training at the first")
         return 1
-    if bad > MAX_BAD_SHARE * records:
-        print(f"data check failed: {bad:,} of {records:,} records are bad, more than training accepts "
-              f"({MAX_BAD_SHARE:.0%}): the data or its format is likely wrong")
-        return 1
+    for report in reports:  # training stops on a split (train or validation) that is mostly bad
+        if report.num_bad > MAX_BAD_SHARE * report.records:
+            print(f"data check failed: {report.num_bad:,} of {report.records:,} records of {report.name} are bad, "
+                  f"more than training accepts ({MAX_BAD_SHARE:.0%}): the data or its format is likely wrong")
+            return 1
     too_long = sum(length > max_length for r in reports for length in r.lengths)
     print(f"data check passed: {records - bad - too_long:,} of {records:,} records train"
           + (f"; {bad:,} bad ones are skipped and counted" if bad else "")

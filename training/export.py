@@ -91,7 +91,9 @@ def copy_processor(checkpoint: Path, out: Path, config: VLMConfig | None = None)
         from data import IMAGE_TOKEN
 
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-        if config is not None and tokenizer.convert_ids_to_tokens(config.image_token_id) == IMAGE_TOKEN:
+        # (a model that splits images writes tile markers and tile counts no fixed template knows)
+        if (config is not None and not config.splitting.enabled
+                and tokenizer.convert_ids_to_tokens(config.image_token_id) == IMAGE_TOKEN):
             tokenizer.chat_template = CHAT_TEMPLATE.replace("IMAGE_PLACEHOLDERS",
                                                             IMAGE_TOKEN * config.tokens_per_image)
         tokenizer.save_pretrained(out)

@@ -126,7 +126,8 @@ def peak_memory_mib(device: torch.device) -> float:
     set (the CPU's figure includes the interpreter and the data)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
 def run(trainer: Trainer, state: TrainState) -> str | None:

@@ -16,13 +16,13 @@ from data.chat_processors import ChatProcessor
 from data.loader import training_batches
 from data.sampler import ResumableBatchSampler
 from models import VisionLanguageModel
-from models.config import check
+from models.config import ConfigError, check, one_line
 from models.lora import add_adapters, has_adapters, train_only_adapters
 from training import distributed, loop
 from training.answer_pretraining import pretrain_vision_on_answers, read_question_types
 from training.checkpoint import RUN_CONFIG, load_training_state
 from training.config import RunConfig, check_fresh_start
-from training.optim import build_optimizer, build_scheduler, check_same_parts, freeze_parts
+from training.optim import build_optimizer, build_scheduler, check_same_parts, freeze_parts, learning_rates
 from training.results import write_results
 from training.setup import model_and_processor, unsharded
 from training.signals import GracefulStop
@@ -60,7 +60,7 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
         distributed.broadcast_parameters(model.vision)  # GPU kernels need not be bit-exact across ranks
     freeze_parts(model, tc)
     if tc.lora.rank and not has_adapters(model):  # a resumed LoRA run's checkpoint brought its adapters
-        add_adapters(model, tc.lora.rank, tc.lora.alpha, tc.lora.target_modules, tc.lora.dropout)
+        _add_adapters(model, tc)
     elif has_adapters(model):
         train_only_adapters(model)
     model.language.activation_checkpointing = model.vision.activation_checkpointing = tc.activation_checkpointing
@@ -96,6 +96,20 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
         if not ranks.is_main:
             return state.summary()
         return write_results(final_model, trainer, state, validation_records, stop)
+
+
+def _add_adapters(model: VisionLanguageModel, tc) -> None:
+    """train.lora's adapters on the model, each in a part that trains (a part at learning rate 0 would leave its
+    adapters at zero)."""
+    try:
+        add_adapters(model, tc.lora.rank, tc.lora.alpha, tc.lora.target_modules, tc.lora.dropout)
+    except ValueError as e:  # peft: no layer matches, or a match is no linear layer
+        raise ConfigError(f"train.lora.target_modules ({tc.lora.target_modules}): {one_line(e, 200)}") from None
+    for part, lr in learning_rates(tc).items():
+        adapted = [name for name, _ in getattr(model, part).named_parameters() if ".lora_" in name]
+        if adapted and lr == 0:
+            raise ConfigError(f"train.lora.target_modules puts adapters in the {part} ({part}.{adapted[0]}), whose "
+                              f"learning rate train.lr_{part} is 0: they would never train")
 
 
 def _pretrain_vision(config: RunConfig, model: VisionLanguageModel, chat: ChatProcessor, train_records: CheckedRecords,

@@ -18,7 +18,7 @@ from data import (
 )
 from data.chat_processors import ChatProcessor, CheckpointProcessor, ConversationEncoder, load_for_inference
 from models import VisionLanguageModel, VLMConfig
-from models.checkpoints import PROCESSOR_FILES, SHARDED, locate
+from models.checkpoints import PROCESSOR_FILES, SHARDED, find_checkpoint
 from models.loading import CheckpointError, resolve
 from models.lora import adapter_base, load_adapter
 from training import distributed
@@ -52,19 +52,34 @@ def build_model(config: RunConfig, tokenizer) -> VisionLanguageModel:
 
 
 def load_pretrained(config: RunConfig) -> tuple[VisionLanguageModel, ConversationEncoder]:
-    """The model and chat processor `config.init_from` names, loaded as inference loads them (`load_for_inference`):
+    """The model and chat processor `config.init_from` names (see `load_start`); with train.lora, its place is
+    resolved once, here, for the adapters' checkpoints to name (`model.lora_base`)."""
+    model, processor = load_start(config.init_from, config.train.allow_pickle)
+    if config.train.lora.rank:
+        model.lora_base = adapted_checkpoint(config.init_from)
+    return model, processor
+
+
+def adapted_checkpoint(init_from: str) -> str:
+    """Where an adapter's base model is: a local start as the absolute path of its very checkpoint (a run directory
+    goes on training: its newest checkpoint would change), a hub id as it is."""
+    path = Path(init_from).expanduser()
+    return str(find_checkpoint(path).resolve()) if path.exists() else init_from
+
+
+def load_start(source: str, allow_pickle: bool = False) -> tuple[VisionLanguageModel, ConversationEncoder]:
+    """A whole VLM to train from, and its chat processor, loaded as inference loads them (`load_for_inference`):
     tinyvlm's own checkpoint with its tokenizer, a nanoVLM one with the tokenizer it was trained with, a SmolVLM /
     Idefics3 one with its own processor (chat template, image processor). The model keeps its vocabulary: the
     tokenizer must fit it."""
-    model, processor = load_for_inference(config.init_from, torch.device("cpu"), config.train.allow_pickle)
+    model, processor = load_for_inference(source, torch.device("cpu"), allow_pickle)
     model.train()
     vocab, tokens = model.config.language.vocab_size, len(processor.tokenizer)
     if tokens > vocab:
-        raise CheckpointError(f"{config.init_from}: its tokenizer has {tokens} tokens, more than the model's "
-                              f"{vocab} embeddings")
+        raise CheckpointError(f"{source}: its tokenizer has {tokens} tokens, more than the model's {vocab} embeddings")
     expected = (model.config.image_token_id, model.config.tokens_per_image)
     if (processor.image_token_id, processor.tokens_per_image) != expected:
-        raise CheckpointError(f"{config.init_from}: its processor writes {processor.tokens_per_image} image tokens of "
+        raise CheckpointError(f"{source}: its processor writes {processor.tokens_per_image} image tokens of "
                               f"id {processor.image_token_id} per tile, the model expects {expected[1]} of id "
                               f"{expected[0]}")
     # Backbones a tinyvlm checkpoint was once built from are history here: the run starts from this checkpoint.
@@ -81,9 +96,10 @@ def load_for_resume(checkpoint: Path) -> tuple[VisionLanguageModel, Conversation
     from transformers import AutoTokenizer
 
     base = adapter_base(checkpoint)
-    if base is not None:  # a LoRA run's checkpoint: the model it adapts, with its adapters (training on)
-        model = VisionLanguageModel.from_pretrained(locate(base))
+    if base is not None:  # a LoRA run's checkpoint: the model it adapts, loaded as the run loaded it, + its adapters
+        model, _ = load_start(base)
         load_adapter(model, checkpoint)
+        model.lora_base = base
     elif (checkpoint / SHARDED).is_dir():
         model = VisionLanguageModel(VLMConfig.from_json(checkpoint / "config.json"))
     else:

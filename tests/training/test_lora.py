@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 import generate
 from models import VisionLanguageModel
 from models.checkpoints import load_checkpoint
+from models.config import ConfigError
 from models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LANGUAGE_PROJECTIONS, add_adapters, merge_adapters
 from tests.models.helpers import save_tiny_llama, tiny_vlm
 from tests.training.helpers import small_config
@@ -133,3 +134,34 @@ def test_an_adapter_peft_wrote_on_transformers_llama_gives_its_logits_here(tmp_p
         logits = ours.head(ours(ours.token_embedding(ids))[0])
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
     assert (plain - expected).abs().max() > 1e-2  # the adapter matters
+
+
+@pytest.mark.parametrize("target, message", [
+    ("(", "train.lora.target_modules: not a regular expression"),
+    ("q_proj", "train.lora.target_modules (q_proj): "),  # a regex matches whole names: this one matches none
+    (r"projector\.proj", "train.lora.target_modules puts adapters in the projector (projector.proj.lora_A"),
+], ids=["not-a-regex", "no-match", "frozen-part"])
+def test_adapters_where_they_cannot_train_are_one_line_config_errors(base, tmp_path, target, message):
+    with pytest.raises(ConfigError) as error:
+        _lora_run(base, tmp_path / "lora", steps=2, **{"train.lora.target_modules": target})
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_a_fine_tune_never_writes_into_the_run_it_starts_from(base):
+    config = load_run_config("configs/tiny.yaml", {"init_from": str(base)}, keep_model=False)
+    assert config.train.output_dir == "runs/finetune"  # not tiny.yaml's runs/tiny, where its start may be
+    with pytest.raises(ConfigError, match=r"train.output_dir \(.*\) holds init_from"):
+        _lora_run(base, base, steps=2)
+
+
+def test_an_adapter_with_options_tinyvlm_does_not_reproduce_is_refused(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    from models import CheckpointError, LanguageModel
+    from models.lora import load_adapter
+
+    reference = save_tiny_llama(tmp_path / "llama", tie=False)
+    get_peft_model(reference, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], use_rslora=True)
+                   ).save_pretrained(tmp_path / "adapter")
+    with pytest.raises(CheckpointError, match="the adapter uses use_rslora, which tinyvlm does not load"):
+        load_adapter(LanguageModel.from_pretrained(tmp_path / "llama"), tmp_path / "adapter")

@@ -200,13 +200,23 @@ def test_progress_to_a_file_is_plain_lines(tmp_path, capsys):
         assert f"loss {loss:.4f}, " in line
 
 
-def test_activation_checkpointing_trains_the_same_run(tmp_path, capsys):
-    """train.activation_checkpointing: the same losses and weights as without (float32, the same batches), and the
-    log reports peak memory."""
+def test_activation_checkpointing_trains_the_same_run(tmp_path, capsys, monkeypatch):
+    """train.activation_checkpointing: the blocks are recomputed (counted), for the same losses and weights as without
+    (float32, the same batches); the log reports peak memory."""
+    import models.language_model
+    import models.vision_transformer
+
+    recomputed = []
+    for module in (models.language_model, models.vision_transformer):
+        original = module.checkpoint
+        monkeypatch.setattr(module, "checkpoint", lambda *args, original=original, **kwargs: (
+            recomputed.append(1), original(*args, **kwargs))[1])
     settings = {"train.max_steps": "3", "train.eval_every": "3", "train.save_every": "3", "train.lr_vision": "0.01"}
     plain = train(small_config(tmp_path / "plain", **settings))
+    assert not recomputed
     checkpointed = train(small_config(tmp_path / "checkpointed",
                                       **{**settings, "train.activation_checkpointing": "true"}))
+    assert len(recomputed) >= 3 * 3  # every block of the LM (2) and the ViT (1), each of the 3 steps
     (history, weights), (history_checkpointed, weights_checkpointed) = (_history(tmp_path / name)
                                                                           for name in ("plain", "checkpointed"))
     assert [loss for _, loss in history_checkpointed] == pytest.approx([loss for _, loss in history], abs=1e-6)
