@@ -35,6 +35,21 @@ def add_adapters(model: nn.Module, rank: int, alpha: float, target_modules: str 
     inject_adapter_in_model(config, model)
     model.lora_config = config
     train_only_adapters(model)
+    _refuse_tied(model)
+
+
+def _refuse_tied(model: nn.Module) -> None:
+    """ValueError where an adapted layer's weight is another module's too (an output head tied to the token
+    embedding): merging the adapter would change both."""
+    from peft.tuners.lora import LoraLayer
+
+    uses: dict[int, int] = {}
+    for _, parameter in model.named_parameters(remove_duplicate=False):
+        uses[id(parameter)] = uses.get(id(parameter), 0) + 1
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and uses.get(id(module.get_base_layer().weight), 0) > 1:
+            raise ValueError(f"{name} shares its weight with another module (a tied output head?): an adapter "
+                             f"there would change both when merged")
 
 
 def train_only_adapters(model: nn.Module) -> None:
@@ -91,7 +106,10 @@ def load_adapter(model: nn.Module, directory: Path) -> None:
         raise CheckpointError(f"{directory}: unreadable {ADAPTER_WEIGHTS} ({type(e).__name__})") from None
     tensors = {_our_key(key.removeprefix(PREFIX), model): value for key, value in weights.items()}
     layers = sorted({key.split(".lora_")[0] for key in tensors if ".lora_" in key})
-    add_adapters(model, config["r"], config["lora_alpha"], layers, config.get("lora_dropout", 0.0))
+    try:
+        add_adapters(model, config["r"], config["lora_alpha"], layers, config.get("lora_dropout", 0.0))
+    except ValueError as e:  # no such layer here, or a tied one
+        raise CheckpointError(f"{directory}: the adapter does not fit the model ({e})") from None
     model.lora_config = LoraConfig(**{key: value for key, value in config.items()
                                       if key in LoraConfig.__dataclass_fields__} | {"target_modules": layers})
     result = set_peft_model_state_dict(model, tensors)

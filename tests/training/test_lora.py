@@ -140,7 +140,8 @@ def test_an_adapter_peft_wrote_on_transformers_llama_gives_its_logits_here(tmp_p
     ("(", "train.lora.target_modules: not a regular expression"),
     ("q_proj", "train.lora.target_modules (q_proj): "),  # a regex matches whole names: this one matches none
     (r"projector\.proj", "train.lora.target_modules puts adapters in the projector (projector.proj.lora_A"),
-], ids=["not-a-regex", "no-match", "frozen-part"])
+    (r"language\.head", r"train.lora.target_modules (language\.head): language.head shares its weight with another"),
+], ids=["not-a-regex", "no-match", "frozen-part", "tied-head"])
 def test_adapters_where_they_cannot_train_are_one_line_config_errors(base, tmp_path, target, message):
     with pytest.raises(ConfigError) as error:
         _lora_run(base, tmp_path / "lora", steps=2, **{"train.lora.target_modules": target})
