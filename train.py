@@ -25,12 +25,12 @@ from pathlib import Path
 
 from models import TinyVLMError
 from models.checkpoints import find_checkpoint
-from models.config import one_line, settings_help
 from training.checkpoint import RUN_CONFIG
 from training.config import RunConfig, load_run_config, parse_overrides
 from training.data_check import check_data
 from training.distributed import lost_contact
 from training.run import train
+from typed_config import one_line, settings_help
 
 
 def main(argv: list[str] | None = None) -> int:

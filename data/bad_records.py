@@ -12,8 +12,8 @@ from datasets.features.features import require_decoding
 from torch.utils.data import Dataset
 
 from data.processors import to_rgb
-from models.config import one_line
 from models.errors import TinyVLMError
+from typed_config import one_line
 
 Policy = Literal["skip", "fail"]
 MAX_REPORTS = 10  # bad records reported one by one; any further ones are only counted

@@ -33,8 +33,8 @@ from typing import NamedTuple
 from PIL import Image, ImageDraw
 
 from data.synthetic import Split, split_by_hash
-from models.config import check, one_line
 from models.errors import TinyVLMError
+from typed_config import check, one_line
 
 # Built as data/synthetic.py is (sample a scene, split by its hash, render, ask), sharing none of its vocabulary.
 

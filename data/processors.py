@@ -13,8 +13,9 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from models.config import VisionConfig, one_line
+from models.config import VisionConfig
 from models.errors import TinyVLMError
+from typed_config import one_line
 
 MAX_IMAGE_PIXELS = 8192 * 8192  # larger images are refused as likely decompression bombs
 _WIDE_GREY_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # 16-bit greyscale as PIL reads it

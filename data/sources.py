@@ -14,8 +14,8 @@ from data.bad_records import Policy, record_images
 from data.processors import ImageLoadError, load_image
 from data.prompts import CAPTION_PROMPT
 from data.synthetic import ShapesConfig, shapes_datasets
-from models.config import Config, check, one_line
 from models.errors import TinyVLMError
+from typed_config import Config, check, one_line
 
 MAX_DEFAULT_HOLDOUT = 500
 _TEXTS = List({"user": Value("string"), "assistant": Value("string")})

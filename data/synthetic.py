@@ -30,7 +30,7 @@ from datasets import Image as ImageFeature
 from PIL import Image, ImageDraw
 
 from data.prompts import CAPTION_PROMPT
-from models.config import Config, check
+from typed_config import Config, check
 
 SHAPES = ("circle", "square", "triangle", "diamond")
 COLORS = {

@@ -1,6 +1,6 @@
 """tinyvlm's model package: import the VLM and its parts from here."""
 
-from models.config import ConfigError, LanguageConfig, ProjectorConfig, VisionConfig, VLMConfig
+from models.config import LanguageConfig, ProjectorConfig, VisionConfig, VLMConfig
 from models.errors import InputError, TinyVLMError
 from models.kv_cache import kv_cache_bytes
 from models.language_model import LanguageModel
@@ -9,6 +9,7 @@ from models.modality_projector import ModalityProjector
 from models.sampling import SamplingParams
 from models.vision_language_model import GenerationError, VisionLanguageModel
 from models.vision_transformer import VisionTransformer
+from typed_config import ConfigError
 
 __all__ = [
     "CheckpointError", "ConfigError", "GenerationError", "InputError", "TinyVLMError", "LanguageConfig",

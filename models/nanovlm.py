@@ -34,16 +34,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from models.config import (
-    ConfigError,
-    LanguageConfig,
-    ProjectorConfig,
-    SplitConfig,
-    VisionConfig,
-    VLMConfig,
-    one_line,
-)
+from models.config import LanguageConfig, ProjectorConfig, SplitConfig, VisionConfig, VLMConfig
 from models.loading import CheckpointError, load_checked, read_weights, rename_keys
+from typed_config import ConfigError, one_line
 
 if TYPE_CHECKING:
     from models.vision_language_model import VisionLanguageModel

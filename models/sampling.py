@@ -7,7 +7,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from models.config import Config, check
+from typed_config import Config, check
 
 
 @dataclasses.dataclass

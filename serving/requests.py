@@ -9,9 +9,9 @@ from PIL import Image
 from torch import Tensor
 
 from data.prompts import Message
-from models.config import check
 from models.errors import TinyVLMError
 from models.sampling import SamplingParams
+from typed_config import check
 
 MAX_LOGPROBS = 20  # top log-probabilities a request may ask for (OpenAI's limit)
 STRUCTURES = ("json_schema", "json_object", "choice")

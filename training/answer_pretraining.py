@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 from data.processors import ImageProcessor
-from models.config import ConfigError
 from models.modality_projector import ModalityProjector
 from models.vision_transformer import VisionTransformer
 from training.vision_pretraining import optimize
+from typed_config import ConfigError
 
 READER_HEADS = 4
 LOSS_DECAY = 0.9  # a type's running loss averages the last ~10 batches that drew it

@@ -20,10 +20,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from models.checkpoints import SHARDED, STATE_JSON, checkpoints
-from models.config import one_line
 from models.loading import CheckpointError, atomic_write
 from models.lora import has_adapters, save_adapter
 from training.distributed import Ranks, ShardError, barrier, is_sharded, load_sharded, save_sharded, unwrap
+from typed_config import one_line
 
 STATE_TENSORS = "training_state.safetensors"
 RUN_CONFIG = "run_config.json"

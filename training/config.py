@@ -11,9 +11,10 @@ import yaml
 
 from data import DataConfig
 from models.checkpoints import STEP_DIR, find_checkpoint
-from models.config import Config, ConfigError, VLMConfig, check
+from models.config import VLMConfig
 from models.lora import LANGUAGE_PROJECTIONS
 from training.loss import LossWeight
+from typed_config import Config, ConfigError, check
 
 FINE_TUNE_DIR = "runs/finetune"  # where a fine-tune over the default recipe (train.py --init_from) writes
 

@@ -19,9 +19,9 @@ from data import IGNORE_INDEX, PromptError, build_datasets, load_jsonl
 from data.bad_records import MAX_BAD_SHARE, checked_record
 from data.chat_processors import ConversationEncoder
 from data.processors import ImageLoadError
-from models.config import one_line
 from training.config import RunConfig, check_fresh_start
 from training.setup import model_and_processor
+from typed_config import one_line
 
 MAX_LISTED = 20  # bad records listed one by one per cause; any further ones are only counted
 

@@ -18,9 +18,9 @@ import torch
 
 from models import CheckpointError, ConfigError, VisionLanguageModel, VLMConfig
 from models.checkpoints import PROCESSOR_FILES, SHARDED, find_checkpoint, load_checkpoint
-from models.config import one_line
 from models.lora import ADAPTER_CONFIG, adapter_base
 from training.distributed import ShardError, read_sharded_weights
+from typed_config import one_line
 
 
 def export(checkpoint: Path, out: Path | None = None) -> Path:

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.config import check
 from training.config import TrainConfig
+from typed_config import check
 
 BETA1 = 0.9
 

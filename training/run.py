@@ -16,7 +16,6 @@ from data.chat_processors import ChatProcessor
 from data.loader import training_batches
 from data.sampler import ResumableBatchSampler
 from models import VisionLanguageModel
-from models.config import ConfigError, check, one_line
 from models.lora import add_adapters, has_adapters, train_only_adapters
 from training import distributed, loop
 from training.answer_pretraining import pretrain_vision_on_answers, read_question_types
@@ -27,6 +26,7 @@ from training.results import write_results
 from training.setup import model_and_processor, unsharded
 from training.signals import GracefulStop
 from training.vision_pretraining import pretrain_vision
+from typed_config import ConfigError, check, one_line
 
 
 def train(config: RunConfig, resume: Path | None = None) -> dict:

@@ -32,9 +32,10 @@ from data import (
 from data.image_splitting import FAKE_IMAGE_TOKEN, IDEFICS3_GLOBAL_TOKEN, NANOVLM_GLOBAL_TOKEN, max_grid, tile_token
 from data.prompts import encode_text
 from models import LanguageConfig, VisionConfig, VisionLanguageModel, VLMConfig
-from models.config import ConfigError, ProjectorConfig, SplitConfig
+from models.config import ProjectorConfig, SplitConfig
 from serving.engine import Engine
 from serving.requests import Request, RequestError, RequestParams
+from typed_config import ConfigError
 
 TILE, LONGEST = 32, 96  # Idefics3's max_image_size.longest_edge and size.longest_edge, small
 MEAN, STD = (0.9, 0.886, 0.878), (0.13, 0.15, 0.19)  # configs/tiny.yaml's, so that normalising is tested too

@@ -19,8 +19,8 @@ from data import (
     load_jsonl,
 )
 from data.bad_records import CheckedRecords
-from models.config import ConfigError
 from training.evaluate import exact_match
+from typed_config import ConfigError
 
 RED, BLUE = (255, 0, 0), (0, 0, 255)
 

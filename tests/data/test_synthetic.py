@@ -20,7 +20,7 @@ from data.synthetic import (
     sample_scene_of,
     split_of,
 )
-from models.config import ConfigError
+from typed_config import ConfigError
 
 GRID = (("top left", "top", "top right"), ("left", "center", "right"), ("bottom left", "bottom", "bottom right"))
 READING_ORDER = [cell for row in GRID for cell in row]

@@ -11,7 +11,7 @@ from PIL import Image, ImageDraw
 
 from data.processors import ImageProcessor
 from data.sources import load_jsonl
-from models.config import ConfigError, LanguageConfig, ProjectorConfig, VisionConfig, VLMConfig
+from models.config import LanguageConfig, ProjectorConfig, VisionConfig, VLMConfig
 from models.modality_projector import ModalityProjector
 from models.vision_transformer import VisionTransformer
 from training.answer_pretraining import (
@@ -23,6 +23,7 @@ from training.answer_pretraining import (
     pretrain_vision_on_answers,
     read_question_types,
 )
+from typed_config import ConfigError
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 160, 50), "blue": (40, 80, 230), "black": (20, 20, 20)}
 SIDES = ("left", "right")

@@ -9,8 +9,8 @@ from typing import Any, Literal
 import pytest
 
 from data import QUESTION_TYPES
-from models.config import Config, ConfigError, field_comments
 from training.config import RunConfig, load_run_config, parse_overrides
+from typed_config import Config, ConfigError, field_comments
 
 
 def _leaf_fields(config: Config, prefix: str = ""):

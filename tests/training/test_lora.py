@@ -11,13 +11,13 @@ from safetensors.torch import load_file
 import generate
 from models import VisionLanguageModel
 from models.checkpoints import load_checkpoint
-from models.config import ConfigError
 from models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LANGUAGE_PROJECTIONS, add_adapters, merge_adapters
 from tests.models.helpers import save_tiny_llama, tiny_vlm
 from tests.training.helpers import small_config
 from training import export
 from training.config import load_run_config
 from training.run import train
+from typed_config import ConfigError
 
 LORA = {"data.shapes.image_size": "32", "data.shapes.num_train": "64", "data.shapes.num_validation": "8",
         "train.batch_size": "8", "train.warmup_steps": "2", "train.log_every": "1", "train.device": "cpu",

@@ -8,10 +8,10 @@ import shutil
 import pytest
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from models.config import ConfigError
 from tests.training.helpers import small_config
 from train import main
 from training.run import train
+from typed_config import ConfigError
 
 CHANGED = {"train.lr_language": "0.002", "train.lr_projector": "0.004", "train.max_steps": "10",
            "train.warmup_steps": "3", "train.min_lr_ratio": "0.2", "train.weight_decay": "0.1",
