@@ -15,6 +15,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from models.kv_cache import Preallocated, tensors, with_layout
+
 CACHE_BUCKET = 256  # the cache's capacity is rounded up to a multiple of this (never past the context)
 
 
@@ -31,6 +33,17 @@ def pad_rows(tensor: Tensor, rows: int, value: int | float = 0) -> Tensor:
     """`tensor` with rows of `value` appended along dim 0 up to `rows`."""
     missing = rows - tensor.shape[0]
     return tensor if missing == 0 else torch.cat([tensor, tensor.new_full((missing, *tensor.shape[1:]), value)])
+
+
+def shape_static(mask: Tensor | None, cache: list[dict], rows: int, capacity: int) -> tuple[Tensor, list[dict]]:
+    """A prefilled generation's mask [rows, capacity] and preallocated cache, padded to the rows' bucket (the padded
+    rows masked out) and marked shape-static: the inputs the compiled step takes every decode step."""
+    bucket, device = bucket_rows(rows), cache[0]["key"].device
+    mask = pad_rows(torch.ones(rows, capacity, dtype=torch.long, device=device) if mask is None else mask, bucket)
+    cache = with_layout([{name: pad_rows(t, bucket) for name, t in tensors(block_cache).items()}
+                         for block_cache in cache], Preallocated(shape_static=True))
+    CompiledDecodeStep.mark_static(cache)
+    return mask, cache
 
 
 class CompiledDecodeStep:

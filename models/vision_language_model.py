@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from huggingface_hub import PyTorchModelHubMixin
 from torch import Tensor, nn
 
-from models.compiled_decode import CompiledDecodeStep, bucket_capacity, bucket_rows, pad_rows
+from models.compiled_decode import CompiledDecodeStep, bucket_capacity, pad_rows, shape_static
 from models.config import VLMConfig
 from models.errors import InputError, TinyVLMError
-from models.kv_cache import Preallocated, repeat_rows, tensors, with_layout
+from models.kv_cache import repeat_rows
 from models.language_model import LanguageModel
 from models.loading import (
     CheckpointError,
@@ -146,15 +146,7 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         rounded up to buckets): no recompilation and no host sync between steps (CUDA graphs on GPU)."""
         params = SamplingParams(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
         batch, prompt_len = input_ids.shape
-        capacity, context = prompt_len + max_new_tokens, self.config.language.max_position_embeddings
-        if max_new_tokens < 1 or num_samples < 1:
-            raise GenerationError(f"max_new_tokens and num_samples must be >= 1, "
-                                  f"got {max_new_tokens} and {num_samples}")
-        if capacity > context:
-            raise GenerationError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) "
-                                  f"exceeds the context of {context} tokens")
-        if compile and use_cache:
-            capacity = bucket_capacity(capacity, context)
+        capacity = self._capacity(prompt_len, max_new_tokens, num_samples, static=compile and use_cache)
         eos_ids = torch.tensor(([] if eos_token_id is None
                                 else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id),
                                device=input_ids.device, dtype=torch.long)
@@ -177,12 +169,7 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         step_fn, position = self.decode_step, prompt_len
         if compile and use_cache:  # shape-static: rows padded to a bucket (masked out), the position a device tensor
             step_fn, position = self._compiled_decode_step(), torch.tensor(prompt_len, device=input_ids.device)
-            bucket = bucket_rows(rows)
-            mask = pad_rows((torch.ones(rows, capacity, dtype=torch.long, device=input_ids.device)
-                             if mask is None else mask), bucket)
-            cache = with_layout([{name: pad_rows(t, bucket) for name, t in tensors(block_cache).items()}
-                                 for block_cache in cache], Preallocated(shape_static=True))
-            CompiledDecodeStep.mark_static(cache)
+            mask, cache = shape_static(mask, cache, rows, capacity)
         done = torch.zeros(rows, dtype=torch.bool, device=logits.device)
         for step in range(max_new_tokens):
             token = sample(logits, params, generator).masked_fill(done, pad_token_id)
@@ -198,6 +185,18 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
                 embeddings = torch.cat([embeddings, self.language.token_embedding(token[:, None])], dim=1)
                 hidden, _ = self.language(embeddings, None if mask is None else mask[:, : embeddings.shape[1]])
                 logits = self.language.head(hidden[:, -1])
+
+    def _capacity(self, prompt_len: int, max_new_tokens: int, num_samples: int, static: bool) -> int:
+        """The cache slots a generation needs (rounded up to a bucket for the shape-static step); GenerationError
+        where the request cannot be served."""
+        capacity, context = prompt_len + max_new_tokens, self.config.language.max_position_embeddings
+        if max_new_tokens < 1 or num_samples < 1:
+            raise GenerationError(f"max_new_tokens and num_samples must be >= 1, "
+                                  f"got {max_new_tokens} and {num_samples}")
+        if capacity > context:
+            raise GenerationError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) "
+                                  f"exceeds the context of {context} tokens")
+        return bucket_capacity(capacity, context) if static else capacity
 
     def decode_step(self, token: Tensor, mask: Tensor | None, cache: list[dict[str, Tensor]],
                     position: int | Tensor) -> Tensor:
