@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import os
 import secrets
@@ -146,50 +147,16 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Refused, refused)
     app.add_exception_handler(Exception, internal_error)
+    add_open_routes(app, server_metrics)
     preparing = asyncio.Semaphore(limits.max_preparing)
     workers = ThreadPoolExecutor(max_workers=min(8, limits.max_preparing), thread_name_prefix="prepare")
-
-    async def authorize(http: Request) -> None:
-        scheme, _, token = (http.headers.get("authorization") or "").partition(" ")
-        if api_key and not (scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), api_key.encode())):
-            raise Refused(401, "invalid or missing API key (send the header Authorization: Bearer KEY)",
-                          "invalid_api_key")
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
-
-    @app.get("/", response_class=HTMLResponse)
-    async def page() -> HTMLResponse:
-        """The chat page: one static file that talks to this server's /v1/chat/completions."""
-        return HTMLResponse(CHAT_PAGE, headers={"Content-Security-Policy": PAGE_POLICY})
-
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(server_metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    prepare = functools.partial(prepare_request, engine=engine, tokenizer=tokenizer, model_name=model_name,
+                                default_max_tokens=default_max_tokens, limits=limits, media=media)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_check(api_key))])
 
     @v1.get("/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "tinyvlm"}]}
-
-    def prepare(body: bytes, request_id: str, chat: bool) -> tuple[GenerationRequest, Group]:
-        """Parse and check the request, fetch and decode its images, tokenize its prompt (in a worker thread)."""
-        if body.count(b"{") + body.count(b"[") > limits.max_json_containers:
-            raise Refused(400, f"the request holds more than {limits.max_json_containers} JSON objects and arrays")
-        try:
-            parsed = (ChatRequest if chat else CompletionRequest).model_validate_json(body)
-        except ValidationError as e:
-            raise Refused(400, invalid(e)) from None
-        if parsed.model is not None and parsed.model != model_name:
-            raise Refused(404, f"the model `{parsed.model}` does not exist (this server serves `{model_name}`)",
-                          "model_not_found")
-        if chat:
-            request = to_engine_request(parsed, default_max_tokens, limits, media, request_id)
-        else:
-            request = completion_to_engine_request(parsed, tokenizer, limits, request_id)
-        return parsed, engine.prepare(request)
 
     async def serve(http: Request, chat: bool):
         arrival = time.monotonic()
@@ -225,6 +192,55 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
 
     app.include_router(v1)
     return app
+
+
+def add_open_routes(app: FastAPI, server_metrics: ServerMetrics) -> None:
+    """The routes no API key guards: the chat page, /health and /metrics."""
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page() -> HTMLResponse:
+        """The chat page: one static file that talks to this server's /v1/chat/completions."""
+        return HTMLResponse(CHAT_PAGE, headers={"Content-Security-Policy": PAGE_POLICY})
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server_metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def bearer_check(api_key: str | None):
+    """The /v1 routes' dependency: with an API key set, a request must send `Authorization: Bearer KEY` (401)."""
+
+    async def authorize(http: Request) -> None:
+        scheme, _, token = (http.headers.get("authorization") or "").partition(" ")
+        if api_key and not (scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), api_key.encode())):
+            raise Refused(401, "invalid or missing API key (send the header Authorization: Bearer KEY)",
+                          "invalid_api_key")
+
+    return authorize
+
+
+def prepare_request(body: bytes, request_id: str, chat: bool, *, engine: AsyncEngine, tokenizer, model_name: str,
+                    default_max_tokens: int | None, limits: RequestLimits,
+                    media: MediaPolicy) -> tuple[GenerationRequest, Group]:
+    """Parse and check the request, fetch and decode its images, tokenize its prompt (in a worker thread)."""
+    if body.count(b"{") + body.count(b"[") > limits.max_json_containers:
+        raise Refused(400, f"the request holds more than {limits.max_json_containers} JSON objects and arrays")
+    try:
+        parsed = (ChatRequest if chat else CompletionRequest).model_validate_json(body)
+    except ValidationError as e:
+        raise Refused(400, invalid(e)) from None
+    if parsed.model is not None and parsed.model != model_name:
+        raise Refused(404, f"the model `{parsed.model}` does not exist (this server serves `{model_name}`)",
+                      "model_not_found")
+    if chat:
+        request = to_engine_request(parsed, default_max_tokens, limits, media, request_id)
+    else:
+        request = completion_to_engine_request(parsed, tokenizer, limits, request_id)
+    return parsed, engine.prepare(request)
 
 
 async def read_body(http: Request, limit: int) -> bytes:
