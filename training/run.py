@@ -16,7 +16,7 @@ from data.chat_processors import ChatProcessor
 from data.loader import training_batches
 from data.sampler import ResumableBatchSampler
 from models import VisionLanguageModel
-from models.lora import add_adapters, has_adapters, train_only_adapters
+from models.lora import WholeModuleError, add_adapters, has_adapters, quantize_frozen, train_only_adapters
 from training import distributed, loop
 from training.answer_pretraining import pretrain_vision_on_answers, read_question_types
 from training.checkpoint import RUN_CONFIG, load_training_state
@@ -59,10 +59,7 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
         _pretrain_vision(config, model, processor, train_records, device, say)
         distributed.broadcast_parameters(model.vision)  # GPU kernels need not be bit-exact across ranks
     freeze_parts(model, tc)
-    if tc.lora.rank and not has_adapters(model):  # a resumed LoRA run's checkpoint brought its adapters
-        _add_adapters(model, tc)
-    elif has_adapters(model):
-        train_only_adapters(model)
+    _adapt(model, tc, device)
     model.language.activation_checkpointing = model.vision.activation_checkpointing = tc.activation_checkpointing
     model = distributed.wrap(model.to(device), tc.parallel, ranks, device)
     optimizer = build_optimizer(distributed.unwrap(model), tc, device)
@@ -98,17 +95,36 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
         return write_results(final_model, trainer, state, validation_records, stop)
 
 
+def _adapt(model: VisionLanguageModel, tc, device: torch.device) -> None:
+    """train.lora on the model: its frozen base quantized (QLoRA), then its adapters (a resumed LoRA run's checkpoint
+    brought them: they only need to train again)."""
+    if tc.lora.quantize_base:
+        check(device.type == "cuda", f"train.lora.quantize_base: a 4-bit base (QLoRA, bitsandbytes) trains on a CUDA "
+              f"GPU; this run's device is {device.type}")
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise ConfigError("train.lora.quantize_base needs bitsandbytes: pip install bitsandbytes") from None
+        quantize_frozen(model, device)
+    if has_adapters(model):
+        train_only_adapters(model)
+    elif tc.lora.rank:
+        _add_adapters(model, tc)
+
+
 def _add_adapters(model: VisionLanguageModel, tc) -> None:
-    """train.lora's adapters on the model, each in a part that trains (a part at learning rate 0 would leave its
-    adapters at zero)."""
+    """train.lora's adapters (and modules trained whole) on the model, each in a part that trains (a part at learning
+    rate 0 would leave them as they start)."""
+    lora = tc.lora
     try:
-        add_adapters(model, tc.lora.rank, tc.lora.alpha, tc.lora.target_modules, tc.lora.dropout)
-    except ValueError as e:  # peft: no layer matches, or a match is no linear layer
-        raise ConfigError(f"train.lora.target_modules ({tc.lora.target_modules}): {one_line(e, 200)}") from None
+        add_adapters(model, lora.rank, lora.alpha, lora.target_modules, lora.dropout, lora.modules_to_save)
+    except ValueError as e:  # peft: no layer matches, or a match is no linear layer; a tied or misnamed module
+        setting = "modules_to_save" if isinstance(e, WholeModuleError) else "target_modules"
+        raise ConfigError(f"train.lora.{setting} ({getattr(lora, setting)}): {one_line(e, 200)}") from None
     for part, lr in learning_rates(tc).items():
-        adapted = [name for name, _ in getattr(model, part).named_parameters() if ".lora_" in name]
-        if adapted and lr == 0:
-            raise ConfigError(f"train.lora.target_modules puts adapters in the {part} ({part}.{adapted[0]}), whose "
+        trained = [name for name, p in getattr(model, part).named_parameters() if p.requires_grad]
+        if trained and lr == 0:
+            raise ConfigError(f"train.lora puts trained weights in the {part} ({part}.{trained[0]}), whose "
                               f"learning rate train.lr_{part} is 0: they would never train")
 
 

@@ -64,6 +64,8 @@ TINY_CHANGES = {
     "train.decay_steps": {"train.decay_steps": 200},  # 0 or at least warmup_steps (100)
     "init_from": {"init_from": "some/vlm", "train.vision_pretrain_steps": 0},  # a whole VLM brings a trained ViT
     "train.lora.rank": {"train.lora.rank": 8, "init_from": "some/vlm", "train.vision_pretrain_steps": 0},  # adapters
+    "train.lora.quantize_base": {"train.lora.quantize_base": True, "train.lora.rank": 8, "init_from": "some/vlm",
+                                 "train.vision_pretrain_steps": 0},  # a 4-bit base under adapters
 }
 TINY = load_run_config("configs/tiny.yaml", {})
 LEAVES = {key: (value, annotation) for key, value, annotation in _leaf_fields(TINY)}

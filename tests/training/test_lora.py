@@ -2,6 +2,7 @@
 format, merged weights compute what base + adapter computed, and inference and resume load base + adapter."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -67,6 +68,7 @@ def test_only_the_adapters_train_and_the_checkpoint_holds_them_alone(base, tmp_p
     assert adapter and all(key.startswith("base_model.model.language.blocks.") and ".lora_" in key for key in adapter)
     history = json.loads((checkpoint / "training_state.json").read_text())["history"]
     assert history[-1][1] < history[0][1] and metrics["step"] == 12
+    assert metrics["trainable_parameters"] == sum(tensor.numel() for tensor in adapter.values())
     # the base is untouched: merging back a zero adapter B gives it exactly; the adapted model differs from it
     start = VisionLanguageModel.from_pretrained(base / "step_000002")
     model, _ = load_checkpoint(checkpoint, torch.device("cpu"))
@@ -119,11 +121,11 @@ def test_an_adapter_peft_wrote_on_transformers_llama_gives_its_logits_here(tmp_p
     ids = torch.randint(3, 120, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         plain = reference(input_ids=ids).logits
-    adapted = get_peft_model(reference, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
-                                                                                         "down_proj"]))
+    adapted = get_peft_model(reference, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                   modules_to_save=["lm_head"]))  # a head trained whole, too
     with torch.no_grad():
         for name, parameter in adapted.named_parameters():
-            if "lora_B" in name:
+            if "lora_B" in name or "modules_to_save" in name:
                 parameter.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
     adapted.save_pretrained(tmp_path / "adapter")
     with torch.no_grad():
@@ -136,15 +138,41 @@ def test_an_adapter_peft_wrote_on_transformers_llama_gives_its_logits_here(tmp_p
     assert (plain - expected).abs().max() > 1e-2  # the adapter matters
 
 
-@pytest.mark.parametrize("target, message", [
-    ("(", "train.lora.target_modules: not a regular expression"),
-    ("q_proj", "train.lora.target_modules (q_proj): "),  # a regex matches whole names: this one matches none
-    (r"projector\.proj", "train.lora.target_modules puts adapters in the projector (projector.proj.lora_A"),
-    (r"language\.head", r"train.lora.target_modules (language\.head): language.head shares its weight with another"),
-], ids=["not-a-regex", "no-match", "frozen-part", "tied-head"])
-def test_adapters_where_they_cannot_train_are_one_line_config_errors(base, tmp_path, target, message):
+def test_modules_to_save_train_whole_and_travel_in_the_adapter(base, tmp_path):
+    _lora_run(base, tmp_path / "lora", steps=4, **{"train.lora.modules_to_save": "projector",
+                                                    "train.lr_projector": "0.02"})
+    checkpoint = tmp_path / "lora" / "step_000004"
+    assert json.loads((checkpoint / ADAPTER_CONFIG).read_text())["modules_to_save"] == ["projector"]
+    start = VisionLanguageModel.from_pretrained(base / "step_000002")
+    adapter = load_file(checkpoint / ADAPTER_WEIGHTS)
+    projector = {f"projector.{name}" for name in start.projector.state_dict()}
+    assert {key.removeprefix("base_model.model.") for key in adapter if ".lora_" not in key} == projector
+    model, _ = load_checkpoint(checkpoint, torch.device("cpu"))
+    changed = {name for name, tensor in start.state_dict().items()
+               if not torch.equal(tensor, model.state_dict()[name])}
+    assert projector <= changed  # every projector weight trained, and nothing but it and the adapted projections
+    assert all(name in projector or ("language.blocks." in name and name.endswith("_proj.weight")) for name in changed)
+    for name in projector:
+        assert torch.equal(model.state_dict()[name], adapter[f"base_model.model.{name}"])
+
+
+@pytest.mark.parametrize("setting, value, message", [
+    ("target_modules", "(", "train.lora.target_modules: not a regular expression"),
+    ("target_modules", "q_proj", "train.lora.target_modules (q_proj): "),  # a regex matches whole names: none here
+    ("target_modules", r"projector\.proj", "train.lora puts trained weights in the projector (projector.proj.lora_A"),
+    ("target_modules", r"language\.head",
+     r"train.lora.target_modules (language\.head): language.head shares its weight with another"),
+    ("modules_to_save", "vision", "train.lora puts trained weights in the vision (vision.position_embedding"),
+    ("modules_to_save", "head", "train.lora.modules_to_save (head): 'head' matches no module"),
+    ("modules_to_save", r"language\.head",
+     r"train.lora.modules_to_save (language\.head): language.head shares its weight with another"),
+    ("modules_to_save", r"language\.blocks\.0\.attn",
+     r"train.lora.modules_to_save (language\.blocks\.0\.attn): language.blocks.0.attn holds adapters"),
+], ids=["not-a-regex", "no-match", "frozen-part", "tied-head", "whole-frozen-part", "whole-no-match",
+        "whole-tied-head", "whole-adapted"])
+def test_adapters_where_they_cannot_train_are_one_line_config_errors(base, tmp_path, setting, value, message):
     with pytest.raises(ConfigError) as error:
-        _lora_run(base, tmp_path / "lora", steps=2, **{"train.lora.target_modules": target})
+        _lora_run(base, tmp_path / "lora", steps=2, **{f"train.lora.{setting}": value})
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
@@ -166,3 +194,63 @@ def test_an_adapter_with_options_tinyvlm_does_not_reproduce_is_refused(tmp_path)
                    ).save_pretrained(tmp_path / "adapter")
     with pytest.raises(CheckpointError, match="the adapter uses use_rslora, which tinyvlm does not load"):
         load_adapter(LanguageModel.from_pretrained(tmp_path / "llama"), tmp_path / "adapter")
+
+
+def test_a_4bit_base_computes_with_its_dequantized_weights_and_only_the_adapters_train():
+    bnb = pytest.importorskip("bitsandbytes")
+    from models.lora import quantize_frozen
+
+    model, reference = tiny_vlm(seed=3), tiny_vlm(seed=3)
+    assert quantize_frozen(model, torch.device("cpu"), compute_dtype=torch.float32) == sum(
+        1 for name, module in reference.named_modules()
+        if isinstance(module, torch.nn.Linear) and ".blocks." in name)
+    with torch.no_grad():  # the reference: full-precision layers holding the 4-bit weights, dequantized
+        for name, module in model.named_modules():
+            if isinstance(module, bnb.nn.Linear4bit):
+                reference.get_submodule(name).weight.copy_(
+                    bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state))
+    ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids)[0], reference(ids)[0], atol=1e-5, rtol=0)
+    packed = {name: p.detach().clone() for name, p in model.named_parameters()}
+    add_adapters(model, rank=4, alpha=8, target_modules=LANGUAGE_PROJECTIONS)
+    assert all(".lora_" in name for name, p in model.named_parameters() if p.requires_grad)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(4):
+        loss = model(ids, targets=ids.roll(-1, 1))[1]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    after = {name.replace(".base_layer", ""): p for name, p in model.named_parameters() if ".lora_" not in name}
+    assert after.keys() == packed.keys() and all(torch.equal(after[name], packed[name]) for name in packed)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"train.lora.quantize_base": "true"}, "train.lora.quantize_base: a 4-bit base (QLoRA, bitsandbytes) trains on "
+     "a CUDA GPU; this run's device is cpu"),
+    ({"train.lora.quantize_base": "true", "train.lora.rank": "0"}, "train.lora.quantize_base quantizes the base "
+     "under adapters: set train.lora.rank"),
+], ids=["cpu", "no-adapters"])
+def test_a_4bit_base_off_a_gpu_or_without_adapters_is_a_one_line_error(base, tmp_path, settings, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _lora_run(base, tmp_path / "qlora", steps=2, **settings)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="QLoRA's 4-bit base trains on a CUDA GPU")
+def test_qlora_trains_on_a_gpu_and_resumes_exactly(base, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    settings = {"train.device": "cuda", "train.lora.quantize_base": "true", "train.decay_steps": "4"}
+    metrics = _lora_run(base, tmp_path / "whole", steps=4, **settings)
+    _lora_run(base, tmp_path / "split", steps=2, **settings)
+    from train import main
+
+    assert main(["--resume", str(tmp_path / "split"), "--train.max_steps", "4"]) == 0
+    whole, split = (load_file(tmp_path / name / "step_000004" / ADAPTER_WEIGHTS) for name in ("whole", "split"))
+    for key in whole:
+        torch.testing.assert_close(split[key], whole[key], atol=1e-5, rtol=0, msg=key)
+    history = json.loads((tmp_path / "whole" / "step_000004" / "training_state.json").read_text())["history"]
+    assert history[-1][1] < history[0][1] and metrics["step"] == 4

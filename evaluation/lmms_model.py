@@ -1,0 +1,123 @@
+"""tinyvlm as an lmms-eval model (lmms-eval 0.7: `pip install -e ".[eval]"`), registered under the name `tinyvlm`:
+
+    python -m lmms_eval --model tinyvlm --model_args checkpoint=runs/tiny --tasks mmstar --batch_size 32
+    python -m lmms_eval --model tinyvlm --model_args checkpoint=HuggingFaceTB/SmolVLM-256M-Instruct --tasks mme
+
+Any checkpoint `generate.py` takes (tinyvlm's own, SmolVLM / Idefics3, nanoVLM; a directory or a hub id) is asked
+the way it was trained: its own chat template and image splitting (data/chat_processors.py), every image of a
+document in its prompt. `generate_until` runs all of a task's requests through the serving engine (batched, greedy
+unless the task asks for a temperature); `loglikelihood` scores continuations with the model's log-probabilities.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from lmms_eval.api.instance import GenerationResult, Instance
+from lmms_eval.api.model import lmms
+from lmms_eval.models.registry_v2 import ModelManifest
+from PIL import Image
+
+from data.chat_processors import load_for_inference
+from data.collator import pad
+from models.checkpoints import pick_device
+from serving.engine import Engine, engine_size
+from serving.requests import Request, RequestParams
+
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+def manifest() -> ModelManifest:
+    """lmms-eval's entry point (pyproject.toml, group "lmms_eval.models"): `--model tinyvlm` is this class."""
+    return ModelManifest(model_id="tinyvlm", simple_class_path=f"{__name__}.TinyVLM")
+
+
+# lmms-eval's model interface (lmms_eval/api/model.py), as its llava_hf model implements it.
+class TinyVLM(lmms):
+    """`checkpoint`: a directory or hub id (None: the newest run under runs/); `batch_size`: the engine's sequences
+    at once, and the rows of a log-likelihood forward; `kv_cache_mib`: the engine's KV-cache memory."""
+
+    def __init__(self, checkpoint: str | None = None, device: str | None = None, batch_size: int | str = 16,
+                 kv_cache_mib: int = 1024, allow_pickle: bool = False, **unused) -> None:
+        super().__init__()
+        self.device = pick_device(device or "auto")
+        self.model, self.processor = load_for_inference(checkpoint, self.device, allow_pickle)
+        self.tokenizer = self.processor.tokenizer
+        self.batch_size = int(batch_size)
+        self.engine = Engine(self.model, self.processor,
+                             **engine_size(self.model, int(kv_cache_mib), max_num_seqs=self.batch_size))
+
+    def _visuals(self, doc_to_visual, doc_id: int, task: str, split: str) -> list[Image.Image]:
+        visuals = doc_to_visual(self.task_dict[task][split][doc_id]) if doc_to_visual is not None else []
+        images = [v for v in visuals or [] if v is not None]
+        if not all(isinstance(image, Image.Image) for image in images):
+            raise NotImplementedError("tinyvlm takes images (PIL), not video or audio")
+        return [image.convert("RGB") for image in images]
+
+    def generate_until(self, requests: list[Instance]) -> list[str]:
+        """Every request through the engine at once (greedy unless it asks for a temperature; as many new tokens as
+        it asks for and the context holds); each answer cut at the first of its `until` strings."""
+        prepared, stops = [], []
+        context_length = self.model.config.language.max_position_embeddings
+        for context, gen_kwargs, doc_to_visual, doc_id, task, split in [request.args for request in requests]:
+            prompt, pixels = self.processor.encode(context, self._visuals(doc_to_visual, doc_id, task, split))
+            wanted = int(gen_kwargs.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
+            params = RequestParams(temperature=float(gen_kwargs.get("temperature") or 0),
+                                   top_p=float(gen_kwargs.get("top_p") or 1.0),
+                                   max_tokens=max(min(wanted, context_length - len(prompt)), 1))
+            prepared.append(Request(prompt, pixels, params))
+            stops.append(_until(gen_kwargs))
+        results = self.engine.generate(prepared)
+        return [_cut(result.texts[0], until) for result, until in zip(results, stops)]
+
+    @torch.no_grad()
+    def loglikelihood(self, requests: list[Instance]) -> list[GenerationResult]:
+        """(the continuation's negative log-likelihood, in nats, summed over its tokens; whether greedy decoding would
+        give it) for each (context, continuation). Negated as lmms-eval's models return it: its multiple-choice
+        tasks pick the choice with the smallest value. Each pair is wrapped in a GenerationResult: lmms-eval 0.7's
+        evaluator turns a bare (float, bool) into its str, which its multiple-choice scoring cannot read."""
+        encoded = []
+        for context, continuation, doc_to_visual, doc_id, task, split in [request.args for request in requests]:
+            if not isinstance(continuation, str):  # a task's doc_to_target, for "loglikelihood" tasks
+                continuation = continuation(self.task_dict[task][split][doc_id])
+            prompt, pixels = self.processor.encode(context, self._visuals(doc_to_visual, doc_id, task, split))
+            encoded.append((prompt, self.tokenizer.encode(continuation, add_special_tokens=False), pixels))
+        scores = []
+        for start in range(0, len(encoded), self.batch_size):
+            scores += continuation_scores(self.model, encoded[start : start + self.batch_size],
+                                          self.tokenizer.pad_token_id, self.device)
+        return [GenerationResult(text=score) for score in scores]
+
+    def generate_until_multi_round(self, requests: list[Instance]) -> list[str]:
+        raise NotImplementedError("tinyvlm answers single-round tasks (generate_until, loglikelihood)")
+
+
+def continuation_scores(model, rows: Sequence[tuple[list[int], list[int], torch.Tensor | None]], pad_id: int,
+                        device: torch.device) -> list[tuple[float, bool]]:
+    """For each (prompt ids, continuation ids, prompt pixels): the continuation's summed negative log-likelihood under
+    `model` after the prompt, and whether it is the greedy continuation. One right-padded forward for all rows."""
+    ids, mask = pad([prompt + continuation for prompt, continuation, _ in rows], pad_id, "right")
+    pixels = [p for _, _, p in rows if p is not None]
+    logits, _ = model(ids.to(device), torch.cat(pixels).to(device) if pixels else None, mask.to(device))
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    scores = []
+    for row, (prompt, continuation, _) in enumerate(rows):
+        positions = torch.arange(len(prompt) - 1, len(prompt) + len(continuation) - 1, device=device)
+        wanted = torch.tensor(continuation, device=device)
+        chosen = log_probs[row, positions]
+        nll = -chosen.gather(1, wanted[:, None]).sum()
+        scores.append((float(nll), bool((chosen.argmax(-1) == wanted).all())))
+    return scores
+
+
+def _until(gen_kwargs: dict) -> list[str]:
+    until = gen_kwargs.get("until") or []
+    return [until] if isinstance(until, str) else list(until)
+
+
+def _cut(text: str, until: list[str]) -> str:
+    for stop in until:
+        if stop:
+            text = text.split(stop, 1)[0]
+    return text
