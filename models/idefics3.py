@@ -17,7 +17,7 @@ import torch
 from models.config import ProjectorConfig, SplitConfig, VLMConfig
 from models.language_model import HF_LLAMA_KEYS
 from models.language_model import config_from_hf as language_config_from_hf
-from models.loading import CheckpointError, atomic_write, load_checked, read_json, read_weights, rename_keys
+from models.loading import CheckpointError, atomic_write, read_json, read_weights, rename_keys
 from models.vision_transformer import HF_SIGLIP_KEYS
 from models.vision_transformer import config_from_hf as vision_config_from_hf
 
@@ -87,18 +87,14 @@ def image_processor_config(path: Path) -> dict | None:
             or (_optional_json(path / "processor_config.json") or {}).get("image_processor"))
 
 
-def load_idefics3(path: Path, hf_config: dict, allow_pickle: bool = False) -> VisionLanguageModel:
-    """A tinyvlm model with the config and weights of the Idefics3 checkpoint directory `path`."""
-    from models.vision_language_model import VisionLanguageModel
-
+def read_idefics3(path: Path, hf_config: dict, allow_pickle: bool = False) -> tuple[VLMConfig, dict[str, torch.Tensor]]:
+    """The tinyvlm config and weights (tinyvlm's names) of the Idefics3 checkpoint directory `path`."""
     generation = _optional_json(path / "generation_config.json")
     config = config_from_idefics3(hf_config, image_processor_config(path), generation)
-    model = VisionLanguageModel(config)
     weights = {to_tinyvlm_key(k): v for k, v in read_weights(path, allow_pickle).items()}
     if config.language.tie_word_embeddings:
         weights.pop("language.head.weight", None)
-    load_checked(model, weights, path)
-    return model
+    return config, weights
 
 
 def idefics3_config(config: VLMConfig):

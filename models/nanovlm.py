@@ -29,17 +29,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from models.config import LanguageConfig, ProjectorConfig, SplitConfig, VisionConfig, VLMConfig
-from models.loading import CheckpointError, load_checked, read_weights, rename_keys
+from models.loading import CheckpointError, read_weights, rename_keys
 from typed_config import ConfigError, one_line
-
-if TYPE_CHECKING:
-    from models.vision_language_model import VisionLanguageModel
 
 # nanoVLM (huggingface/nanoVLM, models/vision_transformer.py, modality_projector.py, language_model.py) is the
 # reference for these names. The fused `vision.blocks.N.attn.qkv_proj.*` is split by `split_fused_qkv` afterwards.
@@ -216,14 +213,10 @@ def to_tinyvlm_weights(weights: dict[str, Tensor], config: VLMConfig,
     return weights
 
 
-def load_nanovlm(path: Path, hf_config: dict, allow_pickle: bool = False) -> VisionLanguageModel:
-    """A tinyvlm model with the config and weights of the nanoVLM checkpoint directory `path`."""
-    from models.vision_language_model import VisionLanguageModel
-
+def read_nanovlm(path: Path, hf_config: dict, allow_pickle: bool = False) -> tuple[VLMConfig, dict[str, Tensor]]:
+    """The tinyvlm config and weights (tinyvlm's names) of the nanoVLM checkpoint directory `path`."""
     config = config_from_nanovlm(hf_config)
-    model = VisionLanguageModel(config)
-    load_checked(model, to_tinyvlm_weights(read_weights(path, allow_pickle), config, path), path)
-    return model
+    return config, to_tinyvlm_weights(read_weights(path, allow_pickle), config, path)
 
 
 def nanovlm_tokenizer(hf_config: dict):

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from models.compiled_decode import CompiledDecodeStep, bucket_capacity, pad_rows, shape_static
 from models.config import VLMConfig
 from models.errors import InputError, TinyVLMError
+from models.idefics3 import read_idefics3
 from models.kv_cache import repeat_rows
 from models.language_model import LanguageModel
 from models.loading import (
@@ -33,6 +34,7 @@ from models.loading import (
     weight_patterns,
 )
 from models.modality_projector import ModalityProjector
+from models.nanovlm import read_nanovlm
 from models.sampling import SamplingParams, sample
 from models.vision_transformer import VisionTransformer
 
@@ -238,16 +240,14 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
             raise CheckpointError(f"{source}: expected a checkpoint directory with config.json and model.safetensors")
         hf_config = read_json(path / "config.json")
         if hf_config.get("model_type") == "idefics3":
-            from models.idefics3 import load_idefics3
-
-            return load_idefics3(path, hf_config, allow_pickle).to(map_location)
-        if "model_type" in hf_config:
+            config, weights = read_idefics3(path, hf_config, allow_pickle)
+        elif "model_type" in hf_config:
             raise CheckpointError(f"{path}: model_type {hf_config['model_type']!r} is not supported (tinyvlm loads its "
                                   f"own checkpoints, Idefics3 / SmolVLM and nanoVLM)")
-        if "vit_hidden_dim" in hf_config:
-            from models.nanovlm import load_nanovlm
-
-            return load_nanovlm(path, hf_config, allow_pickle).to(map_location)
-        model = cls(VLMConfig.from_dict(hf_config))
-        load_checked(model, read_weights(path, allow_pickle), path)
+        elif "vit_hidden_dim" in hf_config:
+            config, weights = read_nanovlm(path, hf_config, allow_pickle)
+        else:
+            config, weights = VLMConfig.from_dict(hf_config), read_weights(path, allow_pickle)
+        model = cls(config)
+        load_checked(model, weights, path)
         return model.to(map_location)
