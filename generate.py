@@ -29,11 +29,10 @@ from pathlib import Path
 import torch
 
 from data import CAPTION_PROMPT, ImageLoadError, Message, load_image
-from data.chat_processors import load_for_inference
 from data.detokenizer import IncrementalDetokenizer
+from loading import load_for_inference, pick_device
 from models import GenerationError, TinyVLMError, kv_cache_bytes
-from models.checkpoints import pick_device
-from models.loading import atomic_write
+from models.weights import atomic_write
 from serving.engine import engine_size
 from serving.requests import RequestError, RequestParams
 

@@ -23,8 +23,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from loading import find_checkpoint
 from models import TinyVLMError
-from models.checkpoints import find_checkpoint
 from training.checkpoint import RUN_CONFIG
 from training.config import RunConfig, load_run_config, parse_overrides
 from training.data_check import check_data

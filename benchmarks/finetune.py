@@ -1,7 +1,7 @@
 """LoRA vs full fine-tuning of a trained model onto new data, over seeds: held-out exact match, trainable parameters,
 peak memory and training speed, min / median / max per method.
 
-    python -m data.objects /tmp/objects                                     # new data: the second synthetic set
+    python -m data.synthetic_objects /tmp/objects         # new data: the second synthetic set
     python benchmarks/finetune.py --init-from runs/tiny --data /tmp/objects --steps 1000 --seeds 0 1 2
 
 Each run is `python train.py --init_from INIT --data.source jsonl --data.path DATA/train.jsonl

@@ -3,7 +3,7 @@
 from data.bad_records import BadRecordError, CheckedRecords
 from data.collator import VQACollator, left_pad, pad
 from data.image_splitting import ImageInputs, ImageSplitter, marker_tokens, placeholder_ids, prepare_images
-from data.processors import ImageLoadError, ImageProcessor, load_image, to_rgb
+from data.images import ImageLoadError, ImageProcessor, load_image, to_rgb
 from data.prompts import (
     CAPTION_PROMPT,
     IGNORE_INDEX,

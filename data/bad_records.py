@@ -11,7 +11,7 @@ import datasets
 from datasets.features.features import require_decoding
 from torch.utils.data import Dataset
 
-from data.processors import to_rgb
+from data.images import to_rgb
 from models.errors import TinyVLMError
 from typed_config import one_line
 
@@ -83,7 +83,7 @@ class CheckedRecords(Dataset):
 
     A dataset's format is read once, here: change it with `with_format` / `with_transform` (a new dataset), not in
     place. The counts are this process's reads (a DataLoader worker keeps its own): training learns which records
-    were bad from each batch instead (data/loader.py).
+    were bad from each batch instead (data/batches.py).
     """
 
     def __init__(self, dataset, policy: Policy, name: str = "train", report: Callable[[str], None] | None = None,

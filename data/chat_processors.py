@@ -1,7 +1,7 @@
 """Conversations as model inputs, the way each kind of checkpoint was trained: one object per kind that both training
 and inference use.
 
-    model, processor = load_for_inference("HuggingFaceTB/SmolVLM-256M-Instruct", torch.device("cpu"))
+    model, processor = load_for_inference("HuggingFaceTB/SmolVLM-256M-Instruct", torch.device("cpu"))  # loading.py
     ids, pixels = processor.encode("What is in the picture?", [image])          # a prompt, the assistant turn opened
     ids, pixels = processor.encode_chat([Message("system", "Be brief."), Message("user", "What is it?", 1)], [image])
     ids, targets, pixels = processor.encode_conversation(record["texts"], images)  # a training record
@@ -29,9 +29,8 @@ from transformers import PreTrainedTokenizerBase
 from data.image_splitting import ImageInputs
 from data.prompts import IGNORE_INDEX, Message, PromptError, encode_chat, encode_conversation
 from data.tokenizer import IM_END, IM_START, IMAGE_TOKEN, token_id
-from models.checkpoints import RUNS, load_checkpoint, locate
 from models.config import ImagePosition, VLMConfig
-from models.loading import CheckpointError
+from models.weights import CheckpointError
 
 Turns = list[dict[str, str]]
 
@@ -265,26 +264,3 @@ class CheckpointProcessor:
                                 f"the whole conversation's ids, so the answer's tokens cannot be told apart")
         return len(prefix)
 
-
-def load_for_inference(checkpoint: str | Path | None, device: torch.device, allow_pickle: bool = False,
-                       runs: Path = RUNS):
-    """Model (eval mode, on `device`) and its chat processor (`encode(prompt, images)`, `.tokenizer`) for a checkpoint:
-    tinyvlm's own, a SmolVLM / Idefics3 or a nanoVLM one; a directory, a hub id, or None for the newest under `runs`."""
-    path = locate(checkpoint, runs, allow_pickle)
-    model, tokenizer = load_checkpoint(path, device, allow_pickle)
-    if tokenizer is None:  # the checkpoint ships its own processor, unless it is a model of tinyvlm's exported
-        tokenizer = exported_tinyvlm_tokenizer(path, model.config)
-        if tokenizer is None:
-            return model, CheckpointProcessor.from_pretrained(path)
-    return model, ChatProcessor.from_config(model.config, tokenizer)
-
-
-def exported_tinyvlm_tokenizer(path: Path, config: VLMConfig) -> PreTrainedTokenizerBase | None:
-    """The tokenizer of a model tinyvlm trained and exported as Idefics3 (training/export.py): Idefics3's files, but
-    a tokenizer whose image token is tinyvlm's, so the model is asked in tinyvlm's ChatML. None for any other."""
-    if not (path / "tokenizer_config.json").is_file() or config.image_token_id is None:
-        return None
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return tokenizer if tokenizer.convert_ids_to_tokens(config.image_token_id) == IMAGE_TOKEN else None

@@ -11,8 +11,8 @@ from transformers import PreTrainedTokenizerBase
 from data.bad_records import record_images
 from data.chat_processors import ChatProcessor, ConversationEncoder
 from data.image_splitting import ImageInputs, as_image_inputs
+from data.images import ImageProcessor
 from data.packing import pack_rows
-from data.processors import ImageProcessor
 from data.prompts import IGNORE_INDEX
 from models.config import ImagePosition
 

@@ -35,7 +35,7 @@ from PIL import Image
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from data.processors import ImageProcessor, to_rgb
+from data.images import ImageProcessor, to_rgb
 from data.prompts import encode_text
 from data.tokenizer import IMAGE_TOKEN, token_id
 from models.config import Resample, SplitLayout, VLMConfig

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from datasets import Dataset, Features, List, Value, concatenate_datasets, load_dataset
 
 from data.bad_records import Policy, record_images
-from data.processors import ImageLoadError, load_image
+from data.images import ImageLoadError, load_image
 from data.prompts import CAPTION_PROMPT
 from data.synthetic import ShapesConfig, shapes_datasets
 from models.errors import TinyVLMError

@@ -19,9 +19,8 @@ from lmms_eval.api.model import lmms
 from lmms_eval.models.registry_v2 import ModelManifest
 from PIL import Image
 
-from data.chat_processors import load_for_inference
 from data.collator import pad
-from models.checkpoints import pick_device
+from loading import load_for_inference, pick_device
 from serving.engine import Engine, engine_size
 from serving.requests import Request, RequestParams
 

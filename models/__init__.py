@@ -4,11 +4,11 @@ from models.config import LanguageConfig, ProjectorConfig, VisionConfig, VLMConf
 from models.errors import InputError, TinyVLMError
 from models.kv_cache import kv_cache_bytes
 from models.language_model import LanguageModel
-from models.loading import CheckpointError
 from models.modality_projector import ModalityProjector
 from models.sampling import SamplingParams
 from models.vision_language_model import GenerationError, VisionLanguageModel
 from models.vision_transformer import VisionTransformer
+from models.weights import CheckpointError
 from typed_config import ConfigError
 
 __all__ = [

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.loading import CheckpointError, rename_keys
+from models.weights import CheckpointError, rename_keys
 
 # llama.cpp's tensor names -> Hugging Face Llama's.
 _NAMES = [

@@ -17,9 +17,9 @@ import torch
 from models.config import ProjectorConfig, SplitConfig, VLMConfig
 from models.language_model import HF_LLAMA_KEYS
 from models.language_model import config_from_hf as language_config_from_hf
-from models.loading import CheckpointError, atomic_write, read_json, read_weights, rename_keys
 from models.vision_transformer import HF_SIGLIP_KEYS
 from models.vision_transformer import config_from_hf as vision_config_from_hf
+from models.weights import CheckpointError, atomic_write, read_json, read_weights, rename_keys
 
 if TYPE_CHECKING:
     from models.vision_language_model import VisionLanguageModel

@@ -19,7 +19,7 @@ from models.attention import causal_mask, grouped_attention, paged_attention
 from models.config import LanguageConfig
 from models.gguf import read_gguf
 from models.kv_cache import KVCache, Paged, allocate, attended_slots, layout_of, write
-from models.loading import CheckpointError, load_checked, read_json, read_weights, rename_keys, resolve, weight_patterns
+from models.weights import CheckpointError, load_checked, read_json, read_weights, rename_keys, resolve, weight_patterns
 
 
 # Root-mean-square LayerNorm (Zhang & Sennrich, 2019), as transformers' LlamaRMSNorm computes it.

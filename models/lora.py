@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models.loading import CheckpointError, atomic_write, read_json, rename_keys
+from models.weights import CheckpointError, atomic_write, read_json, rename_keys
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."  # where peft's own PeftModel keeps the model it wraps

@@ -9,7 +9,7 @@ Llama decoder: tinyvlm's own three modules, so loading is a mapping of config fi
 reshapes (the ViT's fused q/k/v projection is split, the ViT position embedding loses its batch axis, and a tied
 head, which `save_model` stores once as `decoder.head.weight`, becomes the token embedding).
 
-What the format fixes, and how it maps (nanoVLM's models/*.py, data/processors.py, data/custom_transforms.py):
+What the format fixes, and how it maps (nanoVLM's models/*.py, data/images.py, data/custom_transforms.py):
 - images are not normalised (ToTensor only: pixels in [0, 1]), so image_mean 0 and image_std 1;
 - the ViT has tanh-GELU MLPs and pre-LayerNorm blocks (fixed in code, no config field); `qkv_proj` is
   cat(q, k, v) along the output axis; with `vit_cls_flag` it prepends a CLS token and returns only that (refused);
@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from models.config import LanguageConfig, ProjectorConfig, SplitConfig, VisionConfig, VLMConfig
-from models.loading import CheckpointError, read_weights, rename_keys
+from models.weights import CheckpointError, read_weights, rename_keys
 from typed_config import ConfigError, one_line
 
 # nanoVLM (huggingface/nanoVLM, models/vision_transformer.py, modality_projector.py, language_model.py) is the
@@ -96,7 +96,7 @@ def _stop_tokens(hf: dict) -> tuple[int | None, tuple[int, ...]]:
 
 
 def splitting_from_nanovlm(hf: dict) -> SplitConfig:
-    """nanoVLM's image splitting for this config (data/processors.py, data/custom_transforms.py).
+    """nanoVLM's image splitting for this config (data/images.py, data/custom_transforms.py).
 
     Without `max_img_size` (configs before July 2025): no splitting, one square bilinear resize to `vit_img_size`.
     With it: the image is resized (bicubic) so that its longer side is `max_img_size` (`resize_to_max_side_len`) and
@@ -220,7 +220,7 @@ def read_nanovlm(path: Path, hf_config: dict, allow_pickle: bool = False) -> tup
 
 
 def nanovlm_tokenizer(hf_config: dict):
-    """The tokenizer a nanoVLM checkpoint is used with, built as nanoVLM builds it (data/processors.py): the base
+    """The tokenizer a nanoVLM checkpoint is used with, built as nanoVLM builds it (data/images.py): the base
     tokenizer `lm_tokenizer` (hub id or local directory) with `vlm_extra_tokens` as named special tokens (so
     `tokenizer.image_token` etc. exist), `lm_chat_template` as its chat template, and its EOS as pad token.
     CheckpointError if the tokenizer cannot be had, or gives the extra tokens other ids than the config expects."""

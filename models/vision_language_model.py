@@ -23,7 +23,11 @@ from models.errors import InputError, TinyVLMError
 from models.idefics3 import read_idefics3
 from models.kv_cache import repeat_rows
 from models.language_model import LanguageModel
-from models.loading import (
+from models.modality_projector import ModalityProjector
+from models.nanovlm import read_nanovlm
+from models.sampling import SamplingParams, sample
+from models.vision_transformer import VisionTransformer
+from models.weights import (
     CheckpointError,
     atomic_write,
     load_checked,
@@ -33,10 +37,6 @@ from models.loading import (
     save_weights,
     weight_patterns,
 )
-from models.modality_projector import ModalityProjector
-from models.nanovlm import read_nanovlm
-from models.sampling import SamplingParams, sample
-from models.vision_transformer import VisionTransformer
 
 STOP_CHECK_INTERVAL = 8  # decode steps between host-side "has every row finished?" checks
 

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from models.config import VisionConfig
 from models.errors import InputError
-from models.loading import CheckpointError, load_checked, read_json, read_weights, rename_keys, resolve, weight_patterns
+from models.weights import CheckpointError, load_checked, read_json, read_weights, rename_keys, resolve, weight_patterns
 
 
 # Multi-head self-attention over all patches (no mask), as in transformers' SiglipAttention.

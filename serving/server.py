@@ -46,9 +46,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from data.chat_processors import load_for_inference
 from data.detokenizer import IncrementalDetokenizer
-from models.checkpoints import pick_device
+from loading import load_for_inference, pick_device
 from models.errors import TinyVLMError
 from serving.async_engine import AsyncEngine, EngineFailure, QueueFull
 from serving.engine import Engine, engine_size

@@ -17,9 +17,9 @@ from transformers import PreTrainedTokenizerFast
 
 import generate
 from data import CAPTION_PROMPT, IM_END, IMAGE_TOKEN, ImageProcessor, Message, encode_prompt, stop_token_ids
-from data.chat_processors import load_for_inference
 from data.prompts import encode_text
 from data.tokenizer import token_id
+from loading import load_for_inference
 from models import VisionLanguageModel
 from tests.models import helpers
 from tests.models.helpers import tiny_vlm_config

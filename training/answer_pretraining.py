@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from data.processors import ImageProcessor
+from data.images import ImageProcessor
 from models.modality_projector import ModalityProjector
 from models.vision_transformer import VisionTransformer
 from training.vision_pretraining import optimize

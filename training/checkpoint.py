@@ -19,9 +19,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from models.checkpoints import SHARDED, STATE_JSON, checkpoints
-from models.loading import CheckpointError, atomic_write
+from loading import SHARDED, STATE_JSON, checkpoints
 from models.lora import has_adapters, save_adapter
+from models.weights import CheckpointError, atomic_write
 from training.distributed import Ranks, ShardError, barrier, is_sharded, load_sharded, save_sharded, unwrap
 from typed_config import one_line
 

@@ -10,7 +10,7 @@ from typing import Literal
 import yaml
 
 from data import DataConfig
-from models.checkpoints import STEP_DIR, find_checkpoint
+from loading import STEP_DIR, find_checkpoint
 from models.config import VLMConfig
 from models.lora import LANGUAGE_PROJECTIONS
 from training.loss import LossWeight

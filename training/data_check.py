@@ -18,7 +18,7 @@ from typing import Any
 from data import IGNORE_INDEX, PromptError, build_datasets, load_jsonl
 from data.bad_records import MAX_BAD_SHARE, checked_record
 from data.chat_processors import ConversationEncoder
-from data.processors import ImageLoadError
+from data.images import ImageLoadError
 from training.config import RunConfig, check_fresh_start
 from training.setup import model_and_processor
 from typed_config import one_line

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from models.checkpoints import pick_device
+from loading import pick_device
 
 
 class ShardError(RuntimeError):

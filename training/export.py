@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
+from loading import PROCESSOR_FILES, SHARDED, find_checkpoint, load_checkpoint
 from models import CheckpointError, ConfigError, VisionLanguageModel, VLMConfig
-from models.checkpoints import PROCESSOR_FILES, SHARDED, find_checkpoint, load_checkpoint
 from models.lora import ADAPTER_CONFIG, adapter_base
 from training.distributed import ShardError, read_sharded_weights
 from typed_config import one_line

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from data.loader import take_bookkeeping
+from data.batches import take_bookkeeping
 from models import TinyVLMError
 from training import distributed
 from training.checkpoint import save_checkpoint
@@ -78,7 +78,7 @@ class Trainer:
     processor: Any  # the chat processor (data/chat_processors.py): its tokenizer and conversation format
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    batches: Iterator[dict[str, Any]]  # from `data.loader.training_batches`
+    batches: Iterator[dict[str, Any]]  # from `data.batches.training_batches`
     validation_batches: list[dict[str, torch.Tensor]]
     ranks: Ranks
     device: torch.device

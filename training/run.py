@@ -12,8 +12,8 @@ import torch
 from tqdm import tqdm
 
 from data import CheckedRecords, ImageProcessor, VQACollator, build_datasets, text_lengths
+from data.batches import training_batches
 from data.chat_processors import ChatProcessor
-from data.loader import training_batches
 from data.sampler import ResumableBatchSampler
 from models import VisionLanguageModel
 from models.lora import WholeModuleError, add_adapters, has_adapters, quantize_frozen, train_only_adapters

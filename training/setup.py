@@ -16,11 +16,11 @@ from data import (
     stop_token_ids,
     token_id,
 )
-from data.chat_processors import ChatProcessor, CheckpointProcessor, ConversationEncoder, load_for_inference
+from data.chat_processors import ChatProcessor, CheckpointProcessor, ConversationEncoder
+from loading import PROCESSOR_FILES, SHARDED, find_checkpoint, load_for_inference
 from models import VisionLanguageModel, VLMConfig
-from models.checkpoints import PROCESSOR_FILES, SHARDED, find_checkpoint
-from models.loading import CheckpointError, resolve
 from models.lora import adapter_base, load_adapter
+from models.weights import CheckpointError, resolve
 from training import distributed
 from training.config import RunConfig
 

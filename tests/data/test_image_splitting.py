@@ -181,7 +181,7 @@ def test_idefics3_single_tile_placeholder(idefics3_tokenizer):
                                              "<fake_token_around_image>"
 
 
-# nanoVLM's rules, written out again from data/custom_transforms.py and data/processors.py: DynamicResize with
+# nanoVLM's rules, written out again from data/custom_transforms.py and data/images.py: DynamicResize with
 # resize_to_max_side_len (long side = max, short side rounded up to whole tiles) on the PIL image, ToTensor, then
 # GlobalAndSplitImages (tiles row by row, a bilinear antialiased resize of the whole first, unless 1 x 1).
 def nanovlm_reference(image: Image.Image, tile: int, max_side: int, resample) -> tuple[torch.Tensor, int, int]:
@@ -421,7 +421,7 @@ def test_a_saved_split_config_makes_inference_split(tmp_path, monkeypatch, capsy
 def test_train_py_trains_on_split_images_and_its_checkpoint_splits_at_generate_time(tmp_path, monkeypatch, layout):
     """train.py with model.splitting on: the tokenizer gains the markers, batches hold the tiles (5 per 32 px shapes
     image) and their markers, and the checkpoint's config makes the inference entry point split the same way."""
-    from data.chat_processors import load_for_inference
+    from loading import load_for_inference
     from tests.training.helpers import small_config
     from training import run
 

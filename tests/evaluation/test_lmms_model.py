@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from data.chat_processors import load_for_inference
 from evaluation.shapes_task import write_shapes_task
+from loading import load_for_inference
 from tests.models.helpers import base_tokenizer, chat_vlm
 from tests.training.helpers import small_config
 from training.evaluate import answer, exact_match

@@ -8,7 +8,7 @@ import torch
 from gguf import GGUFWriter
 
 from models import LanguageModel
-from models.loading import CheckpointError
+from models.weights import CheckpointError
 from tests.models.helpers import save_tiny_llama
 
 LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",

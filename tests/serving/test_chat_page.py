@@ -12,7 +12,7 @@ pytest.importorskip("fastapi")
 webdriver = pytest.importorskip("selenium.webdriver")
 
 import generate  # noqa: E402
-from data.chat_processors import load_for_inference  # noqa: E402
+from loading import load_for_inference  # noqa: E402
 from serving.async_engine import AsyncEngine  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.server import create_app  # noqa: E402

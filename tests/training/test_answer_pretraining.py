@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from data.processors import ImageProcessor
+from data.images import ImageProcessor
 from data.sources import load_jsonl
 from models.config import LanguageConfig, ProjectorConfig, VisionConfig, VLMConfig
 from models.modality_projector import ModalityProjector

@@ -1,5 +1,5 @@
 """The default recipe (configs/tiny.yaml, unchanged but for its length) learns: a short run reads the images, on
-the synthetic shapes and on a user's own JSONL records (the objects set of data/objects.py), with no other flag.
+the synthetic shapes and on a user's own JSONL records (data/synthetic_objects.py's set), with no other flag.
 
 The full run's held-out scores over seeds are a benchmark (benchmarks/seeds.py), not a test; this checks in well under
 a minute that the shipped settings train at all: the held-out loss falls far below a model that has not trained, and
@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from data.objects import export_jsonl
+from data.synthetic_objects import export_jsonl
 from training import run
 from training.answer_pretraining import pretrain_vision_on_answers
 from training.config import load_run_config

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from data import build_datasets, make_shapes_dataset
 from data.bad_records import checked_record
+from loading import find_checkpoint
 from models import CheckpointError, VisionLanguageModel
-from models.checkpoints import find_checkpoint
 from tests.training.helpers import SMALL, small_config
 from train import main
 from training import checkpoint

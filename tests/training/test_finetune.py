@@ -27,7 +27,8 @@ from data import (
     build_datasets,
     make_shapes_dataset,
 )
-from data.chat_processors import ChatProcessor, CheckpointProcessor, TemplateError, load_for_inference
+from data.chat_processors import ChatProcessor, CheckpointProcessor, TemplateError
+from loading import load_for_inference
 from models import (
     CheckpointError,
     ConfigError,

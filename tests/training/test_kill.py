@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from loading import STATE_JSON, checkpoints
 from models import VisionLanguageModel
-from models.checkpoints import STATE_JSON, checkpoints
 from tests.training.helpers import SMALL, small_config
 from training.checkpoint import STATE_TENSORS
 from training.run import train

@@ -10,8 +10,8 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import generate
+from loading import load_checkpoint
 from models import VisionLanguageModel
-from models.checkpoints import load_checkpoint
 from models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LANGUAGE_PROJECTIONS, add_adapters, merge_adapters
 from tests.models.helpers import save_tiny_llama, tiny_vlm
 from tests.training.helpers import small_config

@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
+from loading import STATE_JSON, find_checkpoint, newest_checkpoint
 from models import CheckpointError
-from models.checkpoints import STATE_JSON, find_checkpoint, newest_checkpoint
 
 
 def _checkpoint(run, step: int, mtime: float):

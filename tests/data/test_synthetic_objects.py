@@ -1,5 +1,5 @@
-"""The objects generator (data/objects.py): deterministic, split by scene, disjoint from the default shapes, answers
-true of the images, exported as JSONL that load_jsonl reads, and its command line."""
+"""The objects generator (data/synthetic_objects.py): deterministic, split by scene, disjoint from the default
+shapes, answers true of the images, exported as JSONL that load_jsonl reads, and its command line."""
 
 import itertools
 import json
@@ -9,7 +9,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from data import load_jsonl, objects, synthetic
+from data import load_jsonl, synthetic
+from data import synthetic_objects as objects
 from training.evaluate import exact_match
 
 

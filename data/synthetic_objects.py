@@ -4,7 +4,7 @@ The default generator (data/synthetic.py) never draws these shapes, colours or b
 so a model that scores well on this set's held-out split learned it from the JSONL files alone. Nothing in
 data/sources.py or configs/ uses it: it stands in for a user's data.
 
-    python -m data.objects /tmp/objects                       # 20,000 train + 500 validation records, 64 px
+    python -m data.synthetic_objects /tmp/objects                       # 20,000 train + 500 validation records, 64 px
     python train.py --data.source jsonl --data.path /tmp/objects/train.jsonl \\
         --data.validation_path /tmp/objects/validation.jsonl
 
@@ -228,7 +228,7 @@ def export_jsonl(out_dir: str | Path, num_train: int = 20000, num_validation: in
 
 def main(argv: list[str] | None = None) -> int:
     """The command line; exit code 0, or 2 with a one-line error."""
-    parser = argparse.ArgumentParser(prog="python -m data.objects", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m data.synthetic_objects", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", type=Path, help="where images/, train.jsonl and validation.jsonl go")
     parser.add_argument("--train", type=int, default=20000, help="training records (default 20000)")

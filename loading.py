@@ -1,5 +1,13 @@
-"""Finding checkpoints in run directories (`runs/NAME/step_NNNNNN/`), and choosing a device: what inference needs to
-locate a trained model, without the training code."""
+"""Loading a model to use: where it is (a model directory, a run's newest checkpoint, a hub id; the newest run under
+runs/), the model (any format `VisionLanguageModel.from_pretrained` reads; a LoRA adapter merged into its base), its
+chat processor, and the device. Inference and training load models through here; neither needs the other's code.
+
+    model, processor = load_for_inference("runs/tiny", pick_device("auto"))   # or a hub id, or None: the newest run
+    ids, pixels = processor.encode("What color is the circle?", [image])
+
+A run directory is `runs/NAME/step_NNNNNN/`, each checkpoint complete once its training_state.json is written
+(training/checkpoint.py writes them).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +16,14 @@ import sys
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
-from models.loading import CheckpointError, read_json, resolve, weight_patterns
+from data.chat_processors import ChatProcessor, CheckpointProcessor
+from data.tokenizer import IMAGE_TOKEN
+from models.config import VLMConfig
 from models.lora import ADAPTER_CONFIG, adapter_base, load_adapter, merge_adapters
+from models.vision_language_model import VisionLanguageModel
+from models.weights import CheckpointError, read_json, resolve, weight_patterns
 
 STATE_JSON = "training_state.json"  # written last into a checkpoint: its presence marks the checkpoint complete
 SHARDED = "sharded"  # an FSDP2 checkpoint's weights and optimizer state (torch.distributed.checkpoint),
@@ -68,8 +81,6 @@ def load_checkpoint(path: Path, device: torch.device, allow_pickle: bool = False
     directory `path`: tinyvlm's own, a SmolVLM / Idefics3 or a nanoVLM one."""
     from transformers import AutoTokenizer
 
-    from models.vision_language_model import VisionLanguageModel
-
     if (path / SHARDED).is_dir() and not (path / "model.safetensors").is_file():
         raise CheckpointError(f"{path}: a sharded (FSDP2) checkpoint; export it first: "
                               f"python -m training.export {path}")
@@ -99,3 +110,27 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name)
+
+
+def load_for_inference(checkpoint: str | Path | None, device: torch.device, allow_pickle: bool = False,
+                       runs: Path = RUNS):
+    """Model (eval mode, on `device`) and its chat processor (`encode(prompt, images)`, `.tokenizer`) for a checkpoint:
+    tinyvlm's own, a SmolVLM / Idefics3 or a nanoVLM one; a directory, a hub id, or None for the newest under `runs`."""
+    path = locate(checkpoint, runs, allow_pickle)
+    model, tokenizer = load_checkpoint(path, device, allow_pickle)
+    if tokenizer is None:  # the checkpoint ships its own processor, unless it is a model of tinyvlm's exported
+        tokenizer = exported_tinyvlm_tokenizer(path, model.config)
+        if tokenizer is None:
+            return model, CheckpointProcessor.from_pretrained(path)
+    return model, ChatProcessor.from_config(model.config, tokenizer)
+
+
+def exported_tinyvlm_tokenizer(path: Path, config: VLMConfig) -> PreTrainedTokenizerBase | None:
+    """The tokenizer of a model tinyvlm trained and exported as Idefics3 (training/export.py): Idefics3's files, but
+    a tokenizer whose image token is tinyvlm's, so the model is asked in tinyvlm's ChatML. None for any other."""
+    if not (path / "tokenizer_config.json").is_file() or config.image_token_id is None:
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return tokenizer if tokenizer.convert_ids_to_tokens(config.image_token_id) == IMAGE_TOKEN else None
