@@ -33,7 +33,7 @@ from data.detokenizer import IncrementalDetokenizer
 from loading import load_for_inference, pick_device
 from models import GenerationError, TinyVLMError, kv_cache_bytes
 from models.weights import atomic_write
-from serving.engine import engine_size
+from serving.engine import engine_settings
 from serving.requests import RequestError, RequestParams
 
 
@@ -145,7 +145,7 @@ def run_batch(args: argparse.Namespace, params: RequestParams) -> None:
         prompt = check_prompt(record.get("prompt", CAPTION_PROMPT if image else ""))
         requests.append(Request(prompt, [image] if image else None, params))
     model, processor = load_for_inference(args.checkpoint, pick_device(args.device), args.allow_pickle)
-    engine = Engine(model, processor, **engine_size(model, args.kv_cache_mib))
+    engine = Engine(model, processor, **engine_settings(model, args.kv_cache_mib))
     with tqdm(total=len(requests), desc="answers", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
         results = engine.generate(requests, progress=lambda done: bar.update(done - bar.n))
     answers = [{**record, **({"answer": result.texts[0]} if params.n == 1 else {"answers": result.texts})}
@@ -162,7 +162,7 @@ def run_chat(args: argparse.Namespace, params: RequestParams) -> None:
 
     pending = [load_image(path) for path in args.image or []]  # for the next turn
     model, processor = load_for_inference(args.checkpoint, pick_device(args.device), args.allow_pickle)
-    engine = Engine(model, processor, **engine_size(model, args.kv_cache_mib))
+    engine = Engine(model, processor, **engine_settings(model, args.kv_cache_mib))
     history, images = [], []
     print("Type a question. /image PATH attaches an image to your next question, /reset starts over, /quit ends.",
           file=sys.stderr)

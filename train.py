@@ -32,15 +32,15 @@ from training.distributed import lost_contact
 from training.run import train
 from typed_config import one_line, settings_help
 
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
 
-def main(argv: list[str] | None = None) -> int:
-    """Train (or resume) as the command line says; the exit code: 0 done or stopped by a signal after a checkpoint,
-    2 a clear error (bad config, data or checkpoint), 3 lost contact with the other ranks, 130 interrupted."""
-    default_config = Path(__file__).parent / "configs" / "tiny.yaml"
-    asked_help = any(arg in ("-h", "--help") for arg in (sys.argv[1:] if argv is None else argv))
+
+def _parser(asked_help: bool) -> argparse.ArgumentParser:
+    """The command line; with -h, every setting listed after the options (only then: listing them loads and checks
+    configs/tiny.yaml)."""
     epilog = None
-    if asked_help:  # read only then: the settings list loads and checks configs/tiny.yaml
-        settings = "\n".join(settings_help(load_run_config(default_config, {})))
+    if asked_help:
+        settings = "\n".join(settings_help(load_run_config(DEFAULT_CONFIG, {})))
         epilog = f"settings (--section.field VALUE; values as configs/tiny.yaml sets them):\n{settings}"
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=epilog)
@@ -50,6 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check-data", action="store_true", help="read and encode every record as training would "
                         "and report what it would meet (bad records by cause, token lengths, what max_length "
                         "drops); train nothing; exit 1 where training would stop on the data")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train (or resume) as the command line says; the exit code: 0 done or stopped by a signal after a checkpoint,
+    2 a clear error (bad config, data or checkpoint), 3 lost contact with the other ranks, 130 interrupted."""
+    parser = _parser(asked_help=any(arg in ("-h", "--help") for arg in (sys.argv[1:] if argv is None else argv)))
     args, rest = parser.parse_known_args(argv)
     try:
         overrides = parse_overrides(rest)
@@ -64,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"resuming from {checkpoint}", flush=True)
             train(config, resume=checkpoint)
         else:
-            config_path = args.config or default_config
+            config_path = args.config or DEFAULT_CONFIG
             # --init_from over the default recipe: its data and training, the start's own model
             keep_model = bool(args.config) or "init_from" not in overrides
             config = load_run_config(config_path, overrides, keep_model=keep_model)

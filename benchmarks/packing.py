@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data import CheckedRecords, ImageProcessor, VQACollator, build_datasets  # noqa: E402
 from training.config import load_run_config  # noqa: E402
-from training.loop import train_step  # noqa: E402
+from training.loop import Trainer, train_step  # noqa: E402
 from training.optim import build_optimizer, build_scheduler, freeze_parts  # noqa: E402
 from training.setup import build_model, build_tokenizer  # noqa: E402
 
@@ -49,29 +49,30 @@ def main() -> None:
     torch.manual_seed(0)
     device = torch.device(args.device)
     config = load_run_config(args.config, {"train.vision_pretrain_steps": "0"})
-    tc = config.train
+    train_config = config.train
     if config.data.source == "synthetic":  # generate only the records the benchmark reads
-        config = config.replace({"data.shapes.num_train": str(args.batches * tc.batch_size)})
+        config = config.replace({"data.shapes.num_train": str(args.batches * train_config.batch_size)})
     train_data, _ = build_datasets(config.data)
     tokenizer = build_tokenizer(config, train_data)
     model = build_model(config, tokenizer)
-    freeze_parts(model, tc)
+    freeze_parts(model, train_config)
     model.to(device)
     processor = ImageProcessor.from_config(model.config.vision)
     records = CheckedRecords(train_data, "skip", "train")
-    batch_records = [[records[i] for i in range(k * tc.batch_size, (k + 1) * tc.batch_size)]
+    batch_records = [[records[i] for i in range(k * train_config.batch_size, (k + 1) * train_config.batch_size)]
                      for k in range(args.batches)]
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and tc.bf16
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and train_config.bf16
                 else contextlib.nullcontext())
 
     runs = {}
     for mode, pack in MODES.items():
-        collator = VQACollator(tokenizer, processor, model.config.tokens_per_image, tc.max_length,
+        collator = VQACollator(tokenizer, processor, model.config.tokens_per_image, train_config.max_length,
                                image_position=model.config.image_position, pack=pack)
         batches = [collator(group) for group in batch_records]
         runs[mode] = {"batches": batches, "model": copy.deepcopy(model), "ms": []}
-        runs[mode]["optimizer"] = build_optimizer(runs[mode]["model"], tc, device)
-        runs[mode]["scheduler"] = build_scheduler(runs[mode]["optimizer"], tc)
+        runs[mode]["optimizer"] = build_optimizer(runs[mode]["model"], train_config, device)
+        runs[mode]["trainer"] = Trainer(config, runs[mode]["model"], runs[mode]["model"], runs[mode]["optimizer"],
+                                        build_scheduler(runs[mode]["optimizer"], train_config), device, autocast)
 
     def one_pass(run: dict) -> float:
         iterator = iter(run["batches"])
@@ -79,7 +80,7 @@ def main() -> None:
             torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in run["batches"]:
-            train_step(run["model"], run["model"], iterator, run["optimizer"], run["scheduler"], tc, autocast, device)
+            train_step(run["trainer"], [next(iterator)])
         if device.type == "cuda":
             torch.cuda.synchronize()
         return (time.perf_counter() - start) / len(run["batches"])
@@ -103,7 +104,7 @@ def main() -> None:
                          length=statistics.mean(b["input_ids"].shape[1] for b in batches), positions=positions,
                          real_tokens=real, padding=1 - real / positions, ms_per_step=ms,
                          real_tokens_per_s=1000 * real / ms, speedup=baseline / ms))
-    table = [f"{args.config}: {tc.batch_size} records a step, {args.batches} batches x {args.rounds} rounds, "
+    table = [f"{args.config}: {train_config.batch_size} records a step, {args.batches} batches x {args.rounds} rounds, "
              f"{hardware}", "",
              "| mode | rows x length (mean) | positions | real tokens | padding | ms/step (median) | real tokens/s "
              "| speed-up |",

@@ -21,7 +21,7 @@ from PIL import Image
 
 from data.collator import pad
 from loading import load_for_inference, pick_device
-from serving.engine import Engine, engine_size
+from serving.engine import Engine, engine_settings
 from serving.requests import Request, RequestParams
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -45,7 +45,7 @@ class TinyVLM(lmms):
         self.tokenizer = self.processor.tokenizer
         self.batch_size = int(batch_size)
         self.engine = Engine(self.model, self.processor,
-                             **engine_size(self.model, int(kv_cache_mib), max_num_seqs=self.batch_size))
+                             **engine_settings(self.model, int(kv_cache_mib), max_num_seqs=self.batch_size))
 
     def _visuals(self, doc_to_visual, doc_id: int, task: str, split: str) -> list[Image.Image]:
         visuals = doc_to_visual(self.task_dict[task][split][doc_id]) if doc_to_visual is not None else []

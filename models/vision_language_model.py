@@ -147,26 +147,14 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         position in a device tensor, attention over the whole preallocated cache under a mask, the batch and the cache
         rounded up to buckets): no recompilation and no host sync between steps (CUDA graphs on GPU)."""
         params = SamplingParams(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
-        batch, prompt_len = input_ids.shape
+        prompt_len = input_ids.shape[1]
         capacity = self._capacity(prompt_len, max_new_tokens, num_samples, static=compile and use_cache)
         eos_ids = torch.tensor(([] if eos_token_id is None
                                 else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id),
                                device=input_ids.device, dtype=torch.long)
         pad_token_id = pad_token_id if pad_token_id is not None else (int(eos_ids[0]) if len(eos_ids) else 0)
-
-        embeddings = self.embed(input_ids, images)
-        mask = None
-        if attention_mask is not None:
-            mask = torch.ones(batch, capacity, dtype=torch.long, device=input_ids.device)
-            mask[:, :prompt_len] = attention_mask
-        cache = self.language.allocate_kv_cache(batch, capacity) if use_cache else None
-        hidden, cache = self.language(embeddings, mask, cache)
-        logits = self.language.head(hidden[:, -1])
-        if num_samples > 1:  # one prefill serves every sample: copy its cache rows instead of recomputing them
-            logits, embeddings = logits.repeat_interleave(num_samples, 0), embeddings.repeat_interleave(num_samples, 0)
-            mask = None if mask is None else mask.repeat_interleave(num_samples, 0)
-            cache = repeat_rows(cache, num_samples) if use_cache else None
-
+        logits, embeddings, mask, cache = self._prefill(input_ids, images, attention_mask, capacity, num_samples,
+                                                        use_cache)
         rows = logits.shape[0]
         step_fn, position = self.decode_step, prompt_len
         if compile and use_cache:  # shape-static: rows padded to a bucket (masked out), the position a device tensor
@@ -187,6 +175,26 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
                 embeddings = torch.cat([embeddings, self.language.token_embedding(token[:, None])], dim=1)
                 hidden, _ = self.language(embeddings, None if mask is None else mask[:, : embeddings.shape[1]])
                 logits = self.language.head(hidden[:, -1])
+
+    def _prefill(self, input_ids: Tensor, images: Tensor | None, attention_mask: Tensor | None, capacity: int,
+                 num_samples: int, use_cache: bool) -> tuple[Tensor, Tensor, Tensor | None, list[dict] | None]:
+        """Image + prompt tokens in one pass into a cache of `capacity` positions: the last position's logits, the
+        input embeddings, the attention mask over the whole capacity and the cache, each repeated for `num_samples`
+        (one prefill serves every sample: its cache rows are copied, not recomputed)."""
+        batch, prompt_len = input_ids.shape
+        embeddings = self.embed(input_ids, images)
+        mask = None
+        if attention_mask is not None:
+            mask = torch.ones(batch, capacity, dtype=torch.long, device=input_ids.device)
+            mask[:, :prompt_len] = attention_mask
+        cache = self.language.allocate_kv_cache(batch, capacity) if use_cache else None
+        hidden, cache = self.language(embeddings, mask, cache)
+        logits = self.language.head(hidden[:, -1])
+        if num_samples > 1:
+            logits, embeddings = logits.repeat_interleave(num_samples, 0), embeddings.repeat_interleave(num_samples, 0)
+            mask = None if mask is None else mask.repeat_interleave(num_samples, 0)
+            cache = repeat_rows(cache, num_samples) if use_cache else None
+        return logits, embeddings, mask, cache
 
     def _capacity(self, prompt_len: int, max_new_tokens: int, num_samples: int, static: bool) -> int:
         """The cache slots a generation needs (rounded up to a bucket for the shape-static step); GenerationError

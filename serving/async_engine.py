@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from serving.engine import Engine
 from serving.requests import Output, Request
-from serving.sequence import Group
+from serving.sequence import RequestState
 
 
 class QueueFull(Exception):
@@ -37,7 +37,7 @@ class AsyncEngine:
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.thread.start()
 
-    def prepare(self, request: Request) -> Group:
+    def prepare(self, request: Request) -> RequestState:
         """Check and encode a request (any thread: no engine state changes); raises RequestError."""
         return self.engine.prepare(request)
 
@@ -46,7 +46,7 @@ class AsyncEngine:
         with self.lock:
             return len(self.streams) >= self.max_in_flight
 
-    def submit(self, group: Group) -> asyncio.Queue:
+    def submit(self, group: RequestState) -> asyncio.Queue:
         """Queue a prepared request (from the event loop); returns the queue its Outputs arrive on. Raises
         QueueFull."""
         stream: asyncio.Queue = asyncio.Queue()
@@ -106,7 +106,7 @@ class AsyncEngine:
             else:
                 self.engine.abort(item)
 
-    def _add(self, group: Group) -> None:
+    def _add(self, group: RequestState) -> None:
         with self.lock:
             alive = group.request_id in self.streams
         if alive:  # not aborted while it waited in the inbox

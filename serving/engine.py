@@ -29,13 +29,13 @@ from serving.block_manager import BlockManager
 from serving.requests import Output, Request, RequestError, Result, TokenLogprobs
 from serving.runner import ModelRunner
 from serving.scheduler import Scheduler
-from serving.sequence import Group, Sequence, token_keys
+from serving.sequence import RequestState, Sequence, token_keys
 from serving.structured import Grammars, accepted
 
 
-def engine_size(model: VisionLanguageModel, kv_cache_mib: int, block_size: int = 16,
-                max_num_seqs: int = 64) -> dict[str, int]:
-    """Engine settings for a KV-cache memory budget: as many blocks as fit, but no more than `max_num_seqs`
+def engine_settings(model: VisionLanguageModel, kv_cache_mib: int, block_size: int = 16,
+                    max_num_seqs: int = 64) -> dict[str, int]:
+    """Engine keyword arguments for a KV-cache memory budget: as many blocks as fit, but no more than `max_num_seqs`
     sequences of the full context need."""
     per_block = ModelRunner.bytes_per_block(model, block_size)
     per_sequence = -(-model.config.language.max_position_embeddings // block_size)
@@ -63,7 +63,7 @@ class Engine:
         if admission_batch is None:
             admission_batch = max(1, max_num_seqs // 8) if self.runner.graphs is not None else 1
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_batch_tokens, admission_batch)
-        self.groups: dict[str, Group] = {}
+        self.groups: dict[str, RequestState] = {}
         self._arrivals = itertools.count()
         self.prompt_tokens = self.generation_tokens = 0  # of the requests accepted, and the tokens sampled
         vocab = model.language.head.out_features  # the logits' width, which the grammars' masks must match
@@ -74,7 +74,7 @@ class Engine:
         """Queue a request; returns its id. Raises RequestError for one that could never be served."""
         return self.enqueue(self.prepare(request))
 
-    def enqueue(self, group: Group) -> str:
+    def enqueue(self, group: RequestState) -> str:
         if group.request_id in self.groups:
             raise RequestError(f"request id {group.request_id!r} is already in use")
         self.groups[group.request_id] = group
@@ -82,7 +82,7 @@ class Engine:
         self.prompt_tokens += group.num_prompt
         return group.request_id
 
-    def prepare(self, request: Request) -> Group:
+    def prepare(self, request: Request) -> RequestState:
         """The request checked and encoded, ready for `enqueue`; changes no engine state, so a server can call it
         from its own threads and answer a bad request at once. Raises RequestError."""
         request_id = request.request_id or f"req-{next(self._arrivals)}"
@@ -110,7 +110,7 @@ class Engine:
                 raise RequestError("structured output needs the engine's tokenizer")
             grammar = self.grammars.compile(params.structure)
         placeholders = np.flatnonzero(np.asarray(prompt) == config.image_token_id) if images is not None else []
-        group = Group(request_id, prompt, images, np.asarray(placeholders, np.int64), params, frozenset(stop),
+        group = RequestState(request_id, prompt, images, np.asarray(placeholders, np.int64), params, frozenset(stop),
                       len(prompt) + params.max_tokens, next(self._arrivals), generator=generator, grammar=grammar)
         group.sequences = [Sequence(group, 0, list(prompt), token_keys(prompt, images, config.image_token_id))]
         return group
@@ -208,7 +208,7 @@ class Engine:
             sequence.num_registered = self.blocks.commit(sequence.table, sequence.keys, sequence.hashes,
                                                          sequence.num_computed, sequence.num_registered)
 
-    def _first_samples(self, group: Group) -> list[Sequence]:
+    def _first_samples(self, group: RequestState) -> list[Sequence]:
         """The prompt is done: its n samples start here (each from the prompt's logits), sharing its blocks."""
         self.runner.admit(self.scheduler.fork(group))
         return group.sequences
@@ -216,8 +216,8 @@ class Engine:
     def _update(self, sampled: list[Sequence], tokens: list[int],
                 logprobs: list[TokenLogprobs | None] | None) -> list[Output]:
         """Append each sampled token, end the samples that stop, and report each request's new tokens."""
-        outputs: dict[Group, Output] = {}
-        ended: set[Group] = set()  # requests a sample of which ended this step
+        outputs: dict[RequestState, Output] = {}
+        ended: set[RequestState] = set()  # requests a sample of which ended this step
         for i, (sequence, token) in enumerate(zip(sampled, tokens)):
             group = sequence.group
             output = outputs.get(group)

@@ -23,7 +23,7 @@ import itertools
 from collections import deque
 
 from serving.block_manager import BlockManager
-from serving.sequence import Group, Sequence, Status
+from serving.sequence import RequestState, Sequence, Status
 
 MAX_HELD_STEPS = 16
 
@@ -55,15 +55,15 @@ class Scheduler:
         self.blocks, self.max_num_seqs, self.max_batch_tokens = blocks, max_num_seqs, max_batch_tokens
         self.admission_batch = admission_batch
         self.held = 0  # steps in a row that held waiting requests back
-        self.waiting: deque[Group] = deque()
-        self.running: list[Group] = []  # oldest first
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []  # oldest first
         self.num_preemptions = 0
         self.seats = 0  # sequences the running requests hold (n for a request whose samples have not forked yet)
 
-    def add(self, group: Group) -> None:
+    def add(self, group: RequestState) -> None:
         self.waiting.append(group)
 
-    def remove(self, group: Group) -> None:
+    def remove(self, group: RequestState) -> None:
         """Drop a finished or aborted request and free its blocks."""
         for sequence in group.sequences:
             self.blocks.release(sequence.table)
@@ -119,7 +119,7 @@ class Scheduler:
                     budget -= count
         return step
 
-    def fork(self, group: Group) -> list[Sequence]:
+    def fork(self, group: RequestState) -> list[Sequence]:
         """The prompt is done: the request's other n - 1 samples start here, sharing its blocks (their seats were
         held since admission)."""
         parent = group.sequences[0]
@@ -131,10 +131,10 @@ class Scheduler:
         group.forked = True
         return children
 
-    def _seats(self, group: Group) -> int:
+    def _seats(self, group: RequestState) -> int:
         return len(group.live) if group.forked else group.params.n
 
-    def _make_room(self, sequence: Sequence, group: Group, step: ScheduledStep) -> bool:
+    def _make_room(self, sequence: Sequence, group: RequestState, step: ScheduledStep) -> bool:
         """Preempt the newest running requests until `sequence` can take its next slot; False if it was itself
         preempted."""
         while not self.blocks.can_append(sequence.table, sequence.num_computed):
@@ -144,7 +144,7 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, group: Group, step: ScheduledStep) -> None:
+    def _preempt(self, group: RequestState, step: ScheduledStep) -> None:
         for sequence in group.live:
             self.blocks.release(sequence.table)
             sequence.num_computed = sequence.num_registered = 0
@@ -170,7 +170,7 @@ class Scheduler:
         self.held += 1
         return False
 
-    def _admit(self, group: Group, step: ScheduledStep) -> bool:
+    def _admit(self, group: RequestState, step: ScheduledStep) -> bool:
         """Give each live sequence of `group` blocks for all its tokens (cached prefix blocks reused), or nothing."""
         seats = self._seats(group)
         if self.seats + seats > self.max_num_seqs:

@@ -24,7 +24,7 @@ class Status(enum.Enum):
 class Sequence:
     """One sample of a request: prompt + generated tokens, how many of them are in the KV cache, its block table."""
 
-    group: Group
+    group: RequestState
     index: int  # which of the request's n samples
     tokens: list[int]
     keys: list[TokenKey]  # what identifies each token's K/V for prefix reuse (see serving/block_manager.py)
@@ -56,9 +56,9 @@ class Sequence:
 
 
 @dataclasses.dataclass(eq=False)
-class Group:
-    """A request: its prompt (token ids with image placeholders), images, settings and samples. Its prompt is
-    prefilled once; the n samples then fork from it and share its blocks (copy-on-write)."""
+class RequestState:
+    """A request as the engine holds it: its prompt (token ids with image placeholders), images, settings and
+    samples. Its prompt is prefilled once; the n samples then fork from it and share its blocks (copy-on-write)."""
 
     request_id: str
     prompt: list[int]

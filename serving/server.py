@@ -50,7 +50,7 @@ from data.detokenizer import IncrementalDetokenizer
 from loading import load_for_inference, pick_device
 from models.errors import TinyVLMError
 from serving.async_engine import AsyncEngine, EngineFailure, QueueFull
-from serving.engine import Engine, engine_size
+from serving.engine import Engine, engine_settings
 from serving.media import MediaPolicy
 from serving.metrics import ServerMetrics
 from serving.protocol import (
@@ -62,7 +62,7 @@ from serving.protocol import (
     to_engine_request,
 )
 from serving.requests import Output, TokenLogprobs
-from serving.sequence import Group
+from serving.sequence import RequestState
 
 CHAT_PAGE = (Path(__file__).parent / "static" / "chat.html").read_text()
 # the page's own inline script and style, and its images as data URLs; nothing from anywhere else
@@ -136,17 +136,23 @@ class Completion:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
+def base_app(server_metrics: ServerMetrics, documented: bool) -> FastAPI:
+    """The app with OpenAI's error replies and the open routes; its documentation pages only when `documented` (a
+    server with an API key shows none)."""
+    docs = {} if documented else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="tinyvlm", **docs)
+    for kind, handler in ((HTTPException, http_error), (Refused, refused), (Exception, internal_error)):
+        app.add_exception_handler(kind, handler)
+    add_open_routes(app, server_metrics)
+    return app
+
+
 def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_tokens: int | None = None,
                limits: RequestLimits = RequestLimits(), media: MediaPolicy = MediaPolicy(),
                api_key: str | None = None) -> FastAPI:
     """The server's routes. default_max_tokens: for requests that set none (None: the rest of the context)."""
-    docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="tinyvlm", **docs)
     server_metrics = ServerMetrics(engine.stats, model_name)
-    app.add_exception_handler(HTTPException, http_error)
-    app.add_exception_handler(Refused, refused)
-    app.add_exception_handler(Exception, internal_error)
-    add_open_routes(app, server_metrics)
+    app = base_app(server_metrics, documented=api_key is None)
     preparing = asyncio.Semaphore(limits.max_preparing)
     workers = ThreadPoolExecutor(max_workers=min(8, limits.max_preparing), thread_name_prefix="prepare")
     prepare = functools.partial(prepare_request, engine=engine, tokenizer=tokenizer, model_name=model_name,
@@ -177,8 +183,8 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
                       {"id": request_id, "created": int(time.time()), "model": model_name}, group, server_metrics,
                       arrival, chat)
         if parsed.stream:
-            include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-            return StreamingResponse(reply.events(include_usage), media_type="text/event-stream")
+            usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+            return StreamingResponse(reply.events(usage), media_type="text/event-stream")
         return await reply.whole(http)
 
     @v1.post("/chat/completions")
@@ -224,7 +230,7 @@ def bearer_check(api_key: str | None):
 
 def prepare_request(body: bytes, request_id: str, chat: bool, *, engine: AsyncEngine, tokenizer, model_name: str,
                     default_max_tokens: int | None, limits: RequestLimits,
-                    media: MediaPolicy) -> tuple[GenerationRequest, Group]:
+                    media: MediaPolicy) -> tuple[GenerationRequest, RequestState]:
     """Parse and check the request, fetch and decode its images, tokenize its prompt (in a worker thread)."""
     if body.count(b"{") + body.count(b"[") > limits.max_json_containers:
         raise Refused(400, f"the request holds more than {limits.max_json_containers} JSON objects and arrays")
@@ -293,7 +299,7 @@ class Reply:
     completion: Completion
     request_id: str
     head: dict  # id, created, model: in every response body
-    group: Group  # the engine's request: its prompt's length, and how much of it was found cached
+    group: RequestState  # the engine's request: its prompt's length, and how much of it was found cached
     metrics: ServerMetrics
     arrival: float  # time.monotonic() when the request came in
     chat: bool  # a chat completion (messages, deltas), or a text completion (text)
@@ -416,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.allowed_local_media_path and not args.allowed_local_media_path.is_dir():
         print(f"error: --allowed-local-media-path {args.allowed_local_media_path}: no such directory", file=sys.stderr)
         return 2
-    engine = Engine(model, processor, **engine_size(model, args.kv_cache_mib, max_num_seqs=args.max_num_seqs),
+    engine = Engine(model, processor, **engine_settings(model, args.kv_cache_mib, max_num_seqs=args.max_num_seqs),
                     attention=args.attention, cuda_graphs=False if args.enforce_eager else None)
     name = args.model_name or (Path(args.checkpoint).name if args.checkpoint else "tinyvlm")
     async_engine = AsyncEngine(engine, args.max_in_flight, log=lambda line: print(line, file=sys.stderr, flush=True))

@@ -174,10 +174,11 @@ class RunConfig(Config):
     def pretrain_steps(self) -> int:
         """The ViT's pre-training steps in this run: 0 when `train.vision_pretrain_steps` is 0, else that, or
         `train.answer_pretrain_steps` in its place where that is set and the objective is answers."""
-        tc = self.train
-        if tc.vision_pretrain_steps and tc.answer_pretrain_steps and self.vision_pretrain_objective() == "answers":
-            return tc.answer_pretrain_steps
-        return tc.vision_pretrain_steps
+        train_config = self.train
+        answers = self.vision_pretrain_objective() == "answers"
+        if train_config.vision_pretrain_steps and train_config.answer_pretrain_steps and answers:
+            return train_config.answer_pretrain_steps
+        return train_config.vision_pretrain_steps
 
     def __post_init__(self) -> None:
         if self.init_from is not None:

@@ -70,19 +70,20 @@ class TrainState:
 
 @dataclasses.dataclass
 class Trainer:
-    """What the loop trains with, fixed for the run (`TrainState` holds what changes)."""
+    """What the loop trains with, fixed for the run (`TrainState` holds what changes). A step needs the first six
+    fields; the loop the rest."""
 
     config: RunConfig
     model: nn.Module  # wrapped for DDP / FSDP2 when distributed
     forward: Callable[..., Any]  # the model, or its torch.compile'd form
-    processor: Any  # the chat processor (data/chat_processors.py): its tokenizer and conversation format
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    batches: Iterator[dict[str, Any]]  # from `data.batches.training_batches`
-    validation_batches: list[dict[str, torch.Tensor]]
-    ranks: Ranks
     device: torch.device
-    autocast: contextlib.AbstractContextManager
+    autocast: contextlib.AbstractContextManager = contextlib.nullcontext()
+    processor: Any = None  # the chat processor (data/chat_processors.py): its tokenizer and conversation format
+    batches: Iterator[dict[str, Any]] | None = None  # from `data.batches.training_batches`
+    validation_batches: list[dict[str, torch.Tensor]] = dataclasses.field(default_factory=list)
+    ranks: Ranks = dataclasses.field(default_factory=Ranks)
     wandb_run: Any = None
 
     @property
@@ -90,34 +91,35 @@ class Trainer:
         return Path(self.config.train.output_dir)
 
 
-def train_step(forward, model, batches, optimizer, scheduler, tc, autocast, device) -> tuple[float, int, bool]:
-    """One optimizer step over grad_accum_steps micro-batches on every rank; returns (loss, tokens, finite), both
-    summed over ranks. The loss is the weighted mean (`target_weights`) over every answer token of the step, whichever
-    rank and micro-batch it fell in, so N ranks x batch b train exactly like 1 rank x batch N*b. A non-finite step
-    changes no weight."""
+def train_step(trainer: Trainer, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, int, bool]:
+    """One optimizer step over `micro_batches` (train.grad_accum_steps of them) on every rank; returns (loss, tokens,
+    finite), both summed over ranks. The loss is the weighted mean (`target_weights`) over every answer token of the
+    step, whichever rank and micro-batch it fell in, so N ranks x batch b train exactly like 1 rank x batch N*b. A
+    non-finite step changes no weight."""
+    train_config, model, device = trainer.config.train, trainer.model, trainer.device
     model.train()
-    micro_batches = [next(batches) for _ in range(tc.grad_accum_steps)]
     # Weighed on the host-side batches, so the loop below never waits on the device.
-    weights = [target_weights(batch["targets"], batch["attention_mask"], tc.loss_weight) for batch in micro_batches]
+    weights = [target_weights(batch["targets"], batch["attention_mask"], train_config.loss_weight)
+               for batch in micro_batches]
     tokens = sum(int((batch["attention_mask"] > 0).sum()) for batch in micro_batches)
     total_weight, world_size = all_reduce([float(sum(w.sum() for w in weights)), 1.0], device=device)
     loss_sum = torch.zeros((), device=device)
     for i, (batch, weight) in enumerate(zip(micro_batches, weights)):
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}  # from pinned memory on GPU
-        with gradient_sync(model, enabled=i == len(micro_batches) - 1), autocast:
-            _, losses = forward(**batch, reduction="none")
+        with gradient_sync(model, enabled=i == len(micro_batches) - 1), trainer.autocast:
+            _, losses = trainer.forward(**batch, reduction="none")
         loss = (losses * weight.to(device)).sum()
         # DDP and FSDP2 average gradients over ranks: scale by world_size so the step's gradient is the global mean.
         (loss * world_size / (total_weight or 1)).backward()
         loss_sum += loss.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or float("inf"))
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), train_config.grad_clip or float("inf"))
     loss_sum, tokens = all_reduce([loss_sum.item(), tokens], device=device)
     step_loss = loss_sum / (total_weight or 1)
     finite = math.isfinite(step_loss) and bool(torch.isfinite(grad_norm))
     if finite:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
+        trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.scheduler.step()
     return step_loss, int(tokens), finite
 
 
@@ -133,46 +135,41 @@ def peak_memory_mib(device: torch.device) -> float:
 def run(trainer: Trainer, state: TrainState) -> str | None:
     """Train from `state.step` to train.max_steps, updating `state`; log, validate and save on the way. Returns the
     name of the signal that stopped the run early (after a checkpoint), or None at max_steps."""
-    tc, ranks = trainer.config.train, trainer.ranks
+    train_config, ranks = trainer.config.train, trainer.ranks
     say, report = distributed.main_rank_only(ranks, print), distributed.main_rank_only(ranks, tqdm.write)
     # A progress bar on a terminal; plain lines where the output goes to a file (a bar would fill it with '\r').
     bar = ranks.is_main and sys.stdout.isatty() and sys.stderr.isatty()
-    progress = tqdm(range(state.step, tc.max_steps), initial=state.step, total=tc.max_steps, desc="train",
-                    dynamic_ncols=True, disable=not bar)
+    progress = tqdm(range(state.step, train_config.max_steps), initial=state.step, total=train_config.max_steps,
+                    desc="train", dynamic_ncols=True, disable=not bar)
     started, tokens_seen, batches = time.perf_counter(), 0, _counted(trainer.batches, state)
     with GracefulStop(escalate=not ranks.distributed) as stop:
         for step in progress:
-            step_loss, tokens, finite = train_step(trainer.forward, trainer.model, batches, trainer.optimizer,
-                                                   trainer.scheduler, tc, trainer.autocast, trainer.device)
+            micro_batches = [next(batches) for _ in range(train_config.grad_accum_steps)]
+            step_loss, tokens, finite = train_step(trainer, micro_batches)
             state.step = step + 1
-            state.samples_seen += tc.batch_size * tc.grad_accum_steps * ranks.world_size
+            state.samples_seen += train_config.batch_size * train_config.grad_accum_steps * ranks.world_size
             tokens_seen += tokens
             if not finite:
-                state.skipped_steps += 1
-                if tc.on_nonfinite == "stop":
-                    raise TrainingError(f"non-finite loss or gradient at step {state.step}: stopped "
-                                        "(train.on_nonfinite=stop); the checkpoints in "
-                                        f"{trainer.output_dir} are intact")
-                report(f"step {state.step}: non-finite loss or gradient, step skipped ({state.skipped_steps} so far)")
+                _skipped(trainer, state, report)
             state.history.append([state.step, step_loss])
-            done = state.step == tc.max_steps
-            if state.step % tc.log_every == 0 or done:
+            done = state.step == train_config.max_steps
+            if state.step % train_config.log_every == 0 or done:
                 rate = tokens_seen / (time.perf_counter() - started)
                 peak = peak_memory_mib(trainer.device)
                 progress.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{rate:,.0f}", peak_mib=f"{peak:,.0f}")
                 if not bar:
-                    say(f"step {state.step}/{tc.max_steps}: loss {step_loss:.4f}, {rate:,.0f} tokens/s, peak memory "
-                        f"{peak:,.0f} MiB", flush=True)
+                    say(f"step {state.step}/{train_config.max_steps}: loss {step_loss:.4f}, {rate:,.0f} tokens/s, "
+                        f"peak memory {peak:,.0f} MiB", flush=True)
                 _log(trainer, state.step, {"train/loss": step_loss, "train/tokens_per_s": rate,
                                            "lr": trainer.scheduler.get_last_lr()[-1]})
-            if state.step % tc.eval_every == 0 or done:
+            if state.step % train_config.eval_every == 0 or done:
                 val_loss = validation_loss(trainer.model, trainer.validation_batches, trainer.device, trainer.autocast,
-                                           tc.loss_weight)
+                                           train_config.loss_weight)
                 state.validation.append([state.step, val_loss])
                 report(f"step {state.step}: train loss {step_loss:.4f}, validation loss {val_loss:.4f}")
                 _log(trainer, state.step, {"val/loss": val_loss})
             stop_requested = all_reduce([float(stop.requested is not None)], op="max", device=trainer.device)[0] > 0
-            if state.step % tc.save_every == 0 or done or stop_requested:
+            if state.step % train_config.save_every == 0 or done or stop_requested:
                 state.bad_records = distributed.union(state.bad_records)
                 state.too_long_records = distributed.union(state.too_long_records)
                 path = _save(trainer, state)
@@ -183,6 +180,16 @@ def run(trainer: Trainer, state: TrainState) -> str | None:
                     return stop.requested or "stop signal"
     progress.close()
     return None
+
+
+def _skipped(trainer: Trainer, state: TrainState, report: Callable[[str], None]) -> None:
+    """A non-finite step (its weights were left as they were): counted and reported, or the run stopped
+    (train.on_nonfinite=stop)."""
+    state.skipped_steps += 1
+    if trainer.config.train.on_nonfinite == "stop":
+        raise TrainingError(f"non-finite loss or gradient at step {state.step}: stopped (train.on_nonfinite=stop); "
+                            f"the checkpoints in {trainer.output_dir} are intact")
+    report(f"step {state.step}: non-finite loss or gradient, step skipped ({state.skipped_steps} so far)")
 
 
 def _counted(batches: Iterator[dict[str, Any]], state: TrainState) -> Iterator[dict[str, torch.Tensor]]:

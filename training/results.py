@@ -20,11 +20,11 @@ def write_results(model: VisionLanguageModel, trainer: Trainer, state: TrainStat
     """Score `model` (the trained model, unwrapped) on held-out questions asked through the run's chat processor,
     write the artifacts; return the metrics. A stop signal (`stop`) ends the scoring after its batch: metrics.json
     is then written without held-out scores, saying so."""
-    tc, output_dir = trainer.config.train, trainer.output_dir
+    train_config, output_dir = trainer.config.train, trainer.output_dir
     metrics = {**state.summary(), "peak_memory_mib": round(peak_memory_mib(trainer.device)),
                "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}
     model.to(trainer.device)
-    count = min(tc.eval_questions, len(validation_records))
+    count = min(train_config.eval_questions, len(validation_records))
     records = [r for r in map(validation_records.__getitem__, range(count)) if r]
     if records:
         predictions = answer(model, trainer.processor.tokenizer, trainer.processor, records, trainer.device,

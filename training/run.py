@@ -39,11 +39,11 @@ def train(config: RunConfig, resume: Path | None = None) -> dict:
 
 
 def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, device: torch.device) -> dict:
-    tc = config.train
-    torch.manual_seed(tc.seed)
-    if tc.num_threads:
-        torch.set_num_threads(tc.num_threads)
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and tc.bf16
+    train_config = config.train
+    torch.manual_seed(train_config.seed)
+    if train_config.num_threads:
+        torch.set_num_threads(train_config.num_threads)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and train_config.bf16
                 else contextlib.nullcontext())
     say, report = distributed.main_rank_only(ranks, print), distributed.main_rank_only(ranks, tqdm.write)
 
@@ -58,47 +58,69 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     if config.pretrain_steps() and not resume:
         _pretrain_vision(config, model, processor, train_records, device, say)
         distributed.broadcast_parameters(model.vision)  # GPU kernels need not be bit-exact across ranks
-    freeze_parts(model, tc)
-    _adapt(model, tc, device)
-    model.language.activation_checkpointing = model.vision.activation_checkpointing = tc.activation_checkpointing
-    model = distributed.wrap(model.to(device), tc.parallel, ranks, device)
-    optimizer = build_optimizer(distributed.unwrap(model), tc, device)
-    state = loop.TrainState.resumed(load_training_state(resume, model, optimizer, ranks), tc) if resume \
+    _prepare_parts(model, train_config, device)
+    model = distributed.wrap(model.to(device), train_config.parallel, ranks, device)
+    optimizer = build_optimizer(distributed.unwrap(model), train_config, device)
+    state = loop.TrainState.resumed(load_training_state(resume, model, optimizer, ranks), train_config) if resume \
         else loop.TrainState()
     # Records encoded the way the model is asked: tinyvlm's ChatML, or a checkpoint's own chat template and images.
-    collator = VQACollator.for_encoder(processor, tc.max_length, ensure_image=ranks.distributed, pack=tc.packing)
+    collator = VQACollator.for_encoder(processor, train_config.max_length, ensure_image=ranks.distributed,
+                                       pack=train_config.packing)
     validation_records = CheckedRecords(validation_data, config.data.on_bad_record, "validation", report=report,
                                         check_texts=processor.check_texts)
-    lengths = text_lengths(train_data) if tc.group_by_length else None
-    sampler = ResumableBatchSampler(len(train_records), tc.batch_size, tc.seed, state.samples_seen, ranks.rank,
-                                    ranks.world_size, lengths)
-    shown = min(len(validation_records), tc.eval_batches * tc.batch_size)
-    validation_batches = [collator([validation_records[i] for i in range(s, min(s + tc.batch_size, shown))])
-                          for s in range(0, shown, tc.batch_size)]
-    say(f"model: {sum(p.numel() for p in distributed.unwrap(model).parameters()) / 1e6:.2f}M parameters, "
-        f"{config.model.tokens_per_image} tokens per image, vocabulary {config.model.language.vocab_size}; data: "
-        f"{len(train_data)} train / {len(validation_data)} validation samples; device {device}"
-        + (f"; {ranks.world_size} ranks ({tc.parallel})" if ranks.distributed else ""), flush=True)
-    with training_batches(train_records, sampler, collator, tc.num_workers, tc.prefetch_factor,
+    lengths = text_lengths(train_data) if train_config.group_by_length else None
+    sampler = ResumableBatchSampler(len(train_records), train_config.batch_size, train_config.seed, state.samples_seen,
+                                    ranks.rank, ranks.world_size, lengths)
+    validation_batches = _validation_batches(collator, validation_records, train_config)
+    say(_description(config, distributed.unwrap(model), train_data, validation_data, device, ranks), flush=True)
+    with training_batches(train_records, sampler, collator, train_config.num_workers, train_config.prefetch_factor,
                           pin_memory=device.type == "cuda") as batches:
-        trainer = loop.Trainer(config, model, torch.compile(model) if tc.compile else model, processor, optimizer,
-                               build_scheduler(optimizer, tc, state.step), batches, validation_batches, ranks, device,
-                               autocast, _wandb_run(config, ranks))
+        trainer = loop.Trainer(config, model, torch.compile(model) if train_config.compile else model, optimizer,
+                               build_scheduler(optimizer, train_config, state.step), device, autocast, processor,
+                               batches, validation_batches, ranks, _wandb_run(config, ranks))
         stopped_by = loop.run(trainer, state)
     if stopped_by:
         return {"step": state.step, "stopped_by": stopped_by}
     # the last checkpoint is written: a stop signal from here on ends the run with its results, unscored
     with GracefulStop(escalate=not ranks.distributed) as stop:
-        final_model = unsharded(model, config, Path(tc.output_dir) / f"step_{tc.max_steps:06d}", ranks)
+        final = Path(train_config.output_dir) / f"step_{train_config.max_steps:06d}"
+        final_model = unsharded(model, config, final, ranks)
         if not ranks.is_main:
             return state.summary()
         return write_results(final_model, trainer, state, validation_records, stop)
 
 
-def _adapt(model: VisionLanguageModel, tc, device: torch.device) -> None:
+def _prepare_parts(model: VisionLanguageModel, train_config, device: torch.device) -> None:
+    """The parts at learning rate 0 frozen, LoRA's adapters (and QLoRA's 4-bit base) in place, activation checkpointing
+    as the config says."""
+    freeze_parts(model, train_config)
+    _adapt(model, train_config, device)
+    for part in (model.language, model.vision):
+        part.activation_checkpointing = train_config.activation_checkpointing
+
+
+def _validation_batches(collator: VQACollator, records: CheckedRecords, train_config) -> list[dict]:
+    """The first train.eval_batches batches of the validation records, collated once for the whole run."""
+    size = train_config.batch_size
+    shown = min(len(records), train_config.eval_batches * size)
+    return [collator([records[i] for i in range(start, min(start + size, shown))]) for start in range(0, shown, size)]
+
+
+def _description(config: RunConfig, model: VisionLanguageModel, train_data, validation_data, device: torch.device,
+                 ranks: distributed.Ranks) -> str:
+    """The run's first line: the model's size, the data's, where it trains."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return (f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters ({trainable / 1e6:.2f}M "
+            f"trained), {config.model.tokens_per_image} tokens per image, vocabulary "
+            f"{config.model.language.vocab_size}; data: {len(train_data)} train / {len(validation_data)} validation "
+            f"samples; device {device}"
+            + (f"; {ranks.world_size} ranks ({config.train.parallel})" if ranks.distributed else ""))
+
+
+def _adapt(model: VisionLanguageModel, train_config, device: torch.device) -> None:
     """train.lora on the model: its frozen base quantized (QLoRA), then its adapters (a resumed LoRA run's checkpoint
     brought them: they only need to train again)."""
-    if tc.lora.quantize_base:
+    if train_config.lora.quantize_base:
         check(device.type == "cuda", f"train.lora.quantize_base: a 4-bit base (QLoRA, bitsandbytes) trains on a CUDA "
               f"GPU; this run's device is {device.type}")
         try:
@@ -108,20 +130,20 @@ def _adapt(model: VisionLanguageModel, tc, device: torch.device) -> None:
         quantize_frozen(model, device)
     if has_adapters(model):
         train_only_adapters(model)
-    elif tc.lora.rank:
-        _add_adapters(model, tc)
+    elif train_config.lora.rank:
+        _add_adapters(model, train_config)
 
 
-def _add_adapters(model: VisionLanguageModel, tc) -> None:
+def _add_adapters(model: VisionLanguageModel, train_config) -> None:
     """train.lora's adapters (and modules trained whole) on the model, each in a part that trains (a part at learning
     rate 0 would leave them as they start)."""
-    lora = tc.lora
+    lora = train_config.lora
     try:
         add_adapters(model, lora.rank, lora.alpha, lora.target_modules, lora.dropout, lora.modules_to_save)
     except ValueError as e:  # peft: no layer matches, or a match is no linear layer; a tied or misnamed module
         setting = "modules_to_save" if isinstance(e, WholeModuleError) else "target_modules"
         raise ConfigError(f"train.lora.{setting} ({getattr(lora, setting)}): {one_line(e, 200)}") from None
-    for part, lr in learning_rates(tc).items():
+    for part, lr in learning_rates(train_config).items():
         trained = [name for name, p in getattr(model, part).named_parameters() if p.requires_grad]
         if trained and lr == 0:
             raise ConfigError(f"train.lora puts trained weights in the {part} ({part}.{trained[0]}), whose "
@@ -131,13 +153,13 @@ def _add_adapters(model: VisionLanguageModel, tc) -> None:
 def _pretrain_vision(config: RunConfig, model: VisionLanguageModel, chat: ChatProcessor, train_records: CheckedRecords,
                      device: torch.device, say: Callable[..., None]) -> None:
     """Pre-train the from-scratch ViT in place with the run's objective (see RunConfig.vision_pretrain_objective)."""
-    tc, objective, steps = config.train, config.vision_pretrain_objective(), config.pretrain_steps()
-    field = "vision_pretrain_steps" if steps == tc.vision_pretrain_steps else "answer_pretrain_steps"
-    say(f"vision pre-training ({objective}): {steps} steps (train.{field}) of {tc.vision_pretrain_batch_size} images",
-        flush=True)
+    train_config, objective, steps = config.train, config.vision_pretrain_objective(), config.pretrain_steps()
+    field = "vision_pretrain_steps" if steps == train_config.vision_pretrain_steps else "answer_pretrain_steps"
+    say(f"vision pre-training ({objective}): {steps} steps (train.{field}) of "
+        f"{train_config.vision_pretrain_batch_size} images", flush=True)
     processor, vision = ImageProcessor.from_config(config.model.vision), model.vision.to(device)
-    common = dict(steps=steps, batch_size=tc.vision_pretrain_batch_size, lr=tc.vision_pretrain_lr,
-                  seed=tc.seed, device=device, report=say)
+    common = dict(steps=steps, batch_size=train_config.vision_pretrain_batch_size, lr=train_config.vision_pretrain_lr,
+                  seed=train_config.seed, device=device, report=say)
     if objective == "cells":
         pretrain_vision(vision, processor, config.data.shapes, **common)
     else:
@@ -145,16 +167,17 @@ def _pretrain_vision(config: RunConfig, model: VisionLanguageModel, chat: ChatPr
         pretrain_vision_on_answers(vision, processor, train_records, encode, model.config.language.vocab_size,
                                    question_types=read_question_types(train_records.dataset),
                                    # read through it only where the LM will read through it as it is now
-                                   projector=model.projector.to(device) if tc.lr_projector == 0 else None, **common)
+                                   projector=model.projector.to(device) if train_config.lr_projector == 0 else None,
+                                   **common)
 
 
 def _check(config: RunConfig, resume: Path | None) -> None:
     """Settings that cannot work with this model or this checkpoint, refused before anything trains."""
-    tc, context = config.train, config.model.language.max_position_embeddings
-    check(tc.max_length <= context, f"train.max_length ({tc.max_length}) exceeds the language model's context "
-          f"(model.language.max_position_embeddings = {context})")
+    train_config, context = config.train, config.model.language.max_position_embeddings
+    check(train_config.max_length <= context, f"train.max_length ({train_config.max_length}) exceeds the language "
+          f"model's context (model.language.max_position_embeddings = {context})")
     if resume:
-        check_same_parts(RunConfig.from_json(resume / RUN_CONFIG).train, tc)
+        check_same_parts(RunConfig.from_json(resume / RUN_CONFIG).train, train_config)
 
 
 def _wandb_run(config: RunConfig, ranks: distributed.Ranks):

@@ -1,7 +1,6 @@
 """Training: the loss falls, one step follows the gradient of the (token- or sample-weighted) mean answer loss, a
 resumed run equals an uninterrupted one, and the batch sampler (resumable, rank-split, length-grouped)."""
 
-import contextlib
 import copy
 import itertools
 import json
@@ -17,7 +16,7 @@ from tests.models.helpers import tiny_vlm
 from tests.training.helpers import small_config
 from training import run
 from training.config import RunConfig, TrainConfig
-from training.loop import train_step
+from training.loop import Trainer, train_step
 from training.run import train
 from training.vision_pretraining import pretrain_vision
 
@@ -168,9 +167,8 @@ def test_a_step_descends_the_mean_answer_loss(loss_weight, packed):
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     before = copy.deepcopy(model)
-    config = TrainConfig(grad_clip=0, loss_weight=loss_weight)
-    loss, tokens, finite = train_step(model, model, iter([batch]), optimizer, scheduler, config,
-                                      contextlib.nullcontext(), torch.device("cpu"))
+    config = RunConfig(train=TrainConfig(grad_clip=0, loss_weight=loss_weight))
+    loss, tokens, finite = train_step(Trainer(config, model, model, optimizer, scheduler, torch.device("cpu")), [batch])
     assert finite and tokens == ids.numel()  # real tokens only
     assert loss == pytest.approx(expected.item(), rel=1e-5)
     for (name, after), old, ref in zip(model.named_parameters(), before.parameters(), reference.parameters()):
