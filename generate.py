@@ -174,7 +174,9 @@ def run_chat(args: argparse.Namespace, params: RequestParams) -> None:
         if line in ("/quit", "/exit"):
             break
         if line == "/reset":
-            history, images, pending = [], [], []
+            history = []
+            images = []
+            pending = []
             print("(a new conversation)", file=sys.stderr)
         elif line == "/image" or line.startswith("/image "):
             try:

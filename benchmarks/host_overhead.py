@@ -38,7 +38,9 @@ from serving.requests import (
     RequestParams,  # noqa: E402
 )
 
-PROMPT, MAX_TOKENS, BLOCK_SIZE = 100, 1000, 16
+PROMPT = 100
+MAX_TOKENS = 1000
+BLOCK_SIZE = 16
 SETTINGS = {"greedy": RequestParams(greedy=True, max_tokens=MAX_TOKENS, ignore_eos=True),
             "sampled": RequestParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=MAX_TOKENS, ignore_eos=True)}
 PHASES = ("schedule", "prepare", "forward", "sample", "bookkeeping")

@@ -138,7 +138,11 @@ def run_static(model, requests, args, device) -> dict:
         for ids, mask, longest in groups:
             list(model.stream(ids, None, mask, max_new_tokens=longest, greedy=True, compile=True))
     synchronize(device)
-    start, times, tokens, held, reserved = time.perf_counter(), [], [], 0, 0
+    start = time.perf_counter()
+    times = []
+    tokens = []
+    held = 0
+    reserved = 0
     for (ids, mask, longest), group in zip(groups, batches(requests, args.max_num_seqs)):
         stamps, rows = [], []
         for token in model.stream(ids, None, mask, max_new_tokens=longest, greedy=True, compile=args.compile_static):
@@ -301,7 +305,9 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     failures: list[str] = []
     for name in args.workloads:
-        requests, rows, baseline = workload(name, args), [], None
+        requests = workload(name, args)
+        rows = []
+        baseline = None
         results[name] = rows
         for method in args.methods:  # each method runs under its own no-grad / inference mode
             if method in SLOW and args.baseline_workloads is not None and name not in args.baseline_workloads:

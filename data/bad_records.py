@@ -90,7 +90,9 @@ class CheckedRecords(Dataset):
                  check_texts: Callable[[list[dict[str, str]]], None] | None = None):
         if policy not in ("skip", "fail"):
             raise ValueError(f"policy must be 'skip' or 'fail', got {policy!r}")
-        self.dataset, self.policy, self.name = dataset, policy, name
+        self.dataset = dataset
+        self.policy = policy
+        self.name = name
         self._stored = _stored_images_view(dataset)
         self.check_texts = check_texts  # the model's format refusing a text (a typed <image>): a bad record too
         self.report = report or _to_stderr

@@ -20,7 +20,9 @@ from data.bad_records import CheckedRecords
 from data.collator import VQACollator
 from models.errors import TinyVLMError
 
-BAD, TOO_LONG, ERROR = "bad_record_indices", "too_long_record_indices", "error"
+BAD = "bad_record_indices"
+TOO_LONG = "too_long_record_indices"
+ERROR = "error"
 
 
 class _Indexed(Dataset):

@@ -74,7 +74,9 @@ class ChatProcessor:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, images: ImageInputs,
                  image_position: ImagePosition = "before_text") -> None:
-        self.tokenizer, self.images, self.image_position = tokenizer, images, image_position
+        self.tokenizer = tokenizer
+        self.images = images
+        self.image_position = image_position
 
     @classmethod
     def from_config(cls, config: VLMConfig, tokenizer: PreTrainedTokenizerBase) -> ChatProcessor:

@@ -78,7 +78,10 @@ class VQACollator:
             raise ValueError("the tokenizer has no pad token; call data.prepare_tokenizer(tokenizer) first")
         self.encoder, self.tokenizer = encoder, encoder.tokenizer
         self.encoder.check()  # fail now, not at the first batch
-        self.max_length, self.padding_side, self.ensure_image, self.pack = max_length, padding_side, ensure_image, pack
+        self.max_length = max_length
+        self.padding_side = padding_side
+        self.ensure_image = ensure_image
+        self.pack = pack
 
     def __call__(self, records: list[dict | None]) -> dict[str, torch.Tensor]:
         return self.collate(records)[0]
@@ -101,7 +104,10 @@ class VQACollator:
         if not samples:
             samples = [([self.tokenizer.pad_token_id], [IGNORE_INDEX], [])]
         rows = pack_rows([len(ids) for ids, _, _ in samples]) if self.pack else [[i] for i in range(len(samples))]
-        id_rows, target_rows, sequence_rows, images = [], [], [], []
+        id_rows = []
+        target_rows = []
+        sequence_rows = []
+        images = []
         for row in rows:
             id_rows.append([token for i in row for token in samples[i][0]])
             target_rows.append([target for i in row for target in samples[i][1]])

@@ -196,7 +196,10 @@ class ImageSplitter:
         if layout == "nanovlm" and max_image_size % image_size:
             raise ValueError(f"nanovlm layout: max_image_size ({max_image_size}) must be a multiple of the tile size "
                              f"({image_size})")
-        self.image_size, self.max_image_size, self.layout, self.resample = image_size, max_image_size, layout, resample
+        self.image_size = image_size
+        self.max_image_size = max_image_size
+        self.layout = layout
+        self.resample = resample
         self.backend: Backend = backend or DEFAULT_BACKEND[layout]
         self.mean = torch.tensor(mean, dtype=torch.float32)[:, None, None]
         self.std = torch.tensor(std, dtype=torch.float32)[:, None, None]
@@ -284,7 +287,9 @@ class ImageInputs:
 
     def __init__(self, processor: ImageProcessor | ImageSplitter, tokens_per_image: int,
                  tokenizer: PreTrainedTokenizerBase | None = None):
-        self.processor, self.tokens_per_image, self.tokenizer = processor, tokens_per_image, tokenizer
+        self.processor = processor
+        self.tokens_per_image = tokens_per_image
+        self.tokenizer = tokenizer
         self._cache: dict[tuple[int, int, int | None], list[int]] = {}
 
     def check_tokenizer(self) -> None:

@@ -88,7 +88,9 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message],
     if sum(message.images for message in messages) != len(placeholders):
         raise PromptError(f"the messages hold {sum(m.images for m in messages)} images but {len(placeholders)} "
                           f"were given")
-    start, end, newline = token_id(tokenizer, IM_START), token_id(tokenizer, IM_END), encode_text(tokenizer, "\n")
+    start = token_id(tokenizer, IM_START)
+    end = token_id(tokenizer, IM_END)
+    newline = encode_text(tokenizer, "\n")
     ids, next_image = [], 0
     for message in messages:
         images = [token for placeholder in placeholders[next_image : next_image + message.images]

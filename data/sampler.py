@@ -27,8 +27,15 @@ class ResumableBatchSampler(Sampler[list[int]]):
 
     def __init__(self, num_samples: int, batch_size: int, seed: int, start: int = 0, rank: int = 0,
                  world_size: int = 1, lengths: list[int] | None = None, group: int = 16, bucket: int = 64):
-        self.num_samples, self.batch_size, self.seed, self.start = num_samples, batch_size, seed, start
-        self.rank, self.world_size, self.lengths, self.group, self.bucket = rank, world_size, lengths, group, bucket
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.seed = seed
+        self.start = start
+        self.rank = rank
+        self.world_size = world_size
+        self.lengths = lengths
+        self.group = group
+        self.bucket = bucket
         self._epoch, self._order = None, []
 
     def __iter__(self) -> Iterator[list[int]]:

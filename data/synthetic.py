@@ -168,7 +168,9 @@ def ask(scene: Scene, question_type: str, rng: random.Random) -> tuple[str, str]
     if question_type != "presence":
         raise ValueError(f"unknown question type {question_type!r}; expected one of "
                          f"{', '.join(QUESTION_TYPES + TRAINING_ONLY_TYPES)}")
-    color, shape, answer = item.color, item.shape, "yes"
+    color = item.color
+    shape = item.shape
+    answer = "yes"
     if rng.random() < 0.5:  # half the time, a colour/shape pair that is genuinely absent
         present = {(i.color, i.shape) for i in scene}
         color, shape = rng.choice([(c, s) for c in COLORS for s in SHAPES if (c, s) not in present])

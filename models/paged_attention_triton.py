@@ -28,7 +28,9 @@ def _kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, query_start_ptr, context_le
             stride_oh, stride_table, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
             PRECISION: tl.constexpr):
-    seq, tile, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq = tl.program_id(0)
+    tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
     q_begin = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_begin
     q0 = tile * BLOCK_Q

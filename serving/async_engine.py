@@ -33,7 +33,9 @@ class AsyncEngine:
         self.wake = threading.Event()
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.lock = threading.Lock()  # guards `streams` (its size is the in-flight count)
-        self.log, self.log_every, self.stopped = log, log_every, False
+        self.log = log
+        self.log_every = log_every
+        self.stopped = False
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.thread.start()
 

@@ -66,7 +66,10 @@ class StepInputs:
 class InputBuffers:
     def __init__(self, max_rows: int, max_blocks: int, max_tokens: int, block_size: int,
                  device: torch.device) -> None:
-        self.max_rows, self.max_blocks, self.block_size, self.device = max_rows, max_blocks, block_size, device
+        self.max_rows = max_rows
+        self.max_blocks = max_blocks
+        self.block_size = block_size
+        self.device = device
         self.null_seat = max_rows  # an all-zero row: padded decode rows read the null block through it
         self.tables = np.zeros((max_rows + 1, max_blocks), np.int64)
         self.tables_device = (torch.from_numpy(self.tables) if device.type == "cpu"
@@ -118,8 +121,14 @@ class InputBuffers:
         batch is padded to that many rows, which read and write only the null block, and the block table keeps its
         full width (the graph's static shape); without, it is cut to the longest table."""
         self._send_rows()
-        n, size, stride = len(sequences), self.block_size, self.max_rows
-        seats, tokens, positions, lengths, last_blocks = [], [], [], [], []
+        n = len(sequences)
+        size = self.block_size
+        stride = self.max_rows
+        seats = []
+        tokens = []
+        positions = []
+        lengths = []
+        last_blocks = []
         for sequence in sequences:
             table = sequence.table
             seats.append(sequence.row)
@@ -127,7 +136,9 @@ class InputBuffers:
             positions.append(sequence.num_computed)
             lengths.append(len(table))
             last_blocks.append(table[-1])
-        seat, position, length = np.array(seats), np.array(positions), np.array(lengths)
+        seat = np.array(seats)
+        position = np.array(positions)
+        length = np.array(lengths)
         self.tables[seat, length - 1] = last_blocks  # a new block, or a copy-on-write copy of the last one
         self.num_blocks[seat] = length
         buffer, padded = self.decode.open(), rows or n
@@ -153,12 +164,18 @@ class InputBuffers:
                           self.decode_query_start[: rows + 1], device[3 * stride : 3 * stride + rows],
                           self.tables_device[:, :columns][seats], max_query_len=1)
 
-    def prefill_inputs(self, work: list[tuple[Sequence, int]]) -> StepInputs:
-        """The prompt chunks of `work` packed into one row: sequence i computes `count` tokens from num_computed."""
+    def prefill_inputs(self, chunks: list[tuple[Sequence, int]]) -> StepInputs:
+        """The prompt chunks (sequence, count) packed into one row: each sequence computes `count` tokens from
+        num_computed."""
         self._send_rows()
-        size, num_seqs = self.block_size, len(work)
-        tokens, seats, starts, counts, image_chunks, image_slots = [], [], [], [], [], []
-        for sequence, count in work:
+        size, num_seqs = self.block_size, len(chunks)
+        tokens = []
+        seats = []
+        starts = []
+        counts = []
+        image_chunks = []
+        image_slots = []
+        for sequence, count in chunks:
             start = sequence.num_computed
             if start < sequence.num_prompt:  # only the prompt's image-token ids are placeholders
                 placeholders = sequence.group.image_positions
@@ -170,7 +187,9 @@ class InputBuffers:
             seats.append(sequence.row)
             starts.append(start)
             counts.append(count)
-        seat, start, count = np.array(seats), np.array(starts), np.array(counts)
+        seat = np.array(seats)
+        start = np.array(starts)
+        count = np.array(counts)
         query_start = np.zeros(num_seqs + 1, np.int64)
         np.cumsum(count, out=query_start[1:])
         num_tokens = int(query_start[-1])
@@ -190,7 +209,9 @@ class InputBuffers:
         greedy = self.greedy[seat]
         if greedy.all():
             return None
-        n, stride, buffer = len(sequences), self.max_rows, self.sampling.open()
+        n = len(sequences)
+        stride = self.max_rows
+        buffer = self.sampling.open()
         top_k, top_p = self.top_k[seat], self.top_p[seat]
         buffer[:n] = self.temperature[seat]
         buffer[stride : stride + n] = top_p
@@ -226,7 +247,9 @@ class InputBuffers:
     def _pack(staging: Staging, parts: list) -> list[Tensor]:
         """`parts` (lists or numpy arrays) laid end to end in `staging`, each at an aligned offset, sent at once;
         their flat device views."""
-        array, bounds, offset = staging.open(), [], 0
+        array = staging.open()
+        bounds = []
+        offset = 0
         for part in parts:
             part = np.asarray(part).ravel()
             array[offset : offset + part.size] = part

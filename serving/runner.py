@@ -38,7 +38,9 @@ class ModelRunner:
         """`attention`: "gather", "triton", or "auto" (triton on a GPU, gather on a CPU). `cuda_graphs`: capture the
         decode step per batch bucket (default: on a GPU)."""
         config, weight = model.config.language, model.language.token_embedding.weight
-        self.model, self.block_size, self.device = model, block_size, weight.device
+        self.model = model
+        self.block_size = block_size
+        self.device = weight.device
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         if attention == "auto":
@@ -148,7 +150,10 @@ class ModelRunner:
             if sequence.group.generator is not None:
                 seeded.setdefault(sequence.group, []).append((row, sequence.index))
         if seeded:
-            draws, rows, picks, start = [], [], [], 0
+            draws = []
+            rows = []
+            picks = []
+            start = 0
             for group, places in seeded.items():
                 draw = torch.empty(group.params.n, logits.shape[1], device=logits.device)
                 draws.append(draw.exponential_(1, generator=group.generator))

@@ -52,7 +52,9 @@ class Scheduler:
                              f"every running sequence decodes a token each step")
         if not 1 <= admission_batch <= max_num_seqs:
             raise ValueError(f"admission_batch must be in 1..max_num_seqs ({max_num_seqs}), got {admission_batch}")
-        self.blocks, self.max_num_seqs, self.max_batch_tokens = blocks, max_num_seqs, max_batch_tokens
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max_batch_tokens
         self.admission_batch = admission_batch
         self.held = 0  # steps in a row that held waiting requests back
         self.waiting: deque[RequestState] = deque()
@@ -80,7 +82,9 @@ class Scheduler:
         self.seats -= 1
 
     def schedule(self) -> ScheduledStep:
-        step, budget, prompts = ScheduledStep(), self.max_batch_tokens, []
+        step = ScheduledStep()
+        budget = self.max_batch_tokens
+        prompts = []
         for group in list(self.running):  # decodes, oldest request first
             if group.status is not Status.RUNNING:
                 continue  # preempted for an older request's decode

@@ -355,7 +355,9 @@ class Reply:
     async def outputs(self, http: Request | None):
         """Each step's (deltas, newly final reasons) until every sample is done; a request whose client goes away
         (`http` polled while nothing arrives) or whose samples all hit stop strings is aborted, freeing its blocks."""
-        completion, finished, last = self.completion, False, None
+        completion = self.completion
+        finished = False
+        last = None
         try:
             while not completion.done:
                 try:

@@ -26,7 +26,9 @@ class Grammars:
     """Compiles each request's Structure once (cached) for the engine's tokenizer; any thread may call `compile`."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]) -> None:
-        self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, stop_ids
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_ids = stop_ids
         self._lock = threading.Lock()
 
     @functools.cached_property

@@ -158,7 +158,10 @@ def _batch(records: Sequence[dict | None], processor: ImageProcessor, encode: Ca
            ) -> tuple[torch.Tensor, list[list[int]], list[list[int]], list[str | None]]:
     """`batch_size` records with an image, as `drawing` draws them, one turn of each: first images [B, 3, H, W],
     questions' and answers' token ids (a turn whose question or answer encodes to nothing is passed over), types."""
-    pixels, questions, answers, kinds = [], [], [], []
+    pixels = []
+    questions = []
+    answers = []
+    kinds = []
     for _ in range(100 * batch_size):
         index, kind = drawing.draw()
         record = records[index]

@@ -96,7 +96,9 @@ def train_step(trainer: Trainer, micro_batches: list[dict[str, torch.Tensor]]) -
     finite), both summed over ranks. The loss is the weighted mean (`target_weights`) over every answer token of the
     step, whichever rank and micro-batch it fell in, so N ranks x batch b train exactly like 1 rank x batch N*b. A
     non-finite step changes no weight."""
-    train_config, model, device = trainer.config.train, trainer.model, trainer.device
+    train_config = trainer.config.train
+    model = trainer.model
+    device = trainer.device
     model.train()
     # Weighed on the host-side batches, so the loop below never waits on the device.
     weights = [target_weights(batch["targets"], batch["attention_mask"], train_config.loss_weight)
@@ -141,7 +143,9 @@ def run(trainer: Trainer, state: TrainState) -> str | None:
     bar = ranks.is_main and sys.stdout.isatty() and sys.stderr.isatty()
     progress = tqdm(range(state.step, train_config.max_steps), initial=state.step, total=train_config.max_steps,
                     desc="train", dynamic_ncols=True, disable=not bar)
-    started, tokens_seen, batches = time.perf_counter(), 0, _counted(trainer.batches, state)
+    started = time.perf_counter()
+    tokens_seen = 0
+    batches = _counted(trainer.batches, state)
     with GracefulStop(escalate=not ranks.distributed) as stop:
         for step in progress:
             micro_batches = [next(batches) for _ in range(train_config.grad_accum_steps)]

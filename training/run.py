@@ -153,7 +153,9 @@ def _add_adapters(model: VisionLanguageModel, train_config) -> None:
 def _pretrain_vision(config: RunConfig, model: VisionLanguageModel, chat: ChatProcessor, train_records: CheckedRecords,
                      device: torch.device, say: Callable[..., None]) -> None:
     """Pre-train the from-scratch ViT in place with the run's objective (see RunConfig.vision_pretrain_objective)."""
-    train_config, objective, steps = config.train, config.vision_pretrain_objective(), config.pretrain_steps()
+    train_config = config.train
+    objective = config.vision_pretrain_objective()
+    steps = config.pretrain_steps()
     field = "vision_pretrain_steps" if steps == train_config.vision_pretrain_steps else "answer_pretrain_steps"
     say(f"vision pre-training ({objective}): {steps} steps (train.{field}) of "
         f"{train_config.vision_pretrain_batch_size} images", flush=True)
