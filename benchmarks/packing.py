@@ -14,18 +14,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
-import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import hardware, seconds_per_call, write_result  # noqa: E402
 from data import CheckedRecords, ImageProcessor, VQACollator, build_datasets  # noqa: E402
-from training.config import load_run_config  # noqa: E402
+from training.config import RunConfig, load_run_config  # noqa: E402
 from training.loop import Trainer, train_step  # noqa: E402
 from training.optim import build_optimizer, build_scheduler, freeze_parts  # noqa: E402
 from training.setup import build_model, build_tokenizer  # noqa: E402
@@ -33,7 +31,7 @@ from training.setup import build_model, build_tokenizer  # noqa: E402
 MODES = {"one record per row": False, "packed": True}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/tiny.yaml",
                         help="a YAML run config (its data, model and batch size)")
@@ -42,16 +40,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    device = torch.device(args.device)
-    config = load_run_config(args.config, {"train.vision_pretrain_steps": "0"})
+
+def build_runs(config: RunConfig, num_batches: int, device: torch.device) -> dict[str, dict]:
+    """For each mode: its collated batches (the same records) and a Trainer over its own copy of one model."""
     train_config = config.train
     if config.data.source == "synthetic":  # generate only the records the benchmark reads
-        config = config.replace({"data.shapes.num_train": str(args.batches * train_config.batch_size)})
+        config = config.replace({"data.shapes.num_train": str(num_batches * train_config.batch_size)})
     train_data, _ = build_datasets(config.data)
     tokenizer = build_tokenizer(config, train_data)
     model = build_model(config, tokenizer)
@@ -59,40 +55,23 @@ def main() -> None:
     model.to(device)
     processor = ImageProcessor.from_config(model.config.vision)
     records = CheckedRecords(train_data, "skip", "train")
-    batch_records = [[records[i] for i in range(k * train_config.batch_size, (k + 1) * train_config.batch_size)]
-                     for k in range(args.batches)]
+    size = train_config.batch_size
+    batch_records = [[records[i] for i in range(k * size, (k + 1) * size)] for k in range(num_batches)]
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and train_config.bf16
                 else contextlib.nullcontext())
-
     runs = {}
     for mode, pack in MODES.items():
         collator = VQACollator(tokenizer, processor, model.config.tokens_per_image, train_config.max_length,
                                image_position=model.config.image_position, pack=pack)
-        batches = [collator(group) for group in batch_records]
-        runs[mode] = {"batches": batches, "model": copy.deepcopy(model), "ms": []}
-        runs[mode]["optimizer"] = build_optimizer(runs[mode]["model"], train_config, device)
-        runs[mode]["trainer"] = Trainer(config, runs[mode]["model"], runs[mode]["model"], runs[mode]["optimizer"],
-                                        build_scheduler(runs[mode]["optimizer"], train_config), device, autocast)
+        copied = copy.deepcopy(model)
+        optimizer = build_optimizer(copied, train_config, device)
+        trainer = Trainer(config, copied, copied, optimizer, build_scheduler(optimizer, train_config), device, autocast)
+        runs[mode] = {"batches": [collator(group) for group in batch_records], "trainer": trainer, "ms": []}
+    return runs
 
-    def one_pass(run: dict) -> float:
-        iterator = iter(run["batches"])
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in run["batches"]:
-            train_step(run["trainer"], [next(iterator)])
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - start) / len(run["batches"])
 
-    for run in runs.values():  # warm-up
-        one_pass(run)
-    for _ in range(args.rounds):
-        for run in runs.values():
-            run["ms"].append(1000 * one_pass(run))
-
-    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"{platform.processor() or 'CPU'}, {torch.get_num_threads()} threads"
+def summary(runs: dict[str, dict]) -> list[dict]:
+    """A row per mode: the batches' shapes, padding, and the median step time against the first mode's."""
     rows, baseline = [], None
     for mode, run in runs.items():
         batches = run["batches"]
@@ -104,20 +83,38 @@ def main() -> None:
                          length=statistics.mean(b["input_ids"].shape[1] for b in batches), positions=positions,
                          real_tokens=real, padding=1 - real / positions, ms_per_step=ms,
                          real_tokens_per_s=1000 * real / ms, speedup=baseline / ms))
-    table = [f"{args.config}: {train_config.batch_size} records a step, {args.batches} batches x {args.rounds} rounds, "
-             f"{hardware}", "",
+    return rows
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    device = torch.device(args.device)
+    config = load_run_config(args.config, {"train.vision_pretrain_steps": "0"})
+    runs = build_runs(config, args.batches, device)
+
+    def one_pass(run: dict) -> float:
+        batches = iter(run["batches"])
+        return seconds_per_call(lambda: train_step(run["trainer"], [next(batches)]), len(run["batches"]), device)
+
+    for run in runs.values():  # warm-up
+        one_pass(run)
+    for _ in range(args.rounds):
+        for run in runs.values():
+            run["ms"].append(1000 * one_pass(run))
+    rows, machine = summary(runs), hardware(device)
+    table = [f"{args.config}: {config.train.batch_size} records a step, {args.batches} batches x {args.rounds} "
+             f"rounds, {machine}", "",
              "| mode | rows x length (mean) | positions | real tokens | padding | ms/step (median) | real tokens/s "
              "| speed-up |",
              "|---|---|---|---|---|---|---|---|"]
     table += [f"| {r['mode']} | {r['rows']:.1f} x {r['length']:.1f} | {r['positions']:,.0f} | "
               f"{r['real_tokens']:,.0f} | {100 * r['padding']:.0f}% | {r['ms_per_step']:.1f} | "
               f"{r['real_tokens_per_s']:,.0f} | {r['speedup']:.2f}x |" for r in rows]
-    print("\n".join(table))
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"packing-{device.type}"
-    stem.with_suffix(".md").write_text("\n".join(table) + "\n")
-    stem.with_suffix(".json").write_text(json.dumps(dict(config=args.config, hardware=hardware, rounds=args.rounds,
-                                                         results=rows), indent=2) + "\n")
+    write_result(args.out, f"packing-{device.type}", table,
+                 dict(config=args.config, hardware=machine, rounds=args.rounds, results=rows))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import sys
@@ -38,6 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import hardware  # noqa: E402
 from benchmarks.decode import build_models, synchronize  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.requests import (
@@ -270,7 +270,7 @@ def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
     plt.close(figure)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
@@ -292,23 +292,24 @@ def main() -> None:
     parser.add_argument("--hf-cb-requests", type=int, help="hf-cb serves this many of them (default: all)")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     reference, ours = build_models(device, dtype)
-    hardware = (torch.cuda.get_device_name(device) if device.type == "cuda"
-                else f"{platform.processor() or 'CPU'}, {torch.get_num_threads()} threads")
     title = (f"SmolLM2-135M shape, random weights, {args.dtype}, greedy, EOS ignored; engine: max_num_seqs "
              f"{args.max_num_seqs}, max_batch_tokens {args.max_batch_tokens}, {args.kv_blocks} blocks of "
-             f"{args.block_size}; {hardware}; torch {torch.__version__}")
+             f"{args.block_size}; {hardware(device)}; torch {torch.__version__}")
     results: dict[str, list[dict]] = {}
     failures: list[str] = []
     for name in args.workloads:
         requests = workload(name, args)
-        rows = []
+        rows = results[name] = []
         baseline = None
-        results[name] = rows
         for method in args.methods:  # each method runs under its own no-grad / inference mode
             if method in SLOW and args.baseline_workloads is not None and name not in args.baseline_workloads:
                 continue

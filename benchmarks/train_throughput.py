@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import hardware, seconds_per_call, write_result  # noqa: E402
 from models import LanguageConfig, VisionConfig, VisionLanguageModel, VLMConfig  # noqa: E402
 from training.config import load_run_config  # noqa: E402
 
@@ -60,7 +59,7 @@ def peak_flops(device: torch.device, override: float | None) -> float | None:
     return None
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="configs/tiny.yaml", help="nanovlm-222m, or a YAML run config")
@@ -73,43 +72,43 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--peak-tflops", type=float, help="device peak for MFU (known for H100/H200/A100)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    device = torch.device(args.device)
-    config = shape(args.shape)
+
+def training_step(config: VLMConfig, args: argparse.Namespace, device: torch.device):
+    """The model and one step (forward, backward, AdamW) on a fixed random batch with an image per row."""
     model = VisionLanguageModel(config).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    step_fn = torch.compile(model) if args.compile else model
+    forward = torch.compile(model) if args.compile else model
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if args.bf16 and device.type == "cuda"
                 else contextlib.nullcontext())
-    tokens_per_image = config.tokens_per_image
     ids = torch.randint(0, config.language.vocab_size - 64, (args.batch_size, args.seq_len), device=device)
-    ids[:, 1 : 1 + tokens_per_image] = config.image_token_id
+    ids[:, 1 : 1 + config.tokens_per_image] = config.image_token_id
     targets = ids.roll(-1, 1).masked_fill(ids.roll(-1, 1) == config.image_token_id, -100)
     images = torch.randn(args.batch_size, 3, config.vision.image_size, config.vision.image_size, device=device)
 
     def step() -> None:
         with autocast:
-            _, loss = step_fn(ids, images, targets=targets)
+            _, loss = forward(ids, images, targets=targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    for _ in range(args.warmup):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / args.steps
-    flops, peak = flops_per_step(config, model, args.batch_size, args.seq_len), peak_flops(device, args.peak_tflops)
-    hardware = (torch.cuda.get_device_name(device) if device.type == "cuda"
-                else f"CPU, {torch.get_num_threads()} threads")
+    return model, step
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device(args.device)
+    config = shape(args.shape)
+    model, step = training_step(config, args, device)
+    seconds_per_call(step, args.warmup, device)
+    seconds = seconds_per_call(step, args.steps, device)
+    flops = flops_per_step(config, model, args.batch_size, args.seq_len)
+    peak = peak_flops(device, args.peak_tflops)
+    machine = hardware(device)
     result = dict(shape=args.shape, params_m=sum(p.numel() for p in model.parameters()) / 1e6, batch=args.batch_size,
-                  seq_len=args.seq_len, bf16=args.bf16, compile=args.compile, hardware=hardware,
+                  seq_len=args.seq_len, bf16=args.bf16, compile=args.compile, hardware=machine,
                   ms_per_step=1000 * seconds,
                   tokens_per_s=args.batch_size * args.seq_len / seconds, samples_per_s=args.batch_size / seconds,
                   achieved_tflops=flops / seconds / 1e12, mfu=flops / seconds / peak if peak else None)
@@ -118,15 +117,9 @@ def main() -> None:
              "| MFU |",
              "|---|---|---|---|---|---|---|---|---|---|---|",
              f"| {args.shape} | {result['params_m']:.1f}M | {args.batch_size} x {args.seq_len} | {args.bf16} | "
-             f"{args.compile} | "
-             f"{hardware} | {result['ms_per_step']:.1f} | {result['tokens_per_s']:,.0f} | "
-             f"{result['samples_per_s']:,.1f} | "
-             f"{result['achieved_tflops']:.2f} | {mfu} |"]
-    print("\n".join(table))
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"train_throughput-{device.type}"
-    stem.with_suffix(".md").write_text("\n".join(table) + "\n")
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+             f"{args.compile} | {machine} | {result['ms_per_step']:.1f} | {result['tokens_per_s']:,.0f} | "
+             f"{result['samples_per_s']:,.1f} | {result['achieved_tflops']:.2f} | {mfu} |"]
+    write_result(args.out, f"train_throughput-{device.type}", table, result)
 
 
 if __name__ == "__main__":
