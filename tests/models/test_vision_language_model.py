@@ -126,3 +126,32 @@ def test_activation_checkpointing_keeps_less_for_the_same_loss_and_gradients():
     assert grads_checkpointed.keys() == grads.keys() and len(grads) == len(list(model.parameters()))
     for name, grad in grads.items():
         torch.testing.assert_close(grads_checkpointed[name], grad, atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("activation_checkpointing", [False, True])
+def test_the_training_forward_compiles_as_one_graph_and_computes_what_eager_does(activation_checkpointing):
+    """torch.compile(fullgraph=True) of a training step's forward (packed records, padding, per-position losses):
+    no graph break anywhere (a break raises), and the same losses and gradients as eager. aot_eager traces forward
+    and backward as inductor would, without compiling kernels (seconds on a CPU)."""
+    torch._dynamo.reset()
+    model = tiny_vlm(seed=4).train()
+    config = model.config
+    ids = torch.randint(3, 90, (2, 24), generator=torch.Generator().manual_seed(0))
+    ids[:, 1 : 1 + config.tokens_per_image] = config.image_token_id
+    images = torch.randn(2, 3, config.vision.image_size, config.vision.image_size)
+    targets = ids.roll(-1, 1)
+    targets[:, : 1 + config.tokens_per_image] = -100
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[:, 14:20] = 2  # a second record packed into each row
+    mask[1, 20:] = 0  # and padding
+    model.language.activation_checkpointing = model.vision.activation_checkpointing = activation_checkpointing
+    results = []
+    for forward in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
+        model.zero_grad()
+        _, losses = forward(ids, images, mask, targets, reduction="none")
+        losses.sum().backward()
+        results.append((losses.detach(), [p.grad.clone() for p in model.parameters()]))
+    (eager, eager_grads), (compiled, compiled_grads) = results
+    torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-6)
+    for expected, got in zip(eager_grads, compiled_grads, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
