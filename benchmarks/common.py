@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 import platform
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def hardware(device: torch.device) -> str:
@@ -39,3 +43,18 @@ def write_result(out: Path, stem: str, table: list[str], numbers: dict) -> Path:
     path.with_suffix(".md").write_text("\n".join(table) + "\n")
     path.with_suffix(".json").write_text(json.dumps(numbers, indent=2) + "\n")
     return path
+
+
+def run_training(arguments: Sequence[str], overrides: Sequence[str], out: Path, what: str) -> tuple[dict, str, float]:
+    """`python train.py ARGUMENTS --train.output_dir OUT` with each SECTION.FIELD=VALUE override: its metrics.json,
+    its stdout (the log) and its wall time in minutes. A failed run ends the benchmark with train.py's last line."""
+    command = [sys.executable, "train.py", *arguments, "--train.output_dir", str(out)]
+    for override in overrides:
+        key, _, value = override.partition("=")
+        command += [f"--{key}", value]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"error: {what}: train.py exited {done.returncode}: "
+                         f"{(done.stderr.strip().splitlines() or ['(no output)'])[-1]}")
+    return json.loads((out / "metrics.json").read_text()), done.stdout, (time.perf_counter() - start) / 60

@@ -18,40 +18,29 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from seeds import cpu_name
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import run_training  # noqa: E402
+from benchmarks.seeds import cpu_name  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 RATE = re.compile(r"step \d+/\d+: loss [\d.]+, ([\d,]+) tokens/s")
 
 
 def train(method: str, seed: int, args: argparse.Namespace) -> dict:
     """One fine-tuning run: its metrics.json, median tokens/s, trainable parameters and wall time."""
-    out = args.runs / f"{method}-s{seed}"
     data = args.data.resolve()
-    command = [sys.executable, "train.py", "--init_from", str(args.init_from), "--data.source", "jsonl",
-               "--data.path", str(data / "train.jsonl"), "--data.validation_path", str(data / "validation.jsonl"),
-               "--train.seed", str(seed), "--train.max_steps", str(args.steps), "--train.eval_every", str(args.steps),
-               "--train.save_every", str(args.steps), "--train.output_dir", str(out), "--train.device", args.device]
+    arguments = ["--init_from", str(args.init_from), "--data.source", "jsonl", "--data.path", str(data / "train.jsonl"),
+                 "--data.validation_path", str(data / "validation.jsonl"), "--train.seed", str(seed),
+                 "--train.max_steps", str(args.steps), "--train.eval_every", str(args.steps), "--train.save_every",
+                 str(args.steps), "--train.device", args.device]
     if method == "lora":
-        command += ["--train.lora.rank", str(args.rank), "--train.lora.alpha", str(2 * args.rank)]
-    for override in args.set:
-        key, _, value = override.partition("=")
-        command += [f"--{key}", value]
-    start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"error: {method}, seed {seed}: train.py exited {done.returncode}: "
-                         f"{(done.stderr.strip().splitlines() or ['(no output)'])[-1]}")
-    rates = [float(m.group(1).replace(",", "")) for m in RATE.finditer(done.stdout)]
-    metrics = json.loads((out / "metrics.json").read_text())
+        arguments += ["--train.lora.rank", str(args.rank), "--train.lora.alpha", str(2 * args.rank)]
+    metrics, log, minutes = run_training(arguments, args.set, args.runs / f"{method}-s{seed}", f"{method}, seed {seed}")
+    rates = [float(m.group(1).replace(",", "")) for m in RATE.finditer(log)]
     return {"method": method, "seed": seed, **metrics, "tokens_per_s": statistics.median(rates) if rates else 0.0,
-            "trainable": metrics["trainable_parameters"],
-            "minutes": (time.perf_counter() - start) / 60}
+            "trainable": metrics["trainable_parameters"], "minutes": minutes}
 
 
 def table(rows: list[dict], title: str) -> str:

@@ -18,29 +18,19 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import run_training  # noqa: E402
 
 
 def train(config: Path, seed: int, threads: int, out: Path, overrides: list[str]) -> dict:
     """One training run; its metrics.json plus the wall time in minutes."""
-    command = [sys.executable, "train.py", "--config", str(config), "--train.seed", str(seed),
-               "--train.num_threads", str(threads), "--train.output_dir", str(out)]
-    for override in overrides:
-        key, _, value = override.partition("=")
-        command += [f"--{key}", value]
-    start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"error: seed {seed}, {threads} threads: train.py exited {done.returncode}: "
-                         f"{(done.stderr.strip().splitlines() or ['(no output)'])[-1]}")
-    metrics = json.loads((out / "metrics.json").read_text())
-    return {"seed": seed, "threads": threads, "minutes": (time.perf_counter() - start) / 60, **metrics}
+    metrics, _, minutes = run_training(["--config", str(config), "--train.seed", str(seed), "--train.num_threads",
+                                        str(threads)], overrides, out, f"seed {seed}, {threads} threads")
+    return {"seed": seed, "threads": threads, "minutes": minutes, **metrics}
 
 
 def cpu_name() -> str:
