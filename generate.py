@@ -1,22 +1,23 @@
 """Answer a question about an image, or caption it, streaming the answer as it is generated.
 
-    python generate.py --image photo.png --prompt "What color is the circle?"   # newest checkpoint under runs/
+    python generate.py --image photo.png --prompt "What color is the circle?"  # newest run under runs/
     python generate.py --checkpoint runs/tiny --image photo.png                 # no prompt: a caption
     python generate.py --image photo.png --temperature 0.8 --top-k 50 --top-p 0.9 --num-samples 3
     python generate.py --image photo.png --compile                              # the fast decode path
-    python generate.py --checkpoint HuggingFaceTB/SmolVLM-256M-Instruct --image photo.jpg --prompt "What is this?"
-    python generate.py --checkpoint lusxvr/nanoVLM-460M-8k --image a.jpg --image b.jpg --prompt "Compare them."
-    python generate.py --batch requests.jsonl --output answers.jsonl            # many at once (serving engine)
-    python generate.py --chat --image photo.png                                 # a conversation in the terminal
+    python generate.py --checkpoint HuggingFaceTB/SmolVLM-256M-Instruct --image cat.jpg --prompt "What is it?"
+    python generate.py --checkpoint lusxvr/nanoVLM-460M-8k --image a.jpg --image b.jpg --prompt "Compare."
+    python generate.py --batch requests.jsonl --output answers.jsonl   # many at once (serving engine)
+    python generate.py --chat --image photo.png                        # a conversation in the terminal
 
---checkpoint takes tinyvlm's own checkpoints, SmolVLM / Idefics3 and nanoVLM ones, as directories or hub ids; each
-is asked the way it was trained (its chat template, its image splitting). Decoding is greedy unless a sampling option
-(--temperature, --top-k, --top-p) is given. In batch mode each line of the input is {"image": path, "prompt": text}
-(either may be left out: no image, or a caption) or {"messages": [{"role": "system" | "user" | "assistant", "content":
-text, "images": [paths]}, ...]} (a conversation to answer); the output has the same lines, in the same order, each
-with its "answer" added. In chat mode each line you type is a user turn, answered as it is generated, and each turn
-reuses the earlier turns' KV blocks through the engine's prefix cache (it says how many prompt tokens it reused):
-`/image PATH` attaches an image to your next turn, `/reset` starts a new conversation, `/quit` (or Ctrl-D) ends.
+--checkpoint takes tinyvlm's own checkpoints, SmolVLM / Idefics3 and nanoVLM ones, as directories or hub ids;
+each is asked the way it was trained (its chat template, its image splitting). Decoding is greedy unless a
+sampling option (--temperature, --top-k, --top-p) is given. In batch mode each line of the input is {"image":
+path, "prompt": text} (either may be left out: no image, or a caption) or {"messages": [{"role": "system" |
+"user" | "assistant", "content": text, "images": [paths]}, ...]} (a conversation to answer); the output has
+the same lines, in the same order, each with its "answer" added. In chat mode each line you type is a user
+turn, answered as it is generated, and each turn reuses the earlier turns' KV blocks through the engine's
+prefix cache (it says how many prompt tokens it reused): `/image PATH` attaches an image to your next turn,
+`/reset` starts a new conversation, `/quit` (or Ctrl-D) ends.
 """
 
 from __future__ import annotations
@@ -57,16 +58,18 @@ def run(args: argparse.Namespace) -> None:
     images = [load_image(path) for path in args.image]
     model, processor = load_for_inference(args.checkpoint, device, args.allow_pickle)
     tokenizer = processor.tokenizer
-    prompt_ids, pixels = processor.encode(prompt, images)  # the checkpoint's chat format; images split if it splits
+    # the checkpoint's chat format; images split if it splits
+    prompt_ids, pixels = processor.encode(prompt, images)
     ids = torch.tensor([prompt_ids], device=device)
     pixels = None if pixels is None else pixels.to(device)
     rows, tokens = args.num_samples, ids.shape[1] + args.max_new_tokens
     dtype = next(model.parameters()).dtype
     print(f"KV cache: {kv_cache_bytes(model.config.language, rows, tokens, dtype) / 2**20:.2f} MiB "
           f"({rows} x {tokens} tokens, {dtype})", file=sys.stderr)
-    settings = dict(max_new_tokens=args.max_new_tokens, num_samples=args.num_samples, **sampling_settings(args),
-                    eos_token_id=model.config.stop_ids, pad_token_id=tokenizer.pad_token_id,
-                    compile=args.compile, generator=torch.Generator(device).manual_seed(args.seed))
+    settings = dict(max_new_tokens=args.max_new_tokens, num_samples=args.num_samples,
+                    **sampling_settings(args), eos_token_id=model.config.stop_ids,
+                    pad_token_id=tokenizer.pad_token_id, compile=args.compile,
+                    generator=torch.Generator(device).manual_seed(args.seed))
     if args.num_samples == 1:  # stream: print what each new token adds to the decoded text
         detokenizer = IncrementalDetokenizer(tokenizer)
         for token in model.stream(ids, pixels, **settings):
@@ -80,7 +83,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def read_requests(path: Path) -> list[dict]:
-    """The batch file's lines: JSON objects with an optional "image" (a path, relative to the file) and "prompt"."""
+    """The batch file's lines: JSON objects with an optional "image" (a path, relative to the file) and
+    "prompt"."""
     try:
         lines = path.read_text().splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -93,12 +97,15 @@ def read_requests(path: Path) -> list[dict]:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise RequestError(f"{path}:{number}: not valid JSON ({e.msg})") from None
-        if not isinstance(record, dict) or not all(isinstance(record.get(k, ""), str) for k in ("image", "prompt")):
-            raise RequestError(f"{path}:{number}: expected {{\"image\": path, \"prompt\": text}} with string values, "
-                               f"or {{\"messages\": [...]}}")
+        if not isinstance(record, dict) or not all(
+            isinstance(record.get(k, ""), str) for k in ("image", "prompt")
+        ):
+            raise RequestError(f"{path}:{number}: expected {{\"image\": path, \"prompt\": text}} with string "
+                               f"values, or {{\"messages\": [...]}}")
         if "messages" in record and not _messages_ok(record["messages"]):
-            raise RequestError(f"{path}:{number}: \"messages\" must be a list of {{\"role\": system|user|assistant, "
-                               f"\"content\": text, \"images\": [paths] (user messages)}} ending with a user message")
+            raise RequestError(f'{path}:{number}: "messages" must be a list of '
+                               '{"role": system|user|assistant, "content": text, "images": [paths] '
+                               '(user messages)} ending with a user message')
         records.append(record)
     return records
 
@@ -110,7 +117,12 @@ def _messages_ok(messages) -> bool:
                 and isinstance(message.get("content"), str) and isinstance(images, list)
                 and all(isinstance(i, str) for i in images) and (not images or message["role"] == "user"))
 
-    return isinstance(messages, list) and bool(messages) and all(map(ok, messages)) and messages[-1]["role"] == "user"
+    return (
+        isinstance(messages, list)
+        and bool(messages)
+        and all(map(ok, messages))
+        and messages[-1]["role"] == "user"
+    )
 
 
 def conversation(record: dict, directory: Path) -> tuple[list[Message], list]:
@@ -126,8 +138,8 @@ def conversation(record: dict, directory: Path) -> tuple[list[Message], list]:
 
 
 def run_batch(args: argparse.Namespace, params: RequestParams) -> None:
-    """Answer every line of --batch with the serving engine (continuous batching over a paged KV cache); write the
-    lines with their answers to --output, in input order, once all are answered (atomically)."""
+    """Answer every line of --batch with the serving engine (continuous batching over a paged KV cache); write
+    the lines with their answers to --output, in input order, once all are answered (atomically)."""
     from tqdm import tqdm
 
     from serving.engine import Engine
@@ -150,13 +162,14 @@ def run_batch(args: argparse.Namespace, params: RequestParams) -> None:
         results = engine.generate(requests, progress=lambda done: bar.update(done - bar.n))
     answers = [{**record, **({"answer": result.texts[0]} if params.n == 1 else {"answers": result.texts})}
                for record, result in zip(records, results)]
-    atomic_write(Path(args.output), lambda tmp: tmp.write_text("".join(json.dumps(a) + "\n" for a in answers)))
+    atomic_write(Path(args.output),
+                 lambda tmp: tmp.write_text("".join(json.dumps(a) + "\n" for a in answers)))
     print(f"{len(answers)} answers written to {args.output}", file=sys.stderr)
 
 
 def run_chat(args: argparse.Namespace, params: RequestParams) -> None:
-    """A conversation in the terminal on the serving engine: each line a user turn, the answer streamed; the earlier
-    turns' KV blocks are found in the prefix cache, not computed again."""
+    """A conversation in the terminal on the serving engine: each line a user turn, the answer streamed; the
+    earlier turns' KV blocks are found in the prefix cache, not computed again."""
     from serving.engine import Engine
     from serving.requests import Request
 
@@ -164,7 +177,8 @@ def run_chat(args: argparse.Namespace, params: RequestParams) -> None:
     model, processor = load_for_inference(args.checkpoint, pick_device(args.device), args.allow_pickle)
     engine = Engine(model, processor, **engine_settings(model, args.kv_cache_mib))
     history, images = [], []
-    print("Type a question. /image PATH attaches an image to your next question, /reset starts over, /quit ends.",
+    print("Type a question. /image PATH attaches an image to your next question, /reset starts over, /quit "
+          "ends.",
           file=sys.stderr)
     while True:
         try:
@@ -189,7 +203,9 @@ def run_chat(args: argparse.Namespace, params: RequestParams) -> None:
         elif line:
             messages = [*history, Message("user", line, len(pending))]
             try:
-                answer, reused, prompt = answer_turn(engine, Request(messages, [*images, *pending] or None, params))
+                answer, reused, prompt = answer_turn(
+                    engine, Request(messages, [*images, *pending] or None, params)
+                )
             except RequestError as e:
                 print(f"error: {e} (/reset starts a new conversation)", file=sys.stderr)
                 continue
@@ -198,32 +214,39 @@ def run_chat(args: argparse.Namespace, params: RequestParams) -> None:
                     engine.abort(request_id)
                 print("\n(answer stopped; ask again or go on)", file=sys.stderr)
                 continue
-            print(f"({reused} of the prompt's {prompt} tokens reused from the earlier turns)", file=sys.stderr)
+            print(f"({reused} of the prompt's {prompt} tokens reused from the earlier turns)",
+                  file=sys.stderr)
             history, images, pending = [*messages, Message("assistant", answer)], [*images, *pending], []
 
 
 def answer_turn(engine, request) -> tuple[str, int, int]:
-    """Serve one turn, printing the answer as it comes; returns it, with the prompt tokens found cached and all."""
+    """Serve one turn, printing the answer as it comes; returns it, with the prompt tokens found cached and
+    all."""
     group = engine.prepare(request)
     engine.enqueue(group)
     detokenizer = IncrementalDetokenizer(engine.tokenizer)
     stops = set(engine.model.config.stop_ids)
     while engine.has_unfinished():
         for output in engine.step():
-            print(detokenizer.add([token for token in output.new_tokens[0] if token not in stops]), end="", flush=True)
+            print(detokenizer.add([token for token in output.new_tokens[0] if token not in stops]), end="",
+                  flush=True)
     print(detokenizer.finish(), flush=True)
     return detokenizer.text, group.num_cached or 0, group.num_prompt
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", help="run or checkpoint directory, or a hub id of a SmolVLM / Idefics3 or "
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint",
+                        help="run or checkpoint directory, or a hub id of a SmolVLM / Idefics3 or "
                                              "nanoVLM model (default: the newest checkpoint under runs/)")
     parser.add_argument("--image", action="append", help="image file to ask about (repeat for several)")
-    parser.add_argument("--batch", help="a JSONL file of requests ({\"image\": path, \"prompt\": text} per line)")
+    parser.add_argument("--batch",
+                        help="a JSONL file of requests ({\"image\": path, \"prompt\": text} per line)")
     parser.add_argument("--output", help="with --batch: the JSONL file to write the answers to")
     parser.add_argument("--chat", action="store_true", help="a conversation in the terminal (see above)")
-    parser.add_argument("--kv-cache-mib", type=int, default=1024, help="with --batch or --chat: KV-cache memory (MiB)")
+    parser.add_argument("--kv-cache-mib", type=int, default=1024,
+                        help="with --batch or --chat: KV-cache memory (MiB)")
     parser.add_argument("--prompt", help=f"question (default: caption the image with {CAPTION_PROMPT!r})")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--greedy", action="store_true",
@@ -233,21 +256,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float)
     parser.add_argument("--num-samples", type=int, default=1, help="answers per prompt, sharing one prefill")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    parser.add_argument("--device", default="auto",
+                        help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument("--compile", action="store_true",
                         help="compiled, shape-static decode step (CUDA graphs on GPU)")
     parser.add_argument("--allow-pickle", action="store_true",
                         help="accept pytorch_model.bin weights (read with torch.load(weights_only=True)); "
                              "only for files you trust")
     args = parser.parse_args(argv)
-    one_answer_or_batch = (args.image is None) != (args.batch is None) and (args.batch is None) == (args.output is None)
+    one_answer_or_batch = (args.image is None) != (args.batch is None) and (args.batch is None) == (
+        args.output is None
+    )
     if args.chat and (args.batch or args.output or args.prompt is not None or args.num_samples != 1):
         parser.error("--chat takes no --batch, --output, --prompt or --num-samples (type your questions)")
     if not args.chat and not one_answer_or_batch:
         parser.error("give --image (one answer), --batch and --output (a file of requests), or --chat")
     try:
         if args.chat:
-            run_chat(args, RequestParams(**sampling_settings(args), max_tokens=args.max_new_tokens, seed=args.seed))
+            run_chat(args,
+                     RequestParams(**sampling_settings(args), max_tokens=args.max_new_tokens, seed=args.seed))
         elif args.batch:
             run_batch(args, RequestParams(**sampling_settings(args), n=args.num_samples,
                                           max_tokens=args.max_new_tokens, seed=args.seed))

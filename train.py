@@ -1,20 +1,20 @@
 """Train a vision-language model.
 
-    python train.py                                       # the tiny default: synthetic shapes, from scratch, CPU
+    python train.py                        # the tiny default: synthetic shapes, from scratch, CPU
     python train.py --config configs/smollm2-shapes.yaml  # real SmolLM2-135M-Instruct + a small ViT (GPU)
-    python train.py --config configs/tiny.yaml --train.max_steps 200 --train.output_dir runs/try1 --train.compile false
+    python train.py --config configs/tiny.yaml --train.max_steps 200 --train.output_dir runs/try1
     python train.py --resume runs/tiny                    # continue from the newest complete checkpoint
-    python train.py --init_from runs/tiny --data.source jsonl --data.path mine.jsonl   # fine-tune a trained run
-    torchrun --nproc-per-node 8 train.py --config configs/nanovlm-222m.yaml    # DDP on 8 GPUs (see README for more)
-    python train.py --config configs/smolvlm-256m-finetune.yaml  # fine-tune a released VLM (init_from; GPU, hub)
+    python train.py --init_from runs/tiny --data.source jsonl --data.path mine.jsonl  # fine-tune a run
+    torchrun --nproc-per-node 8 train.py --config configs/nanovlm-222m.yaml   # DDP on 8 GPUs (see README)
+    python train.py --config configs/smolvlm-256m-finetune.yaml  # fine-tune a released VLM (GPU, hub)
 
 Any config field can be set with `--section.field VALUE` (sections: model, data, train; and `--tokenizer`,
 `--init_from`: a whole pretrained VLM to start from, with its own tokenizer and chat format).
 A run writes checkpoints (`step_NNNNNN/`: model, tokenizer, training state), `metrics.json`, `loss_curve.png`,
 `predictions.png` and `heldout_example.png` into `train.output_dir`.
 
-This file is the command line only; the library is in training/ (run.py: one run; loop.py: the loop and its state;
-setup.py: model and tokenizer) and data/ (sampler.py: the resumable batch sampler).
+This file is the command line only; the library is in training/ (run.py: one run; loop.py: the loop and its
+state; setup.py: model and tokenizer) and data/ (sampler.py: the resumable batch sampler).
 """
 
 from __future__ import annotations
@@ -36,27 +36,32 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
 
 
 def _parser(asked_help: bool) -> argparse.ArgumentParser:
-    """The command line; with -h, every setting listed after the options (only then: listing them loads and checks
-    configs/tiny.yaml)."""
+    """The command line; with -h, every setting listed after the options (only then: listing them loads and
+    checks configs/tiny.yaml)."""
     epilog = None
     if asked_help:
         settings = "\n".join(settings_help(load_run_config(DEFAULT_CONFIG, {})))
         epilog = f"settings (--section.field VALUE; values as configs/tiny.yaml sets them):\n{settings}"
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=epilog)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
     parser.add_argument("--config", help="YAML run config (default: configs/tiny.yaml)")
-    parser.add_argument("--resume", type=Path, help="a run directory or checkpoint to continue from; the run goes on "
+    parser.add_argument("--resume", type=Path,
+                        help="a run directory or checkpoint to continue from; the run goes on "
                         "in the checkpoint's run directory")
-    parser.add_argument("--check-data", action="store_true", help="read and encode every record as training would "
+    parser.add_argument("--check-data", action="store_true",
+                        help="read and encode every record as training would "
                         "and report what it would meet (bad records by cause, token lengths, what max_length "
                         "drops); train nothing; exit 1 where training would stop on the data")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Train (or resume) as the command line says; the exit code: 0 done or stopped by a signal after a checkpoint,
-    2 a clear error (bad config, data or checkpoint), 3 lost contact with the other ranks, 130 interrupted."""
-    parser = _parser(asked_help=any(arg in ("-h", "--help") for arg in (sys.argv[1:] if argv is None else argv)))
+    """Train (or resume) as the command line says; the exit code: 0 done or stopped by a signal after a
+    checkpoint, 2 a clear error (bad config, data or checkpoint), 3 lost contact with the other ranks, 130
+    interrupted."""
+    parser = _parser(
+        asked_help=any(arg in ("-h", "--help") for arg in (sys.argv[1:] if argv is None else argv))
+    )
     args, rest = parser.parse_known_args(argv)
     try:
         overrides = parse_overrides(rest)
@@ -64,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.check_data:
                 parser.error("--check-data checks the data before a run starts: leave --resume out")
             checkpoint = find_checkpoint(args.resume)
-            # The run goes on where its checkpoint lies, not where it was first written: a copied or moved run must
-            # not write into (and prune the checkpoints of) the original. --train.output_dir still wins.
+            # The run goes on where its checkpoint lies, not where it was first written: a copied or moved run
+            # must not write into (and prune the checkpoints of) the original. --train.output_dir still wins.
             config = RunConfig.from_json(checkpoint / RUN_CONFIG).replace(
                 {"train.output_dir": str(checkpoint.parent), **overrides})
             print(f"resuming from {checkpoint}", flush=True)
@@ -88,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         if not lost_contact(e):
             raise
         # another rank died or hung: torchrun reports which
-        print(f"error: lost contact with the other ranks ({type(e).__name__}: {one_line(e, 300)})", file=sys.stderr)
+        print(f"error: lost contact with the other ranks ({type(e).__name__}: {one_line(e, 300)})",
+              file=sys.stderr)
         return 3
     return 0
 

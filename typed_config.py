@@ -36,7 +36,8 @@ def check(condition: bool, message: str) -> None:
 
 
 def one_line(error: BaseException | str, limit: int = 500) -> str:
-    """An error's text on one line (whitespace runs collapsed), cut at `limit` characters, for one-line CLI errors."""
+    """An error's text on one line (whitespace runs collapsed), cut at `limit` characters, for one-line CLI
+    errors."""
     text = " ".join(str(error).split()) or (type(error).__name__ if isinstance(error, BaseException) else "")
     return text[:limit]
 
@@ -45,7 +46,8 @@ _TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
 
 
 def coerce(value: Any, annotation: Any, name: str) -> Any:
-    """Return `value` as the type `annotation` names, parsing strings (CLI overrides); raise ConfigError otherwise."""
+    """Return `value` as the type `annotation` names, parsing strings (CLI overrides); raise ConfigError
+    otherwise."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin in (Union, types.UnionType):
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
@@ -103,7 +105,8 @@ class Config:
         names = [f.name for f in dataclasses.fields(cls) if f.init]
         unknown = sorted(set(values) - set(names))
         if unknown:
-            raise ConfigError(f"unknown key {prefix}{unknown[0]}; valid keys: {', '.join(prefix + n for n in names)}")
+            raise ConfigError(f"unknown key {prefix}{unknown[0]}; valid keys: "
+                              f"{', '.join(prefix + n for n in names)}")
         return cls(**{k: coerce(v, hints[k], prefix + k) for k, v in values.items()})
 
     def check_at_least(self, section: str, minimum: float, names: tuple[str, ...]) -> None:
@@ -127,7 +130,8 @@ class Config:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     def replace(self: T, overrides: dict[str, Any]) -> T:
-        """Copy with dotted keys set (`{"language.num_layers": "4"}`); values may be strings; result is validated."""
+        """Copy with dotted keys set (`{"language.num_layers": "4"}`); values may be strings; result is
+        validated."""
         values = self.to_dict()
         for key, value in overrides.items():
             node, parts = values, key.split(".")
@@ -143,8 +147,8 @@ class Config:
 
 
 def settings_help(config: Config) -> list[str]:
-    """A line per setting of `config` and its nested configs: `--section.field TYPE (= value)  description`, the
-    description being the first sentence of the field's comment in its class (see `field_comments`)."""
+    """A line per setting of `config` and its nested configs: `--section.field TYPE (= value)  description`,
+    the description being the first sentence of the field's comment in its class (see `field_comments`)."""
     rows = list(_settings(config, ""))
     width = max(len(f"--{name} {kind}") for name, kind, _, _ in rows)
     return [f"  {f'--{name} {kind}':<{width}}  (= {value})  {text}" for name, kind, value, text in rows]
@@ -158,11 +162,17 @@ def _settings(config: Config, prefix: str):
             yield from _settings(value, f"{prefix}{field.name}.")
         else:
             shown = json.dumps(list(value) if isinstance(value, tuple) else value)
-            yield prefix + field.name, _type_name(hints[field.name]), shown, _first_sentence(comments.get(field.name))
+            yield (
+                prefix + field.name,
+                _type_name(hints[field.name]),
+                shown,
+                _first_sentence(comments.get(field.name)),
+            )
 
 
 def _first_sentence(text: str | None, limit: int = 110) -> str:
-    """Up to the first full stop that a capital follows (or the end), cut at a word within `limit` characters."""
+    """Up to the first full stop that a capital follows (or the end), cut at a word within `limit`
+    characters."""
     sentence = re.split(r"(?<=[\w)])\.(?:\s+(?=[A-Z])|$)", text or "", maxsplit=1)[0]
     return sentence if len(sentence) <= limit else sentence[: sentence.rfind(" ", 0, limit)] + " ..."
 
@@ -179,12 +189,15 @@ def _type_name(annotation: Any) -> str:
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """Each field's comment in the source of dataclass `cls`: the comment that ends its line, else the comment lines
-    just above it."""
+    """Each field's comment in the source of dataclass `cls`: the comment that ends its line, else the comment
+    lines just above it."""
     source = inspect.getsource(cls)
     indent = len(source) - len(source.lstrip()) + 4  # the class body's
-    comments = {token.start[0]: (token.start[1], token.string.lstrip("#").strip())
-                for token in tokenize.generate_tokens(io.StringIO(source).readline) if token.type == tokenize.COMMENT}
+    comments = {
+        token.start[0]: (token.start[1], token.string.lstrip("#").strip())
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type == tokenize.COMMENT
+    }
     names, found = {field.name for field in dataclasses.fields(cls)}, {}
     for number, line in enumerate(source.splitlines(), 1):
         match = re.match(rf" {{{indent}}}(\w+)\s*:", line)

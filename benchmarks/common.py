@@ -1,5 +1,5 @@
-"""What the benchmarks share: the machine's name, a timed loop with the device synchronised, and a result written as
-markdown (the table) + JSON (the numbers) under benchmarks/results."""
+"""What the benchmarks share: the machine's name, a timed loop with the device synchronised, and a result
+written as markdown (the table) + JSON (the numbers) under benchmarks/results."""
 
 from __future__ import annotations
 
@@ -45,9 +45,11 @@ def write_result(out: Path, stem: str, table: list[str], numbers: dict) -> Path:
     return path
 
 
-def run_training(arguments: Sequence[str], overrides: Sequence[str], out: Path, what: str) -> tuple[dict, str, float]:
-    """`python train.py ARGUMENTS --train.output_dir OUT` with each SECTION.FIELD=VALUE override: its metrics.json,
-    its stdout (the log) and its wall time in minutes. A failed run ends the benchmark with train.py's last line."""
+def run_training(arguments: Sequence[str], overrides: Sequence[str], out: Path,
+                 what: str) -> tuple[dict, str, float]:
+    """`python train.py ARGUMENTS --train.output_dir OUT` with each SECTION.FIELD=VALUE override: its
+    metrics.json, its stdout (the log) and its wall time in minutes. A failed run ends the benchmark with
+    train.py's last line."""
     command = [sys.executable, "train.py", *arguments, "--train.output_dir", str(out)]
     for override in overrides:
         key, _, value = override.partition("=")

@@ -1,13 +1,14 @@
 """Decode speed, side by side in one run, on the same random weights (SmolLM2-135M shape), greedy.
 
-    python benchmarks/decode.py                                  # CPU defaults: batch 1, 100-token prompt, 64 new
+    python benchmarks/decode.py       # CPU defaults: batch 1, 100-token prompt, 64 new tokens
     python benchmarks/decode.py --device cuda --batch-sizes 1 8 32 --new-tokens 256
 
-Methods: tinyvlm fast path (compiled, shape-static decode step), tinyvlm eager, tinyvlm without cache, transformers
-`generate` with its dynamic cache, transformers with a static cache + torch.compile. ms/step is the decode step,
-measured as (time(N new tokens) - time(1 new token)) / (N - 1), so the prefill cancels; tok/s = batch / step time.
-Also: time to first token for an image + 64-token prompt (nanovlm-222m shape), and cached vs uncached time against
-the number of new tokens. Writes benchmarks/results/decode-<device>-<dtype>.{md,json,png}.
+Methods: tinyvlm fast path (compiled, shape-static decode step), tinyvlm eager, tinyvlm without cache,
+transformers `generate` with its dynamic cache, transformers with a static cache + torch.compile. ms/step is
+the decode step, measured as (time(N new tokens) - time(1 new token)) / (N - 1), so the prefill cancels;
+tok/s = batch / step time.
+Also: time to first token for an image + 64-token prompt (nanovlm-222m shape), and cached vs uncached time
+against the number of new tokens. Writes benchmarks/results/decode-<device>-<dtype>.{md,json,png}.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import LanguageConfig, VisionConfig, VisionLanguageModel, VLMConfig  # noqa: E402
 
-METHODS = ("tinyvlm fast", "tinyvlm eager", "tinyvlm no cache", "transformers dynamic", "transformers static+compile")
-SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-               num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
-               tie_word_embeddings=True)
+METHODS = ("tinyvlm fast", "tinyvlm eager", "tinyvlm no cache", "transformers dynamic",
+           "transformers static+compile")
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+               rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
 
 
 def synchronize(device: torch.device) -> None:
@@ -38,15 +40,16 @@ def synchronize(device: torch.device) -> None:
 
 
 def build_models(device: torch.device, dtype: torch.dtype):
-    """transformers' Llama with random weights, and ours loaded from its saved checkpoint: the same weights."""
+    """transformers' Llama with random weights, and ours loaded from its saved checkpoint: the same
+    weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     reference = LlamaForCausalLM(LlamaConfig(**SMOLLM2, eos_token_id=None, bos_token_id=None)).eval()
     with tempfile.TemporaryDirectory() as directory:
         reference.save_pretrained(directory)
-        config = VLMConfig(vision=VisionConfig(image_size=32, patch_size=16, hidden_size=32, intermediate_size=64,
-                                               num_layers=1, num_heads=2),
+        config = VLMConfig(vision=VisionConfig(image_size=32, patch_size=16, hidden_size=32,
+                                               intermediate_size=64, num_layers=1, num_heads=2),
                            language=LanguageConfig(pretrained=directory))
         ours = VisionLanguageModel.from_backbones(config).eval()
     return reference.to(device, dtype), ours.to(device, dtype)
@@ -64,9 +67,12 @@ def make_runner(method: str, reference, ours):
     if method == "transformers static+compile":
         cuda = ids_device(reference).type == "cuda"
         compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead" if cuda else "default")
-        compile_config._compile_all_devices = not cuda  # transformers compiles on CPU only when told (a class field)
+        # transformers compiles on CPU only when told (a class field)
+        compile_config._compile_all_devices = not cuda
         settings.update(cache_implementation="static", compile_config=compile_config)
-    return lambda ids, n: reference.generate(ids, max_new_tokens=n, min_new_tokens=n, **settings)[:, ids.shape[1]:]
+    return lambda ids, n: reference.generate(ids, max_new_tokens=n, min_new_tokens=n, **settings)[
+        :, ids.shape[1] :
+    ]
 
 
 def ids_device(model) -> torch.device:
@@ -93,27 +99,31 @@ def decode_table(reference, ours, args, device) -> list[dict]:
         baseline_tokens = None
         for method in args.methods:
             run = make_runner(method, reference, ours)
-            # Warm up allocations; compiled methods compile per cache size, so they warm up at the timed length.
+            # Warm up allocations; compiled methods compile per cache size, so they warm up at the timed
+            # length.
             run(ids, args.new_tokens if "fast" in method or "compile" in method else args.warmup_tokens)
             full, tokens = timed(run, ids, args.new_tokens, args.repeats, device)
             first, _ = timed(run, ids, 1, args.repeats, device)
             step_ms = 1000 * (full - first) / (args.new_tokens - 1)
             baseline_tokens = tokens if baseline_tokens is None else baseline_tokens
             same = float((tokens == baseline_tokens).float().mean())
-            rows.append(dict(batch=batch, method=method, ms_per_step=step_ms, tokens_per_s=1000 * batch / step_ms,
-                             total_s=full, same_tokens_as_first_method=same))
-            print(f"batch {batch:>3}  {method:<28} {step_ms:9.2f} ms/step {1000 * batch / step_ms:10.1f} tok/s  "
-                  f"same tokens: {same:.3f}", flush=True)
+            rows.append(dict(batch=batch, method=method, ms_per_step=step_ms,
+                             tokens_per_s=1000 * batch / step_ms, total_s=full,
+                             same_tokens_as_first_method=same))
+            print(f"batch {batch:>3}  {method:<28} {step_ms:9.2f} ms/step {1000 * batch / step_ms:10.1f} "
+                  f"tok/s  same tokens: {same:.3f}", flush=True)
     for row in rows:
-        base = next((r for r in rows if r["batch"] == row["batch"] and r["method"] == "transformers dynamic"), None)
+        base = next((r for r in rows if r["batch"] == row["batch"] and r["method"] == "transformers dynamic"),
+                    None)
         row["speedup_vs_transformers_dynamic"] = base["ms_per_step"] / row["ms_per_step"] if base else None
     return rows
 
 
 @torch.inference_mode()
 def bandwidth_floor_ms(model, device: torch.device, repeats: int = 5) -> tuple[float, float]:
-    """(GB/s this device reads at, ms to read `model`'s weights once at that rate): the floor for one batch-1 decode
-    step, which must read every weight. The rate is the best of a few full reads of a buffer of the weights' size."""
+    """(GB/s this device reads at, ms to read `model`'s weights once at that rate): the floor for one batch-1
+    decode step, which must read every weight. The rate is the best of a few full reads of a buffer of the
+    weights' size."""
     weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     buffer = torch.ones(weight_bytes // 4, dtype=torch.float32, device=device)
     best = float("inf")
@@ -128,7 +138,8 @@ def bandwidth_floor_ms(model, device: torch.device, repeats: int = 5) -> tuple[f
 
 @torch.inference_mode()
 def time_to_first_token(device: torch.device, dtype: torch.dtype, repeats: int) -> float:
-    """Image (SigLIP-B/16-224) + 64-token prompt through the nanovlm-222m shape, to the first sampled token."""
+    """Image (SigLIP-B/16-224) + 64-token prompt through the nanovlm-222m shape, to the first sampled
+    token."""
     config = VLMConfig(vision=VisionConfig(), language=LanguageConfig(vocab_size=49216), image_token_id=49152)
     model = VisionLanguageModel(config).eval().to(device, dtype)
     ids = torch.randint(100, 49000, (1, 64 + config.tokens_per_image))
@@ -142,7 +153,8 @@ def time_to_first_token(device: torch.device, dtype: torch.dtype, repeats: int) 
 @torch.inference_mode()
 def cache_curve(ours, args, device) -> list[dict]:
     """Cached vs uncached generation time against the number of new tokens (batch 1)."""
-    ids = torch.randint(100, 49000, (1, args.prompt_len), generator=torch.Generator().manual_seed(0)).to(device)
+    ids = torch.randint(100, 49000, (1, args.prompt_len),
+                        generator=torch.Generator().manual_seed(0)).to(device)
     points = []
     for n in args.curve_tokens:
         cached, _ = timed(make_runner("tinyvlm eager", None, ours), ids, n, 1, device)
@@ -156,14 +168,15 @@ def cache_curve(ours, args, device) -> list[dict]:
 def write_results(rows, ttft_ms, curve, floor, args, device, out: Path) -> None:
     hardware = (torch.cuda.get_device_name(device) if device.type == "cuda"
                 else f"{platform.processor() or 'CPU'}, {torch.get_num_threads()} threads")
-    title = (f"Decode, SmolLM2-135M shape, random weights, {args.dtype}, greedy, {args.prompt_len}-token prompt, "
-             f"{args.new_tokens} new tokens; {hardware}; torch {torch.__version__}")
-    lines = [f"**{title}**", "", "| batch | method | ms/step | tok/s | x transformers dynamic | same tokens |",
+    title = (f"Decode, SmolLM2-135M shape, random weights, {args.dtype}, greedy, {args.prompt_len}-token "
+             f"prompt, {args.new_tokens} new tokens; {hardware}; torch {torch.__version__}")
+    lines = [f"**{title}**", "",
+             "| batch | method | ms/step | tok/s | x transformers dynamic | same tokens |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['speedup_vs_transformers_dynamic']:.2f}" if r["speedup_vs_transformers_dynamic"] else "–"
-        lines.append(f"| {r['batch']} | {r['method']} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:.1f} | {ratio} | "
-                     f"{r['same_tokens_as_first_method']:.3f} |")
+        lines.append(f"| {r['batch']} | {r['method']} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:.1f} | "
+                     f"{ratio} | {r['same_tokens_as_first_method']:.3f} |")
     gb_per_s, floor_ms = floor
     lines += ["", f"Bandwidth floor, batch 1 (reading every weight once per step at the {gb_per_s:.1f} GB/s "
                   f"this device reads a buffer of the same size): {floor_ms:.2f} ms/step"]
@@ -177,9 +190,19 @@ def write_results(rows, ttft_ms, curve, floor, args, device, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"decode-{device.type}-{args.dtype}"
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    stem.with_suffix(".json").write_text(json.dumps(dict(title=title, rows=rows, ttft_ms=ttft_ms, curve=curve,
-                                                         bandwidth_gb_per_s=gb_per_s, floor_ms_per_step=floor_ms),
-                                                    indent=2))
+    stem.with_suffix(".json").write_text(
+        json.dumps(
+            dict(
+                title=title,
+                rows=rows,
+                ttft_ms=ttft_ms,
+                curve=curve,
+                bandwidth_gb_per_s=gb_per_s,
+                floor_ms_per_step=floor_ms,
+            ),
+            indent=2,
+        )
+    )
     plot(rows, curve, stem.with_suffix(".png"), title)
     print("\n".join(lines))
 
@@ -194,7 +217,8 @@ def plot(rows, curve, path: Path, title: str) -> None:
     for method in dict.fromkeys(r["method"] for r in rows):
         points = [(r["batch"], r["tokens_per_s"]) for r in rows if r["method"] == method]
         left.plot(*zip(*points), "o-", label=method)
-    left.set(xlabel="batch size", ylabel="new tokens / s", xscale="log", yscale="log", title="decode throughput")
+    left.set(xlabel="batch size", ylabel="new tokens / s", xscale="log", yscale="log",
+             title="decode throughput")
     left.legend(fontsize=8)
     if curve:
         right.plot([p["new_tokens"] for p in curve], [p["cached_s"] for p in curve], "o-", label="KV cache")
@@ -209,7 +233,8 @@ def plot(rows, curve, path: Path, title: str) -> None:
 
 def main() -> None:
     cuda = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
     parser.add_argument("--dtype", default="bfloat16" if cuda else "float32",
                         choices=["float32", "bfloat16", "float16"])
@@ -219,7 +244,8 @@ def main() -> None:
     parser.add_argument("--warmup-tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3 if cuda else 1)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--curve-tokens", type=int, nargs="*", default=[16, 64, 256, 1000] if cuda else [8, 16, 32, 64])
+    parser.add_argument("--curve-tokens", type=int, nargs="*",
+                        default=[16, 64, 256, 1000] if cuda else [8, 16, 32, 64])
     parser.add_argument("--no-ttft", action="store_true", help="skip the time-to-first-token measurement")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()

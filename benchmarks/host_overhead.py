@@ -1,16 +1,18 @@
-"""What the serving engine's host costs per decode step, apart from the model: a micro model whose forward costs little,
-N running sequences (16-256) all decoding, each step split into schedule / prepare (pack and send the inputs) /
-forward (the model) / sample (one batched call and the copy back: device work, which a CPU does itself) /
-bookkeeping (append, stop checks, prefix registration, outputs); least-squares lines over N give the fixed cost and the
-cost per sequence of the host's own work (schedule + prepare + bookkeeping) and of everything outside the forward.
+"""What the serving engine's host costs per decode step, apart from the model: a micro model whose forward
+costs little, N running sequences (16-256) all decoding, each step split into schedule / prepare (pack and
+send the inputs) / forward (the model) / sample (one batched call and the copy back: device work, which a CPU
+does itself) / bookkeeping (append, stop checks, prefix registration, outputs); least-squares lines over N
+give the fixed cost and the cost per sequence of the host's own work (schedule + prepare + bookkeeping) and of
+everything outside the forward.
 
     python benchmarks/host_overhead.py                      # greedy and sampled requests, 1 thread
     python benchmarks/host_overhead.py --running 16 64 256 --steps 50
-    python benchmarks/host_overhead.py --device cuda --model smollm2-135m   # the real shape on a GPU (bf16, graphs)
-    python benchmarks/host_overhead.py --device cuda --model smollm2-135m --running 16 256 --profile  # + device kernels
+    # the real shape on a GPU (bf16, CUDA graphs); --profile adds the device's kernels
+    python benchmarks/host_overhead.py --device cuda --model smollm2-135m
+    python benchmarks/host_overhead.py --device cuda --model smollm2-135m --running 16 256 --profile
 
-On a GPU, forward is the launch of the step's CUDA graph and sample includes the wait for the device: host work next to
-a step's whole time shows whether the step is host-bound.
+On a GPU, forward is the launch of the step's CUDA graph and sample includes the wait for the device: host
+work next to a step's whole time shows whether the step is host-bound.
 
 Target (issue 41): <= 10 us per sequence and <= 1 ms fixed, outside the forward. Writes
 benchmarks/results/host_overhead-<device>.{md,json}.
@@ -42,7 +44,8 @@ PROMPT = 100
 MAX_TOKENS = 1000
 BLOCK_SIZE = 16
 SETTINGS = {"greedy": RequestParams(greedy=True, max_tokens=MAX_TOKENS, ignore_eos=True),
-            "sampled": RequestParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=MAX_TOKENS, ignore_eos=True)}
+            "sampled": RequestParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=MAX_TOKENS,
+                                     ignore_eos=True)}
 PHASES = ("schedule", "prepare", "forward", "sample", "bookkeeping")
 HOST = ("schedule", "prepare", "bookkeeping")
 
@@ -52,8 +55,8 @@ def micro_model() -> VisionLanguageModel:
     config = VLMConfig(
         vision=VisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_layers=1,
                             num_heads=4),
-        language=LanguageConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
-                                num_kv_heads=1, max_position_embeddings=2048, eos_token_id=2),
+        language=LanguageConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1,
+                                num_heads=2, num_kv_heads=1, max_position_embeddings=2048, eos_token_id=2),
         image_token_id=127)
     return VisionLanguageModel(config).eval()
 
@@ -73,10 +76,10 @@ def timed(owner, name: str, totals: dict, key: str) -> None:
 
 def measure(model, running: int, params: RequestParams, steps: int, kernels: list[str] | None = None
             ) -> dict[str, float]:
-    """Median over `steps` decode steps of each phase's time (ms), with `running` sequences decoding; the device's
-    kernels appended to `kernels`, if given."""
-    engine = Engine(model, num_blocks=running * ((PROMPT + MAX_TOKENS) // BLOCK_SIZE + 2) + 1, block_size=BLOCK_SIZE,
-                    max_num_seqs=running, max_batch_tokens=max(2048, running))
+    """Median over `steps` decode steps of each phase's time (ms), with `running` sequences decoding; the
+    device's kernels appended to `kernels`, if given."""
+    engine = Engine(model, num_blocks=running * ((PROMPT + MAX_TOKENS) // BLOCK_SIZE + 2) + 1,
+                    block_size=BLOCK_SIZE, max_num_seqs=running, max_batch_tokens=max(2048, running))
     for i in range(running):
         engine.add_request(Request([3 + (i * 7 + t) % 120 for t in range(PROMPT)], None, params))
     while engine.scheduler.waiting or not all(s.decoding for g in engine.scheduler.running for s in g.live):
@@ -95,7 +98,8 @@ def measure(model, running: int, params: RequestParams, steps: int, kernels: lis
         phases = {"schedule": totals["schedule"], "prepare": totals["prepare"],
                   "forward": totals["forward + prepare"] - totals["prepare"], "sample": totals["sample"]}
         phases["bookkeeping"] = step - sum(phases.values())
-        extra = {"step": step, "host": sum(phases[p] for p in HOST), "outside forward": step - phases["forward"]}
+        extra = {"step": step, "host": sum(phases[p] for p in HOST),
+                 "outside forward": step - phases["forward"]}
         for key, value in [*phases.items(), *extra.items()]:
             samples[key].append(1000 * value)
     if kernels is not None:
@@ -104,8 +108,8 @@ def measure(model, running: int, params: RequestParams, steps: int, kernels: lis
 
 
 def profile(engine: Engine, steps: int = 5) -> list[str]:
-    """The device kernels of `steps` decode steps (torch.profiler): per step, each kernel's launches and time, and the
-    totals."""
+    """The device kernels of `steps` decode steps (torch.profiler): per step, each kernel's launches and time,
+    and the totals."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
@@ -131,13 +135,15 @@ def fit(xs: list[int], ys: list[float]) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--running", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model", choices=["micro", "smollm2-135m"], default="micro")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--profile", action="store_true", help="list the device kernels of greedy decode steps")
+    parser.add_argument("--profile", action="store_true",
+                        help="list the device kernels of greedy decode steps")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -149,7 +155,8 @@ def main() -> None:
         shape = "SmolLM2-135M's shape"
     hardware = (torch.cuda.get_device_name(device) if device.type == "cuda"
                 else f"{platform.processor() or 'CPU'}, {args.threads} thread(s)")
-    title = (f"Engine decode step on {shape}, medians of {args.steps} steps; {hardware}; torch {torch.__version__}")
+    title = (f"Engine decode step on {shape}, medians of {args.steps} steps; {hardware}; torch "
+             f"{torch.__version__}")
     lines = [f"**{title}**", "", "| requests | running | step ms | " + " | ".join(f"{p} ms" for p in PHASES)
              + " | host us / sequence |", "|---" * (len(PHASES) + 4) + "|"]
     results, kernels = {}, []
@@ -158,13 +165,18 @@ def main() -> None:
         rows = [measure(model, running, params, args.steps, watch) for running in args.running]
         results[name] = dict(zip(map(str, args.running), rows))
         for running, row in zip(args.running, rows):
-            lines.append(f"| {name} | {running} | {row['step']:.2f} | "
-                         + " | ".join(f"{row[p]:.3f}" for p in PHASES) + f" | {1000 * row['host'] / running:.1f} |")
+            lines.append(
+                f"| {name} | {running} | {row['step']:.2f} | "
+                + " | ".join(f"{row[p]:.3f}" for p in PHASES)
+                + f" | {1000 * row['host'] / running:.1f} |"
+            )
         for part in ("host", "outside forward"):
             fixed, slope = fit(args.running, [row[part] for row in rows])
             results[name][f"{part} fit"] = {"fixed_ms": fixed, "per_sequence_us": 1000 * slope}
-            lines.append(f"| {name} | {part} ({' + '.join(HOST) if part == 'host' else 'with sample'}): | "
-                         f"**{fixed:.3f} ms + {1000 * slope:.2f} us a sequence** |" + " |" * (len(PHASES) + 1))
+            lines.append(
+                f"| {name} | {part} ({' + '.join(HOST) if part == 'host' else 'with sample'}): | "
+                f"**{fixed:.3f} ms + {1000 * slope:.2f} us a sequence** |" + " |" * (len(PHASES) + 1)
+            )
     args.out.mkdir(parents=True, exist_ok=True)
     lines += kernels
     stem = args.out / f"host_overhead-{device.type}"

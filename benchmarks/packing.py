@@ -3,10 +3,12 @@
     python benchmarks/packing.py                               # tiny default (shapes data) on CPU
     python benchmarks/packing.py --batches 40 --rounds 5 --threads 1
 
-The same records are collated twice: one record per row (padded to the batch's longest), or packed several to a row
-(`train.packing`, first-fit decreasing). Both run `training.loop.train_step` (forward, backward, AdamW) from the same
-weights; the two modes alternate in rounds and each reports its median round, so drift in machine speed hits both.
-Random weights: the shapes of the batches are what matter. Writes benchmarks/results/packing-<device>.{md,json}.
+The same records are collated twice: one record per row (padded to the batch's longest), or packed several to
+a row (`train.packing`, first-fit decreasing). Both run `training.loop.train_step` (forward, backward, AdamW)
+from the same weights; the two modes alternate in rounds and each reports its median round, so drift in
+machine speed hits both.
+Random weights: the shapes of the batches are what matter. Writes
+benchmarks/results/packing-<device>.{md,json}.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ MODES = {"one record per row": False, "packed": True}
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/tiny.yaml",
                         help="a YAML run config (its data, model and batch size)")
     parser.add_argument("--batches", type=int, default=30, help="distinct batches each round steps through")
@@ -65,7 +68,8 @@ def build_runs(config: RunConfig, num_batches: int, device: torch.device) -> dic
                                image_position=model.config.image_position, pack=pack)
         copied = copy.deepcopy(model)
         optimizer = build_optimizer(copied, train_config, device)
-        trainer = Trainer(config, copied, copied, optimizer, build_scheduler(optimizer, train_config), device, autocast)
+        trainer = Trainer(config, copied, copied, optimizer, build_scheduler(optimizer, train_config), device,
+                          autocast)
         runs[mode] = {"batches": [collator(group) for group in batch_records], "trainer": trainer, "ms": []}
     return runs
 
@@ -80,8 +84,8 @@ def summary(runs: dict[str, dict]) -> list[dict]:
         ms = statistics.median(run["ms"])
         baseline = baseline or ms
         rows.append(dict(mode=mode, rows=statistics.mean(b["input_ids"].shape[0] for b in batches),
-                         length=statistics.mean(b["input_ids"].shape[1] for b in batches), positions=positions,
-                         real_tokens=real, padding=1 - real / positions, ms_per_step=ms,
+                         length=statistics.mean(b["input_ids"].shape[1] for b in batches),
+                         positions=positions, real_tokens=real, padding=1 - real / positions, ms_per_step=ms,
                          real_tokens_per_s=1000 * real / ms, speedup=baseline / ms))
     return rows
 
@@ -97,7 +101,8 @@ def main() -> None:
 
     def one_pass(run: dict) -> float:
         batches = iter(run["batches"])
-        return seconds_per_call(lambda: train_step(run["trainer"], [next(batches)]), len(run["batches"]), device)
+        return seconds_per_call(lambda: train_step(run["trainer"], [next(batches)]), len(run["batches"]),
+                                device)
 
     for run in runs.values():  # warm-up
         one_pass(run)
@@ -105,10 +110,10 @@ def main() -> None:
         for run in runs.values():
             run["ms"].append(1000 * one_pass(run))
     rows, machine = summary(runs), hardware(device)
-    table = [f"{args.config}: {config.train.batch_size} records a step, {args.batches} batches x {args.rounds} "
-             f"rounds, {machine}", "",
-             "| mode | rows x length (mean) | positions | real tokens | padding | ms/step (median) | real tokens/s "
-             "| speed-up |",
+    table = [f"{args.config}: {config.train.batch_size} records a step, {args.batches} batches x "
+             f"{args.rounds} rounds, {machine}", "",
+             "| mode | rows x length (mean) | positions | real tokens | padding | ms/step (median) | real "
+             "tokens/s | speed-up |",
              "|---|---|---|---|---|---|---|---|"]
     table += [f"| {r['mode']} | {r['rows']:.1f} x {r['length']:.1f} | {r['positions']:,.0f} | "
               f"{r['real_tokens']:,.0f} | {100 * r['padding']:.0f}% | {r['ms_per_step']:.1f} | "

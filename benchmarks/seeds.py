@@ -5,10 +5,10 @@ table the README shows for the tiny default. What a newcomer sees is one draw fr
     python benchmarks/seeds.py --seeds 0 1 2 --threads 1 2          # 6 runs
     python benchmarks/seeds.py --set train.max_steps=100 --seeds 0  # a quick look at the script itself
 
-Each run is `python train.py --config CONFIG --train.seed S --train.num_threads T --train.output_dir OUT/sS-tT`, one
-after another (runs side by side would slow each other); its metrics.json gives the row. The table has one row per
-run, then min / median / max of each column, with the machine, torch version and minutes per run. Writes
-benchmarks/results/seeds-<config>.{md,json}.
+Each run is `python train.py --config CONFIG --train.seed S --train.num_threads T --train.output_dir
+OUT/sS-tT`, one after another (runs side by side would slow each other); its metrics.json gives the row. The
+table has one row per run, then min / median / max of each column, with the machine, torch version and minutes
+per run. Writes benchmarks/results/seeds-<config>.{md,json}.
 """
 
 from __future__ import annotations
@@ -28,8 +28,12 @@ from benchmarks.common import run_training  # noqa: E402
 
 def train(config: Path, seed: int, threads: int, out: Path, overrides: list[str]) -> dict:
     """One training run; its metrics.json plus the wall time in minutes."""
-    metrics, _, minutes = run_training(["--config", str(config), "--train.seed", str(seed), "--train.num_threads",
-                                        str(threads)], overrides, out, f"seed {seed}, {threads} threads")
+    metrics, _, minutes = run_training(
+        ["--config", str(config), "--train.seed", str(seed), "--train.num_threads", str(threads)],
+        overrides,
+        out,
+        f"seed {seed}, {threads} threads",
+    )
     return {"seed": seed, "threads": threads, "minutes": minutes, **metrics}
 
 
@@ -44,19 +48,25 @@ def cpu_name() -> str:
 
 
 def table(rows: list[dict], title: str) -> str:
-    columns = ["accuracy", *sorted(k for k in rows[0] if k.startswith("accuracy/")), "validation_loss", "minutes"]
+    columns = ["accuracy", *sorted(k for k in rows[0] if k.startswith("accuracy/")), "validation_loss",
+               "minutes"]
     columns = [c for c in columns if all(c in r for r in rows)]
     names = [c.removeprefix("accuracy/") for c in columns]
     lines = [f"**{title}**", "", "| run | " + " | ".join(names) + " |", "|---" * (len(columns) + 1) + "|"]
     for r in rows:
-        lines.append(f"| seed {r['seed']}, {r['threads']} thr | " + " | ".join(f"{r[c]:.3f}" for c in columns) + " |")
+        lines.append(
+            f"| seed {r['seed']}, {r['threads']} thr | " + " | ".join(f"{r[c]:.3f}" for c in columns) + " |"
+        )
     for name, statistic in (("min", min), ("median", statistics.median), ("max", max)):
-        lines.append(f"| **{name}** | " + " | ".join(f"{statistic(r[c] for r in rows):.3f}" for c in columns) + " |")
+        lines.append(
+            f"| **{name}** | " + " | ".join(f"{statistic(r[c] for r in rows):.3f}" for c in columns) + " |"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=Path("configs/tiny.yaml"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--threads", type=int, nargs="+", default=[2])
@@ -77,12 +87,16 @@ def main() -> None:
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         rows = list(pool.map(run, *zip(*[(t, s) for t in args.threads for s in args.seeds])))
     device = dict(o.partition("=")[::2] for o in args.set).get("train.device", "cpu")
-    machine = torch.cuda.get_device_name() if device.startswith("cuda") else f"{cpu_name()}, {os.cpu_count()} cores"
+    machine = (
+        torch.cuda.get_device_name() if device.startswith("cuda") else f"{cpu_name()}, {os.cpu_count()} cores"
+    )
     title = (f"{' '.join([str(args.config), *args.set])}: held-out exact match per seed; {machine}, "
              f"torch {torch.__version__}" + (f", {args.jobs} runs at once" if args.jobs > 1 else ""))
     text = table(rows, title)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / (f"seeds-{args.config.stem}" + ("" if device == "cpu" else f"-{device.replace(':', '')}"))
+    stem = args.out / (
+        f"seeds-{args.config.stem}" + ("" if device == "cpu" else f"-{device.replace(':', '')}")
+    )
     stem.with_suffix(".md").write_text(text + "\n")
     stem.with_suffix(".json").write_text(json.dumps({"title": title, "rows": rows}, indent=2) + "\n")
     print(text)

@@ -1,26 +1,32 @@
-"""Serving throughput, side by side in one run on the same random weights (SmolLM2-135M shape), greedy, EOS ignored.
+"""Serving throughput, side by side in one run on the same random weights (SmolLM2-135M shape), greedy, EOS
+ignored.
 
-    python benchmarks/serving.py                                   # CPU: 64 requests, prompts and outputs 16-256
+    python benchmarks/serving.py                          # CPU: 64 requests, prompts and outputs 16-256
     python benchmarks/serving.py --workloads 16 --max-len 64 --methods engine static      # a quick look
-    python benchmarks/serving.py --device cuda --workloads 256 1024 nanovllm --max-num-seqs 256 --compile-static
+    python benchmarks/serving.py --device cuda --workloads 256 1024 nanovllm --max-num-seqs 256 \\
+        --compile-static
 
-Workloads (all requests arrive at once): a number N is N requests with prompt and output lengths drawn uniformly in
-[min-len, max-len], a share of them opening with one 64-token prefix (a shared system prompt, which the engine's prefix
-cache can reuse); "nanovllm" is nano-vllm's benchmark (256 requests, prompt and output lengths 100-1,024, no shared
+Workloads (all requests arrive at once): a number N is N requests with prompt and output lengths drawn
+uniformly in [min-len, max-len], a share of them opening with one 64-token prefix (a shared system prompt,
+which the engine's prefix cache can reuse); "nanovllm" is nano-vllm's benchmark (256 requests, prompt and
+output lengths 100-1,024, no shared
 prefix). Methods:
-- engine: tinyvlm's serving engine (continuous batching, paged KV cache, prefix caching; on a GPU the Triton paged
-  attention kernel and a CUDA graph per batch bucket, captured when the engine starts, before the clock);
+- engine: tinyvlm's serving engine (continuous batching, paged KV cache, prefix caching; on a GPU the Triton
+  paged attention kernel and a CUDA graph per batch bucket, captured when the engine starts, before the
+  clock);
 - engine-eager: the same without CUDA graphs (GPU only);
 - static: tinyvlm's `generate` on left-padded batches of up to max-num-seqs requests, one after the other (the
-  longest output sets a batch's steps); --compile-static uses the compiled, CUDA-graph decode step (compiled first);
+  longest output sets a batch's steps); --compile-static uses the compiled, CUDA-graph decode step (compiled
+  first);
 - hf-one: transformers `generate`, one request at a time (on the first --hf-one-requests requests, if given);
 - hf-batch: transformers `generate` on left-padded batches of up to max-num-seqs requests;
-- hf-cb: transformers' continuous batching `generate_batch` (one max_new_tokens for all, so it generates the longest
-  output for every request: only each request's own tokens are counted), on the first --hf-cb-requests requests.
-Throughput counts each request's own output tokens over the requests the method served. TTFT and inter-token latency
-come from per-token timestamps (engine and static). KV waste is 1 - tokens held / slots reserved, averaged over the
-run's steps (engine) or at the end of each batch (static: every row reserves prompt + longest output). Writes
-benchmarks/results/serving-<device>.{md,json,png}.
+- hf-cb: transformers' continuous batching `generate_batch` (one max_new_tokens for all, so it generates the
+  longest output for every request: only each request's own tokens are counted), on the first --hf-cb-requests
+  requests.
+Throughput counts each request's own output tokens over the requests the method served. TTFT and inter-token
+latency come from per-token timestamps (engine and static). KV waste is 1 - tokens held / slots reserved,
+averaged over the run's steps (engine) or at the end of each batch (static: every row reserves
+prompt + longest output). Writes benchmarks/results/serving-<device>.{md,json,png}.
 """
 
 from __future__ import annotations
@@ -70,8 +76,8 @@ def workload(name: str, args) -> list[tuple[list[int], int]]:
 def describe(name: str, args) -> str:
     if name == "nanovllm":
         return "nano-vllm's workload: 256 requests, prompts and outputs 100-1,024 tokens"
-    return (f"{name} requests, prompts and outputs {args.min_len}-{args.max_len} tokens, {int(100 * args.shared)}% "
-            f"with a shared {PREFIX}-token prefix")
+    return (f"{name} requests, prompts and outputs {args.min_len}-{args.max_len} tokens, "
+            f"{int(100 * args.shared)}% with a shared {PREFIX}-token prefix")
 
 
 def percentiles(values: list[float]) -> tuple[float, float]:
@@ -87,10 +93,13 @@ def greedy(n: int) -> RequestParams:
 
 def run_engine(model, requests, args, device, cuda_graphs: bool | None = None) -> dict:
     context = model.config.language.max_position_embeddings
-    engine = Engine(model, num_blocks=args.kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                    max_batch_tokens=args.max_batch_tokens, cuda_graphs=cuda_graphs)
-    rng = random.Random(1)  # warm-up on other prompts (kernels compiled, nothing shared with the workload's prefix)
-    engine.generate([Request([rng.randrange(100, 49000) for _ in range(min(300, context - 20))], None, greedy(8))
+    engine = Engine(model, num_blocks=args.kv_blocks, block_size=args.block_size,
+                    max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
+                    cuda_graphs=cuda_graphs)
+    # warm-up on other prompts (kernels compiled, nothing shared with the workload's prefix)
+    rng = random.Random(1)
+    engine.generate([Request([rng.randrange(100, 49000) for _ in range(min(300, context - 20))], None,
+                             greedy(8))
                      for _ in range(4)])
     for i, (prompt, out_len) in enumerate(requests):
         engine.add_request(Request(prompt, None, greedy(out_len), request_id=str(i)))
@@ -145,7 +154,8 @@ def run_static(model, requests, args, device) -> dict:
     reserved = 0
     for (ids, mask, longest), group in zip(groups, batches(requests, args.max_num_seqs)):
         stamps, rows = [], []
-        for token in model.stream(ids, None, mask, max_new_tokens=longest, greedy=True, compile=args.compile_static):
+        for token in model.stream(ids, None, mask, max_new_tokens=longest, greedy=True,
+                                  compile=args.compile_static):
             rows.append(token)
             synchronize(device)
             stamps.append(time.perf_counter() - start)
@@ -191,7 +201,9 @@ def run_hf_cb(reference, requests, args, device) -> dict:
     outputs = reference.generate_batch([p for p, _ in requests], generation_config=config)
     synchronize(device)
     wall = time.perf_counter() - start
-    ordered = [outputs[key].generated_tokens for key in sorted(outputs, key=lambda k: int(k.rsplit("_", 1)[-1]))]
+    ordered = [
+        outputs[key].generated_tokens for key in sorted(outputs, key=lambda k: int(k.rsplit("_", 1)[-1]))
+    ]
     return dict(wall=wall, served=len(requests), tokens=[list(t)[:n] for t, (_, n) in zip(ordered, requests)])
 
 
@@ -205,7 +217,9 @@ def summarize(method: str, result: dict, requests, baseline_tokens) -> dict:
     row = dict(method=method, requests=len(served), wall_s=result["wall"],
                output_tokens_per_s=output_tokens / result["wall"])
     if "times" in result:
-        row["ttft_p50_ms"], row["ttft_p99_ms"] = (1000 * v for v in percentiles([t[0] for t in result["times"] if t]))
+        row["ttft_p50_ms"], row["ttft_p99_ms"] = (
+            1000 * v for v in percentiles([t[0] for t in result["times"] if t])
+        )
         gaps = [b - a for t in result["times"] for a, b in zip(t, t[1:])]
         row["itl_p50_ms"], row["itl_p99_ms"] = (1000 * v for v in percentiles(gaps))
     for key in ("kv_waste", "preemptions", "prefix_hit_rate"):
@@ -219,7 +233,8 @@ def summarize(method: str, result: dict, requests, baseline_tokens) -> dict:
 
 def table(rows: list[dict], title: str) -> list[str]:
     base = {m: next((r for r in rows if r["method"] == m), None) for m in ("hf-one", "static", "hf-cb")}
-    lines = [f"**{title}**", "", "| method | requests | out tok/s | x hf-one | x static | x hf-cb | TTFT p50/p99 ms | "
+    lines = [f"**{title}**", "",
+             "| method | requests | out tok/s | x hf-one | x static | x hf-cb | TTFT p50/p99 ms | "
              "ITL p50/p99 ms | KV waste | prefix hits | same tokens as engine |", "|---" * 11 + "|"]
 
     def ratio(row, name):
@@ -234,9 +249,9 @@ def table(rows: list[dict], title: str) -> list[str]:
         waste = f"{100 * r['kv_waste']:.1f}%" if "kv_waste" in r else "–"
         hits = f"{100 * r['prefix_hit_rate']:.0f}%" if "prefix_hit_rate" in r else "–"
         same = f"{r['same_tokens_as_engine']:.2f}" if "same_tokens_as_engine" in r else "–"
-        lines.append(f"| {r['method']} | {r['requests']} | {r['output_tokens_per_s']:,.1f} | {ratio(r, 'hf-one')} | "
-                     f"{ratio(r, 'static')} | {ratio(r, 'hf-cb')} | {pair(r, 'ttft')} | {pair(r, 'itl', '{:.1f}')} | "
-                     f"{waste} | {hits} | {same} |")
+        lines.append(f"| {r['method']} | {r['requests']} | {r['output_tokens_per_s']:,.1f} | "
+                     f"{ratio(r, 'hf-one')} | {ratio(r, 'static')} | {ratio(r, 'hf-cb')} | {pair(r, 'ttft')} "
+                     f"| {pair(r, 'itl', '{:.1f}')} | {waste} | {hits} | {same} |")
     return lines
 
 
@@ -249,8 +264,9 @@ def write(results: dict[str, list[dict]], failures: list[str], args, device, tit
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"serving-{device.type}"
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    stem.with_suffix(".json").write_text(json.dumps(dict(title=title, args=vars(args) | {"out": str(args.out)},
-                                                         results=results), indent=2))
+    stem.with_suffix(".json").write_text(
+        json.dumps(dict(title=title, args=vars(args) | {"out": str(args.out)}, results=results), indent=2)
+    )
     plot(results, stem.with_suffix(".png"), title)
 
 def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
@@ -272,23 +288,28 @@ def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
 
 def parse_args() -> argparse.Namespace:
     cuda = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
     parser.add_argument("--dtype", default="bfloat16" if cuda else "float32", choices=["float32", "bfloat16"])
     parser.add_argument("--workloads", nargs="+", default=["64"], help="numbers of requests, or nanovllm")
     parser.add_argument("--min-len", type=int, default=16)
     parser.add_argument("--max-len", type=int, default=256)
-    parser.add_argument("--shared", type=float, default=0.5, help="share of requests opening with a common prefix")
+    parser.add_argument("--shared", type=float, default=0.5,
+                        help="share of requests opening with a common prefix")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-blocks", type=int, default=4096)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-batch-tokens", type=int, default=512)
-    parser.add_argument("--compile-static", action="store_true", help="static batches with the compiled decode step")
-    parser.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "engine-eager"], choices=METHODS)
+    parser.add_argument("--compile-static", action="store_true",
+                        help="static batches with the compiled decode step")
+    parser.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "engine-eager"],
+                        choices=METHODS)
     parser.add_argument("--baseline-workloads", nargs="+",
-                        help="the workloads the slow baselines (transformers' methods, engine-eager) run on (default: "
-                             "all)")
-    parser.add_argument("--hf-one-requests", type=int, help="hf-one serves this many of the requests (default: all)")
+                        help="the workloads the slow baselines (transformers' methods, engine-eager) run on "
+                             "(default: all)")
+    parser.add_argument("--hf-one-requests", type=int,
+                        help="hf-one serves this many of the requests (default: all)")
     parser.add_argument("--hf-cb-requests", type=int, help="hf-cb serves this many of them (default: all)")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -324,9 +345,12 @@ def main() -> None:
                 continue
             baseline = result["tokens"] if method == "engine" else baseline
             rows.append(summarize(method, result, requests, None if method == "engine" else baseline))
-            print(f"{name} {method}: {rows[-1]['wall_s']:.1f} s, {rows[-1]['output_tokens_per_s']:,.1f} tok/s",
-                  flush=True)
-            write(results, failures, args, device, title)  # after every method: a run cut short keeps what it measured
+            print(
+                f"{name} {method}: {rows[-1]['wall_s']:.1f} s, {rows[-1]['output_tokens_per_s']:,.1f} tok/s",
+                flush=True,
+            )
+            # after every method: a run cut short keeps what it measured
+            write(results, failures, args, device, title)
     print((args.out / f"serving-{device.type}.md").read_text())
     sys.exit(1 if failures else 0)
 

@@ -1,12 +1,13 @@
 """Training-step throughput: tokens/s, samples/s and model FLOPs utilisation (MFU) for a model shape.
 
     python benchmarks/train_throughput.py                                   # tiny default on CPU
-    python benchmarks/train_throughput.py --shape nanovlm-222m --batch-size 64 --seq-len 128 --device cuda --compile
+    python benchmarks/train_throughput.py --shape nanovlm-222m --batch-size 64 --seq-len 128 --device cuda \\
+        --compile
 
 A step is forward + backward + AdamW on random data (random weights; the shape is what matters). MFU follows
 nanoGPT's estimate_mfu: 6 FLOPs per parameter per token (or patch) for every matrix multiply, plus attention's
-12 x layers x width x sequence per token, divided by the device's peak (--peak-tflops; known for H100/H200/A100).
-Writes benchmarks/results/train_throughput-<device>.{md,json}.
+12 x layers x width x sequence per token, divided by the device's peak (--peak-tflops; known for
+H100/H200/A100). Writes benchmarks/results/train_throughput-<device>.{md,json}.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense tensor
 
 
 def shape(name: str) -> VLMConfig:
-    if name == "nanovlm-222m":  # SigLIP-B/16-224 + SmolLM2-135M, 49 image tokens (the pretrained sources need the hub)
-        return VLMConfig(vision=VisionConfig(), language=LanguageConfig(vocab_size=49216), image_token_id=49152)
+    # SigLIP-B/16-224 + SmolLM2-135M, 49 image tokens (the pretrained sources need the hub)
+    if name == "nanovlm-222m":
+        return VLMConfig(vision=VisionConfig(), language=LanguageConfig(vocab_size=49216),
+                         image_token_id=49152)
     config = load_run_config(name, {}).model
     return config.replace({"language.vocab_size": "512", "image_token_id": "511"})
 
@@ -61,7 +64,8 @@ def peak_flops(device: torch.device, override: float | None) -> float | None:
 
 def parse_args() -> argparse.Namespace:
     cuda = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="configs/tiny.yaml", help="nanovlm-222m, or a YAML run config")
     parser.add_argument("--batch-size", type=int, default=64 if cuda else 32)
     parser.add_argument("--seq-len", type=int, default=128 if cuda else 64)
@@ -85,7 +89,8 @@ def training_step(config: VLMConfig, args: argparse.Namespace, device: torch.dev
     ids = torch.randint(0, config.language.vocab_size - 64, (args.batch_size, args.seq_len), device=device)
     ids[:, 1 : 1 + config.tokens_per_image] = config.image_token_id
     targets = ids.roll(-1, 1).masked_fill(ids.roll(-1, 1) == config.image_token_id, -100)
-    images = torch.randn(args.batch_size, 3, config.vision.image_size, config.vision.image_size, device=device)
+    images = torch.randn(args.batch_size, 3, config.vision.image_size, config.vision.image_size,
+                         device=device)
 
     def step() -> None:
         with autocast:
@@ -107,17 +112,18 @@ def main() -> None:
     flops = flops_per_step(config, model, args.batch_size, args.seq_len)
     peak = peak_flops(device, args.peak_tflops)
     machine = hardware(device)
-    result = dict(shape=args.shape, params_m=sum(p.numel() for p in model.parameters()) / 1e6, batch=args.batch_size,
-                  seq_len=args.seq_len, bf16=args.bf16, compile=args.compile, hardware=machine,
-                  ms_per_step=1000 * seconds,
-                  tokens_per_s=args.batch_size * args.seq_len / seconds, samples_per_s=args.batch_size / seconds,
-                  achieved_tflops=flops / seconds / 1e12, mfu=flops / seconds / peak if peak else None)
+    result = dict(shape=args.shape, params_m=sum(p.numel() for p in model.parameters()) / 1e6,
+                  batch=args.batch_size, seq_len=args.seq_len, bf16=args.bf16, compile=args.compile,
+                  hardware=machine, ms_per_step=1000 * seconds,
+                  tokens_per_s=args.batch_size * args.seq_len / seconds,
+                  samples_per_s=args.batch_size / seconds, achieved_tflops=flops / seconds / 1e12,
+                  mfu=flops / seconds / peak if peak else None)
     mfu = f"{100 * result['mfu']:.1f}%" if result["mfu"] else "– (pass --peak-tflops)"
-    table = ["| shape | params | batch x seq | bf16 | compile | hardware | ms/step | tokens/s | samples/s | TFLOP/s "
-             "| MFU |",
+    table = ["| shape | params | batch x seq | bf16 | compile | hardware | ms/step | tokens/s | samples/s | "
+             "TFLOP/s | MFU |",
              "|---|---|---|---|---|---|---|---|---|---|---|",
-             f"| {args.shape} | {result['params_m']:.1f}M | {args.batch_size} x {args.seq_len} | {args.bf16} | "
-             f"{args.compile} | {machine} | {result['ms_per_step']:.1f} | {result['tokens_per_s']:,.0f} | "
+             f"| {args.shape} | {result['params_m']:.1f}M | {args.batch_size} x {args.seq_len} | {args.bf16} "
+             f"| {args.compile} | {machine} | {result['ms_per_step']:.1f} | {result['tokens_per_s']:,.0f} | "
              f"{result['samples_per_s']:,.1f} | {result['achieved_tflops']:.2f} | {mfu} |"]
     write_result(args.out, f"train_throughput-{device.type}", table, result)
 

@@ -14,7 +14,14 @@ from data.prompts import (
     encode_prompt,
 )
 from data.sampler import ResumableBatchSampler
-from data.sources import DataConfig, DataSourceError, build_datasets, load_cauldron, load_imagefolder, load_jsonl
+from data.sources import (
+    DataConfig,
+    DataSourceError,
+    build_datasets,
+    load_cauldron,
+    load_imagefolder,
+    load_jsonl,
+)
 from data.synthetic import QUESTION_TYPES, ShapesConfig, make_shapes_dataset, shapes_datasets
 from data.tokenizer import (
     IM_END,
@@ -32,10 +39,11 @@ from data.tokenizer import (
 
 __all__ = [
     "BadRecordError", "CheckedRecords", "CAPTION_PROMPT", "IGNORE_INDEX", "IMAGE_TOKEN", "IM_END", "IM_START",
-    "PAD_TOKEN", "QUESTION_TYPES", "DataConfig", "DataSourceError", "ImageInputs", "ImageLoadError", "ImageProcessor",
-    "ImageSplitter", "Message", "PromptError", "ResumableBatchSampler", "ShapesConfig", "VQACollator", "build_datasets",
-    "build_shapes_tokenizer", "conversation_texts", "encode_chat", "encode_conversation", "encode_prompt", "left_pad",
-    "load_cauldron", "load_image", "load_imagefolder", "load_jsonl", "make_shapes_dataset", "marker_tokens", "pad",
-    "placeholder_ids", "prepare_images", "prepare_tokenizer", "shapes_datasets", "stop_token_ids", "text_lengths",
-    "to_rgb", "token_id", "TokenizerError",
+    "PAD_TOKEN", "QUESTION_TYPES", "DataConfig", "DataSourceError", "ImageInputs", "ImageLoadError",
+    "ImageProcessor", "ImageSplitter", "Message", "PromptError", "ResumableBatchSampler", "ShapesConfig",
+    "VQACollator", "build_datasets", "build_shapes_tokenizer", "conversation_texts", "encode_chat",
+    "encode_conversation", "encode_prompt", "left_pad", "load_cauldron", "load_image", "load_imagefolder",
+    "load_jsonl", "make_shapes_dataset", "marker_tokens", "pad", "placeholder_ids", "prepare_images",
+    "prepare_tokenizer", "shapes_datasets", "stop_token_ids", "text_lengths", "to_rgb", "token_id",
+    "TokenizerError",
 ]

@@ -1,19 +1,20 @@
-"""Conversations as model inputs, the way each kind of checkpoint was trained: one object per kind that both training
-and inference use.
+"""Conversations as model inputs, the way each kind of checkpoint was trained: one object per kind that both
+training and inference use.
 
-    model, processor = load_for_inference("HuggingFaceTB/SmolVLM-256M-Instruct", torch.device("cpu"))  # loading.py
-    ids, pixels = processor.encode("What is in the picture?", [image])          # a prompt, the assistant turn opened
-    ids, pixels = processor.encode_chat([Message("system", "Be brief."), Message("user", "What is it?", 1)], [image])
+    model, processor = load_for_inference("HuggingFaceTB/SmolVLM-256M-Instruct", torch.device("cpu"))
+    ids, pixels = processor.encode("What is in the picture?", [image])  # a prompt, the assistant turn opened
+    turns = [Message("system", "Be brief."), Message("user", "What is it?", 1)]
+    ids, pixels = processor.encode_chat(turns, [image])
     ids, targets, pixels = processor.encode_conversation(record["texts"], images)  # a training record
 
-- `ChatProcessor`: tinyvlm's own ChatML (data/prompts.py; nanoVLM's too), images split or not as the model's config
-  says;
-- `CheckpointProcessor`: a released checkpoint's own transformers processor (SmolVLM / Idefics3): its chat template
-  builds the conversation and its image processor splits the images.
+- `ChatProcessor`: tinyvlm's own ChatML (data/prompts.py; nanoVLM's too), images split or not as the model's
+  config says;
+- `CheckpointProcessor`: a released checkpoint's own transformers processor (SmolVLM / Idefics3): its chat
+  template builds the conversation and its image processor splits the images.
 
-Both are `ConversationEncoder`s: what `data.VQACollator` batches training records with. Targets are aligned with the
-logits (`targets[t]` is `ids[t + 1]` where that token is part of an answer or the end-of-turn token closing it,
-IGNORE_INDEX elsewhere); pixels are [tiles, 3, S, S] in placeholder order, or None without images.
+Both are `ConversationEncoder`s: what `data.VQACollator` batches training records with. Targets are aligned
+with the logits (`targets[t]` is `ids[t + 1]` where that token is part of an answer or the end-of-turn token
+closing it, IGNORE_INDEX elsewhere); pixels are [tiles, 3, S, S] in placeholder order, or None without images.
 """
 
 from __future__ import annotations
@@ -57,20 +58,22 @@ class ConversationEncoder(Protocol):
         """A conversation (system, user and assistant messages; each user message's images, in order) with the
         assistant turn opened: (ids, pixels). One user message gives `encode`'s ids."""
 
-    def encode_conversation(self, turns: Turns,
-                            images: Sequence[Image.Image]) -> tuple[list[int], list[int], torch.Tensor | None]:
-        """A whole conversation ({"user", "assistant"} turns; the images in the first user turn): (ids, targets,
-        pixels)."""
+    def encode_conversation(
+        self, turns: Turns, images: Sequence[Image.Image]
+    ) -> tuple[list[int], list[int], torch.Tensor | None]:
+        """A whole conversation ({"user", "assistant"} turns; the images in the first user turn): (ids,
+        targets, pixels)."""
 
     def save_pretrained(self, directory: Path) -> None:
-        """Write what `load_for_inference` needs besides the model (tokenizer, processor files) into `directory`."""
+        """Write what `load_for_inference` needs besides the model (tokenizer, processor files) into
+        `directory`."""
 
 
 # tinyvlm's ChatML (data/prompts.py) with nanoVLM's / Idefics3's image splitting (data/image_splitting.py).
 class ChatProcessor:
     """tinyvlm's own models (and nanoVLM's): `<|im_start|>user\\n` + each image's placeholders + the text +
-    `<|im_end|>\\n<|im_start|>assistant\\n` (images after the text with image_position="after_text"), answers closed
-    by `<|im_end|>`; `images` (`ImageInputs`) splits them or not."""
+    `<|im_end|>\\n<|im_start|>assistant\\n` (images after the text with image_position="after_text"), answers
+    closed by `<|im_end|>`; `images` (`ImageInputs`) splits them or not."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, images: ImageInputs,
                  image_position: ImagePosition = "before_text") -> None:
@@ -101,14 +104,16 @@ class ChatProcessor:
         self.images.check_tokenizer()
 
     def check_texts(self, turns: Turns) -> None:
-        """Raise PromptError where a text holds an image placeholder (`<|image|>`, or LLaVA's `<image>`): encoding
-        would keep it as text (data/prompts.py), but a record's images belong in its "images", not in its texts."""
+        """Raise PromptError where a text holds an image placeholder (`<|image|>`, or LLaVA's `<image>`):
+        encoding would keep it as text (data/prompts.py), but a record's images belong in its "images", not in
+        its texts."""
         for turn in turns:
             for text in turn.values():
                 for placeholder in (IMAGE_TOKEN, "<image>"):
                     if placeholder in text:
-                        raise PromptError(f"the text holds {placeholder}: a record's images go in its \"images\" "
-                                          f"(the prompt format places them), not in its texts: {text[:60]!r}")
+                        raise PromptError(f"the text holds {placeholder}: a record's images go in its "
+                                          "\"images\" (the prompt format places them), not in its texts: "
+                                          f"{text[:60]!r}")
 
     def encode(self, prompt: str, images: Sequence[Image.Image]) -> tuple[list[int], torch.Tensor | None]:
         return self.encode_chat([Message("user", prompt, len(images))], images)
@@ -118,8 +123,9 @@ class ChatProcessor:
         pixels, placeholders = self.images(images)
         return encode_chat(self.tokenizer, messages, self.image_position, placeholders=placeholders), pixels
 
-    def encode_conversation(self, turns: Turns,
-                            images: Sequence[Image.Image]) -> tuple[list[int], list[int], torch.Tensor | None]:
+    def encode_conversation(
+        self, turns: Turns, images: Sequence[Image.Image]
+    ) -> tuple[list[int], list[int], torch.Tensor | None]:
         ids, targets = encode_conversation(self.tokenizer, turns, image_position=self.image_position,
                                            placeholders=self.images.placeholders(images))
         return ids, targets, self.images.pixels(images)
@@ -132,10 +138,12 @@ class TemplateError(CheckpointError):
     """A checkpoint's chat template or processor that breaks what answer-only targets rely on."""
 
 
-# transformers' Idefics3Processor (image splitting, `<row_R_col_C>` / `<global-img>` markers, the chat template).
+# transformers' Idefics3Processor (image splitting, `<row_R_col_C>` / `<global-img>` markers, the chat
+# template).
 class CheckpointProcessor:
-    """A checkpoint's own transformers processor (Idefics3Processor: SmolVLM's `User:<image>...<end_of_utterance>\\n
-    Assistant: ...<end_of_utterance>\\n`), its chat template and its image processor."""
+    """A checkpoint's own transformers processor (Idefics3Processor: SmolVLM's
+    `User:<image>...<end_of_utterance>\\n Assistant: ...<end_of_utterance>\\n`), its chat template and its
+    image processor."""
 
     def __init__(self, processor) -> None:
         self.processor = processor
@@ -149,7 +157,9 @@ class CheckpointProcessor:
         try:
             return cls(AutoProcessor.from_pretrained(path))
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{path}: its processor cannot be loaded ({type(e).__name__}: {e})") from None
+            raise CheckpointError(
+                f"{path}: its processor cannot be loaded ({type(e).__name__}: {e})"
+            ) from None
 
     @property
     def image_token_id(self) -> int:
@@ -169,8 +179,8 @@ class CheckpointProcessor:
         token_id(self.tokenizer, self.end_of_turn)
 
     def encode(self, prompt: str, images: Sequence[Image.Image]) -> tuple[list[int], torch.Tensor | None]:
-        """The chat-formatted ids of one user turn (its images first, then `prompt`) with the assistant turn opened,
-        and the pixels of the images' tiles in placeholder order (one prompt: no padding images)."""
+        """The chat-formatted ids of one user turn (its images first, then `prompt`) with the assistant turn
+        opened, and the pixels of the images' tiles in placeholder order (one prompt: no padding images)."""
         return self.encode_chat([Message("user", prompt, len(images))], images)
 
     def encode_chat(self, messages: Sequence[Message],
@@ -178,22 +188,24 @@ class CheckpointProcessor:
         """The conversation through the checkpoint's chat template (each user message's images first), the
         assistant turn opened, and the pixels of every image's tiles in placeholder order."""
         if sum(message.images for message in messages) != len(images):
-            raise PromptError(f"the messages hold {sum(m.images for m in messages)} images but {len(images)} were "
-                              f"given")
+            raise PromptError(f"the messages hold {sum(m.images for m in messages)} images but {len(images)} "
+                              f"were given")
         self.check_texts([{message.role: message.text} for message in messages])
         template = [{"role": message.role, "content": [{"type": "image"}] * message.images
                      + [{"type": "text", "text": message.text}]} for message in messages]
         return self._process(self._template(template, prompt=True), images)
 
-    def encode_conversation(self, turns: Turns,
-                            images: Sequence[Image.Image]) -> tuple[list[int], list[int], torch.Tensor | None]:
-        """The conversation as the chat template writes it, its images expanded by the processor (the ids and pixels
-        `encode` gives a prompt), with targets on each answer's tokens and the end-of-turn token closing it.
+    def encode_conversation(
+        self, turns: Turns, images: Sequence[Image.Image]
+    ) -> tuple[list[int], list[int], torch.Tensor | None]:
+        """The conversation as the chat template writes it, its images expanded by the processor (the ids and
+        pixels `encode` gives a prompt), with targets on each answer's tokens and the end-of-turn token
+        closing it.
 
-        Where each answer lies is found on token ids: the template's text up to an answer (the assistant turn opened)
-        and up to its end must tokenize to prefixes of the whole conversation's ids, or a TemplateError says which
-        turn breaks this. Images are found the same way: the processor's ids equal the template's outside the
-        `<image>` tokens it expands, all of which come before the first answer."""
+        Where each answer lies is found on token ids: the template's text up to an answer (the assistant turn
+        opened) and up to its end must tokenize to prefixes of the whole conversation's ids, or a
+        TemplateError says which turn breaks this. Images are found the same way: the processor's ids equal
+        the template's outside the `<image>` tokens it expands, all of which come before the first answer."""
         if not turns:
             raise ValueError("a conversation needs at least one user/assistant turn")
         messages = self._messages(turns, len(images))
@@ -202,49 +214,57 @@ class CheckpointProcessor:
         plain = self._tokenize(text)  # each image still one <image> token
         image_at = [i for i, token in enumerate(plain) if token == self.image_token_id]
         if len(image_at) != len(images):
-            raise TemplateError(f"the chat template wrote {len(image_at)} image tokens for {len(images)} images")
+            raise TemplateError(f"the chat template wrote {len(image_at)} image tokens for {len(images)} "
+                                "images")
         first, after_images = (image_at[0], image_at[-1] + 1) if image_at else (len(plain), 0)
         shift = len(ids) - len(plain)  # the tokens the images' expansion added
         if ids[:first] != plain[:first] or ids[after_images + shift:] != plain[after_images:]:
-            raise TemplateError("the processor's ids differ from the chat template's outside the expanded images")
+            raise TemplateError("the processor's ids differ from the chat template's outside the expanded "
+                                "images")
         end_of_turn = token_id(self.tokenizer, self.end_of_turn)
         is_answer = [False] * len(ids)
         for turn in range(len(turns)):
-            start = self._prefix_length(plain, messages[:2 * turn + 1], True, turn, "the assistant turn opened")
+            start = self._prefix_length(plain, messages[:2 * turn + 1], True, turn,
+                                        "the assistant turn opened")
             stop = self._prefix_length(plain, messages[:2 * turn + 2], False, turn, "the answer")
             if start < after_images:
                 raise TemplateError(f"turn {turn}: the answer starts before the images end")
             closing = [i for i in range(start, stop) if plain[i] == end_of_turn]
             if not closing:
-                raise TemplateError(f"turn {turn}: the chat template does not close the answer with {self.end_of_turn}")
+                raise TemplateError(f"turn {turn}: the chat template does not close the answer with "
+                                    f"{self.end_of_turn}")
             for i in range(start + shift, closing[0] + 1 + shift):
                 is_answer[i] = True
         targets = [token if learn else IGNORE_INDEX for token, learn in zip(ids[1:], is_answer[1:])]
         return ids, targets + [IGNORE_INDEX], pixels
 
     def save_pretrained(self, directory: Path) -> None:
-        """The whole processor (tokenizer, image processor settings, chat template): a checkpoint with these files
-        is asked through this class again (`load_for_inference`)."""
+        """The whole processor (tokenizer, image processor settings, chat template): a checkpoint with these
+        files is asked through this class again (`load_for_inference`)."""
         self.processor.save_pretrained(directory)
 
     def check_texts(self, turns: Turns) -> None:
-        """Raise PromptError where a text holds the image placeholder (`<image>`): the processor would expand it."""
+        """Raise PromptError where a text holds the image placeholder (`<image>`): the processor would expand
+        it."""
         for turn in turns:
             for text in turn.values():
                 if self.processor.image_token in text:
-                    raise PromptError(f"the text holds {self.processor.image_token}, which the chat template would "
-                                      f"take for an image: {text[:60]!r}")
+                    raise PromptError(f"the text holds {self.processor.image_token}, which the chat template "
+                                      f"would take for an image: {text[:60]!r}")
 
     def _messages(self, turns: list[dict[str, str]], num_images: int) -> list[dict]:
-        """Chat-template messages for the turns (a turn without "assistant" is a user message alone), the images at
-        the start of the first user message."""
+        """Chat-template messages for the turns (a turn without "assistant" is a user message alone), the
+        images at the start of the first user message."""
         self.check_texts(turns)
         messages = []
         for i, turn in enumerate(turns):
-            content = [{"type": "image"}] * (num_images if i == 0 else 0) + [{"type": "text", "text": turn["user"]}]
+            content = [{"type": "image"}] * (num_images if i == 0 else 0) + [
+                {"type": "text", "text": turn["user"]}
+            ]
             messages.append({"role": "user", "content": content})
             if "assistant" in turn:
-                messages.append({"role": "assistant", "content": [{"type": "text", "text": turn["assistant"]}]})
+                messages.append({"role": "assistant",
+                                 "content": [{"type": "text", "text": turn["assistant"]}]})
         return messages
 
     def _template(self, messages: list[dict], prompt: bool) -> str:
@@ -259,10 +279,12 @@ class CheckpointProcessor:
         return ids, inputs["pixel_values"][0] if images else None
 
     def _prefix_length(self, ids: list[int], messages: list[dict], prompt: bool, turn: int, what: str) -> int:
-        """The length of the template's ids for `messages`, checked to be a prefix of the whole conversation's."""
+        """The length of the template's ids for `messages`, checked to be a prefix of the whole
+        conversation's."""
         prefix = self._tokenize(self._template(messages, prompt))
         if ids[:len(prefix)] != prefix:
-            raise TemplateError(f"turn {turn}: the chat template's text up to {what} does not tokenize to a prefix of "
-                                f"the whole conversation's ids, so the answer's tokens cannot be told apart")
+            raise TemplateError(f"turn {turn}: the chat template's text up to {what} does not tokenize to a "
+                                "prefix of the whole conversation's ids, so the answer's tokens cannot be "
+                                "told apart")
         return len(prefix)
 

@@ -1,5 +1,5 @@
-"""Batching: cauldron records → padded (optionally packed) token ids, attention mask, answer-only targets and stacked
-image tensors."""
+"""Batching: cauldron records → padded (optionally packed) token ids, attention mask, answer-only targets and
+stacked image tensors."""
 
 from __future__ import annotations
 
@@ -39,33 +39,36 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
 class VQACollator:
     """Records {"images": [PIL], "texts": [{"user", "assistant"}]} → a batch dict of tensors.
 
-    input_ids, attention_mask, targets: LongTensor [B, T]; images: FloatTensor [N, 3, H, W], in the order their
-    placeholders appear (row by row). Each record is encoded by a conversation encoder (`data.chat_processors`:
-    `encode_conversation(turns, images)` -> ids, answer-only targets, pixels): built here, tinyvlm's ChatML
-    (`ChatProcessor`) with `processor`, an `ImageProcessor` (one square of `tokens_per_image` tokens per image) or
-    `ImageInputs` (`ImageInputs.from_config(model_config, tokenizer)`: split images when the config says so, each tile
-    one of the N images); or any encoder given to `VQACollator.for_encoder` (a checkpoint's own chat template and
-    image processor: `CheckpointProcessor`). With `pack`, a row holds several records (see `data.packing`) and the
-    attention mask numbers them 1, 2, ... (0 for padding); otherwise a row is one record and the mask is 1 or 0.
+    input_ids, attention_mask, targets: LongTensor [B, T]; images: FloatTensor [N, 3, H, W], in the order
+    their placeholders appear (row by row). Each record is encoded by a conversation encoder
+    (`data.chat_processors`: `encode_conversation(turns, images)` -> ids, answer-only targets, pixels): built
+    here, tinyvlm's ChatML (`ChatProcessor`) with `processor`, an `ImageProcessor` (one square of
+    `tokens_per_image` tokens per image) or `ImageInputs` (`ImageInputs.from_config(model_config, tokenizer)`:
+    split images when the config says so, each tile one of the N images); or any encoder given to
+    `VQACollator.for_encoder` (a checkpoint's own chat template and image processor: `CheckpointProcessor`).
+    With `pack`, a row holds several records (see `data.packing`) and the attention mask numbers them 1, 2,
+    ... (0 for padding); otherwise a row is one record and the mask is 1 or 0.
 
-    A record whose ids exceed `max_length` is dropped, never truncated (`collate` also says which); None records
-    (bad ones that `CheckedRecords` skipped) are left out. A batch that loses every record holds one padding row with
-    no targets, so that training still runs its forward and backward. With `ensure_image`, a batch without any image
-    gets a placeholder row (one black image, no targets), so the vision tower runs too: every rank of a DDP / FSDP2
-    job must use the same parameters at every step.
+    A record whose ids exceed `max_length` is dropped, never truncated (`collate` also says which); None
+    records (bad ones that `CheckedRecords` skipped) are left out. A batch that loses every record holds one
+    padding row with no targets, so that training still runs its forward and backward. With `ensure_image`, a
+    batch without any image gets a placeholder row (one black image, no targets), so the vision tower runs
+    too: every rank of a DDP / FSDP2 job must use the same parameters at every step.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, processor: ImageProcessor | ImageInputs,
-                 tokens_per_image: int, max_length: int, padding_side: Side = "right", ensure_image: bool = False,
-                 image_position: ImagePosition = "before_text", pack: bool = False):
-        encoder = ChatProcessor(tokenizer, as_image_inputs(processor, tokens_per_image, tokenizer), image_position)
+                 tokens_per_image: int, max_length: int, padding_side: Side = "right",
+                 ensure_image: bool = False, image_position: ImagePosition = "before_text",
+                 pack: bool = False):
+        encoder = ChatProcessor(tokenizer, as_image_inputs(processor, tokens_per_image, tokenizer),
+                                image_position)
         self._setup(encoder, max_length, padding_side, ensure_image, pack)
 
     @classmethod
     def for_encoder(cls, encoder: ConversationEncoder, max_length: int, padding_side: Side = "right",
                     ensure_image: bool = False, pack: bool = False) -> VQACollator:
-        """A collator whose records `encoder` encodes (e.g. `ChatProcessor.from_config(config, tokenizer)`, or a
-        checkpoint's `CheckpointProcessor`)."""
+        """A collator whose records `encoder` encodes (e.g. `ChatProcessor.from_config(config, tokenizer)`, or
+        a checkpoint's `CheckpointProcessor`)."""
         collator = cls.__new__(cls)
         collator._setup(encoder, max_length, padding_side, ensure_image, pack)
         return collator
@@ -96,14 +99,19 @@ class VQACollator:
             if len(ids) > self.max_length:
                 too_long.append(position)
                 continue
-            samples.append((ids, targets, [] if pixels is None else [pixels]))  # pixels: a tile per image, or split
+            # pixels: a tile per image, or split
+            samples.append((ids, targets, [] if pixels is None else [pixels]))
         size, per_image = self.encoder.image_size, self.encoder.tokens_per_image
         if self.ensure_image and not any(images for _, _, images in samples):
             image_ids = [self.encoder.image_token_id] * per_image
             samples.append((image_ids, [IGNORE_INDEX] * per_image, [torch.zeros(1, 3, size, size)]))
         if not samples:
             samples = [([self.tokenizer.pad_token_id], [IGNORE_INDEX], [])]
-        rows = pack_rows([len(ids) for ids, _, _ in samples]) if self.pack else [[i] for i in range(len(samples))]
+        rows = (
+            pack_rows([len(ids) for ids, _, _ in samples])
+            if self.pack
+            else [[i] for i in range(len(samples))]
+        )
         id_rows = []
         target_rows = []
         sequence_rows = []

@@ -1,24 +1,27 @@
-"""Image splitting (SmolVLM / Idefics3, nanoVLM): one image becomes a grid of encoder-sized tiles plus a downscaled
-global image, each shown to the ViT as an image of its own, with marker tokens in the prompt naming each tile's place.
+"""Image splitting (SmolVLM / Idefics3, nanoVLM): one image becomes a grid of encoder-sized tiles plus a
+downscaled global image, each shown to the ViT as an image of its own, with marker tokens in the prompt naming
+each tile's place.
 
     pixels, placeholders = prepare_images(model.config, tokenizer, [image])
-    ids = encode_prompt(tokenizer, question, image_position=model.config.image_position, placeholders=placeholders)
+    ids = encode_prompt(tokenizer, question, image_position=model.config.image_position,
+                        placeholders=placeholders)
 
 Inference goes through `data.chat_processors.ChatProcessor.encode(prompt, images)`, which does both steps.
 
-`config.splitting` (models.config.SplitConfig) picks the layout; disabled, an image is one square (`ImageProcessor`)
-and its placeholder `<|image|>` x tokens_per_image, as before splitting existed. Layouts:
+`config.splitting` (models.config.SplitConfig) picks the layout; disabled, an image is one square
+(`ImageProcessor`) and its placeholder `<|image|>` x tokens_per_image, as before splitting existed. Layouts:
 
-- "idefics3": transformers' Idefics3ImageProcessor. Resize so the longer side is `max_image_size` (aspect kept, the
-  other side rounded up to even), then up to whole multiples of the tile size, cut into tiles row by row, and put the
-  whole image resized to one tile LAST (an image that fits one tile is not split: just that tile). Prompt per image:
-  `<fake_token_around_image><row_R_col_C>` + image tokens per tile, "\\n" after each row, then
-  "\\n<fake_token_around_image><global-img>" + image tokens + `<fake_token_around_image>`; an unsplit image is just
-  the last part, without the newline.
-- "nanovlm": nanoVLM's DynamicResize + GlobalAndSplitImages. Resize so the longer side is `max_image_size` and the
-  shorter one is the next multiple of the tile size up (aspect kept), cut into tiles, and put a bilinear downscale of
-  the whole image FIRST (none for a 1x1 grid). Prompt: `<|global_image|>` + image tokens, then `<row_R_col_C>` +
-  image tokens per tile, no newlines; `<image: i>` before each image when a prompt has several.
+- "idefics3": transformers' Idefics3ImageProcessor. Resize so the longer side is `max_image_size` (aspect
+  kept, the other side rounded up to even), then up to whole multiples of the tile size, cut into tiles row by
+  row, and put the whole image resized to one tile LAST (an image that fits one tile is not split: just that
+  tile). Prompt per image: `<fake_token_around_image><row_R_col_C>` + image tokens per tile, "\\n" after each
+  row, then "\\n<fake_token_around_image><global-img>" + image tokens + `<fake_token_around_image>`; an
+  unsplit image is just the last part, without the newline.
+- "nanovlm": nanoVLM's DynamicResize + GlobalAndSplitImages. Resize so the longer side is `max_image_size` and
+  the shorter one is the next multiple of the tile size up (aspect kept), cut into tiles, and put a bilinear
+  downscale of the whole image FIRST (none for a 1x1 grid). Prompt: `<|global_image|>` + image tokens, then
+  `<row_R_col_C>` + image tokens per tile, no newlines; `<image: i>` before each image when a prompt has
+  several.
 
 Pixels are scaled to [0, 1] and normalised with the ViT's mean and std (nanoVLM itself does not normalise).
 """
@@ -51,16 +54,19 @@ PIL_FILTERS = {"lanczos": Image.Resampling.LANCZOS, "bicubic": Image.Resampling.
 DEFAULT_BACKEND: dict[str, Backend] = {"idefics3": "torchvision", "nanovlm": "pil"}
 
 
-# nanoVLM models/config.py vlm_extra_tokens "rRcC"; transformers Idefics3Processor.replace_image_token's row/col tag.
+# nanoVLM models/config.py vlm_extra_tokens "rRcC"; transformers Idefics3Processor.replace_image_token's
+# row/col tag.
 def tile_token(row: int, col: int) -> str:
-    """The marker of the tile in (1-based) row `row`, column `col`: `<row_1_col_2>` (Idefics3 and nanoVLM alike)."""
+    """The marker of the tile in (1-based) row `row`, column `col`: `<row_1_col_2>` (Idefics3 and nanoVLM
+    alike)."""
     return f"<row_{row}_col_{col}>"
 
 
-# transformers idefics3 _resize_output_size_rescale_to_max_len, then _resize_output_size_scale_below_upper_bound.
+# transformers idefics3 _resize_output_size_rescale_to_max_len, then
+# _resize_output_size_scale_below_upper_bound.
 def idefics3_resized_size(height: int, width: int, longest_edge: int) -> tuple[int, int]:
-    """(height, width) with the longer side `longest_edge` (up or down), the other side kept in proportion, truncated
-    and rounded up to even; then both scaled down so that neither exceeds 4096."""
+    """(height, width) with the longer side `longest_edge` (up or down), the other side kept in proportion,
+    truncated and rounded up to even; then both scaled down so that neither exceeds 4096."""
     aspect_ratio = width / height
     if width >= height:
         width = longest_edge
@@ -83,7 +89,8 @@ def idefics3_resized_size(height: int, width: int, longest_edge: int) -> tuple[i
 
 # transformers Idefics3ImageProcessor.resize_for_vision_encoder.
 def idefics3_tiled_size(height: int, width: int, tile: int) -> tuple[int, int]:
-    """(height, width) rounded up to multiples of `tile`: the longer side first, the other from the aspect ratio."""
+    """(height, width) rounded up to multiples of `tile`: the longer side first, the other from the aspect
+    ratio."""
     aspect_ratio = width / height
     if width >= height:
         width = math.ceil(width / tile) * tile
@@ -96,20 +103,22 @@ def idefics3_tiled_size(height: int, width: int, tile: int) -> tuple[int, int]:
     return height, width
 
 
-# nanoVLM data/custom_transforms.py DynamicResize._get_new_hw, with resize_to_max_side_len=True (its training default).
+# nanoVLM data/custom_transforms.py DynamicResize._get_new_hw, with resize_to_max_side_len=True (its training
+# default).
 def nanovlm_resized_size(height: int, width: int, tile: int, max_side: int) -> tuple[int, int]:
-    """(height, width) with the longer side `max_side` and the shorter one scaled alike, then rounded up to a multiple
-    of `tile` (at least one tile)."""
+    """(height, width) with the longer side `max_side` and the shorter one scaled alike, then rounded up to a
+    multiple of `tile` (at least one tile)."""
     long, short = (width, height) if width >= height else (height, width)
     scale = max_side / long
     short = max(math.ceil(short * scale / tile) * tile, tile)
     return (short, max_side) if width >= height else (max_side, short)
 
 
-# transformers Idefics3Processor's row_col tokens (6 x 6 there) / nanoVLM vlm_extra_tokens (8 x 8): sized here.
+# transformers Idefics3Processor's row_col tokens (6 x 6 there) / nanoVLM vlm_extra_tokens (8 x 8): sized
+# here.
 def max_grid(layout: SplitLayout, max_image_size: int, tile: int) -> int:
-    """The most rows (or columns) of tiles any image can get: idefics3 ceil(longest_edge / tile), but one more when an
-    odd longest_edge rounds the shorter side up past it; nanovlm max_side / tile."""
+    """The most rows (or columns) of tiles any image can get: idefics3 ceil(longest_edge / tile), but one more
+    when an odd longest_edge rounds the shorter side up past it; nanovlm max_side / tile."""
     if layout == "nanovlm":
         return max_image_size // tile
     side = min(max_image_size, IDEFICS3_MAX_SIDE)
@@ -118,19 +127,23 @@ def max_grid(layout: SplitLayout, max_image_size: int, tile: int) -> int:
 
 # transformers Idefics3Processor.__init__'s special tokens / nanoVLM models/config.py vlm_extra_tokens.
 def marker_tokens(config: VLMConfig) -> list[str]:
-    """The special tokens the config's split prompts use, beyond `<|image|>` (none when splitting is disabled): add
-    them with `data.prepare_tokenizer(tokenizer, marker_tokens(config))` before sizing the LM's vocabulary."""
+    """The special tokens the config's split prompts use, beyond `<|image|>` (none when splitting is
+    disabled): add them with `data.prepare_tokenizer(tokenizer, marker_tokens(config))` before sizing the LM's
+    vocabulary."""
     return ImageSplitter.from_config(config).marker_tokens() if config.splitting.enabled else []
 
 
-# transformers Idefics3Processor.replace_image_token (was _prompt_split_image); nanoVLM processors.get_image_string.
+# transformers Idefics3Processor.replace_image_token (was _prompt_split_image); nanoVLM
+# processors.get_image_string.
 def placeholder_ids(tokenizer: PreTrainedTokenizerBase, layout: SplitLayout, rows: int, cols: int,
-                    tokens_per_image: int, index: int | None = None, image_token: str = IMAGE_TOKEN) -> list[int]:
-    """The prompt ids that stand for one split image of rows x cols tiles (1 x 1: not split), in `layout`'s form
-    (see the module docstring); `index` (nanovlm only) is the image's place among several in the prompt.
+                    tokens_per_image: int, index: int | None = None,
+                    image_token: str = IMAGE_TOKEN) -> list[int]:
+    """The prompt ids that stand for one split image of rows x cols tiles (1 x 1: not split), in `layout`'s
+    form (see the module docstring); `index` (nanovlm only) is the image's place among several in the prompt.
 
-    Marker tokens are looked up one by one, never tokenized from text; the text between them (the newlines, nanoVLM's
-    `<image: i>`) is encoded as plain text, a run at a time, so "\\n\\n" becomes the tokens a tokenizer gives it."""
+    Marker tokens are looked up one by one, never tokenized from text; the text between them (the newlines,
+    nanoVLM's `<image: i>`) is encoded as plain text, a run at a time, so "\\n\\n" becomes the tokens a
+    tokenizer gives it."""
     image = [image_token] * tokens_per_image
     split = rows * cols > 1
     if layout == "idefics3":
@@ -156,7 +169,8 @@ def placeholder_ids(tokenizer: PreTrainedTokenizerBase, layout: SplitLayout, row
 
 
 # tinyvlm's own (data/prompts.py style): special tokens by id, the text between them encoded as plain text.
-def _encode_pieces(tokenizer: PreTrainedTokenizerBase, pieces: Iterable[str], specials: set[str]) -> list[int]:
+def _encode_pieces(tokenizer: PreTrainedTokenizerBase, pieces: Iterable[str],
+                   specials: set[str]) -> list[int]:
     ids: list[int] = []
     found: dict[str, int] = {}
     text = ""
@@ -173,15 +187,17 @@ def _encode_pieces(tokenizer: PreTrainedTokenizerBase, pieces: Iterable[str], sp
     return ids + (encode_text(tokenizer, text) if text else [])
 
 
-# transformers Idefics3ImageProcessor(Pil)._preprocess; nanoVLM DynamicResize + ToTensor + GlobalAndSplitImages.
+# transformers Idefics3ImageProcessor(Pil)._preprocess; nanoVLM
+# DynamicResize + ToTensor + GlobalAndSplitImages.
 class ImageSplitter:
-    """PIL image → (pixels [num_tiles, 3, S, S] in placeholder order, rows, cols), S = `image_size` (the tile, the
-    ViT's input size). rows x cols is the grid of tiles, 1 x 1 for an image that is not split (then num_tiles is 1:
-    no global image); otherwise num_tiles is rows * cols + 1.
+    """PIL image → (pixels [num_tiles, 3, S, S] in placeholder order, rows, cols), S = `image_size` (the tile,
+    the ViT's input size). rows x cols is the grid of tiles, 1 x 1 for an image that is not split (then
+    num_tiles is 1: no global image); otherwise num_tiles is rows * cols + 1.
 
-    `backend` picks the code of the uint8 resizes (mostly 1 level of 255 apart, up to ~20 on noise): torchvision
-    (`Idefics3ImageProcessor`, what transformers' AutoImageProcessor picks) or PIL (`Idefics3ImageProcessorPil`,
-    nanoVLM's resize to the grid). Default: the layout's reference, torchvision for idefics3 and PIL for nanovlm.
+    `backend` picks the code of the uint8 resizes (mostly 1 level of 255 apart, up to ~20 on noise):
+    torchvision (`Idefics3ImageProcessor`, what transformers' AutoImageProcessor picks) or PIL
+    (`Idefics3ImageProcessorPil`, nanoVLM's resize to the grid). Default: the layout's reference, torchvision
+    for idefics3 and PIL for nanovlm.
     """
 
     def __init__(self, image_size: int, max_image_size: int, layout: SplitLayout = "idefics3",
@@ -192,10 +208,11 @@ class ImageSplitter:
         if resample not in PIL_FILTERS:
             raise ValueError(f"resample must be one of {', '.join(PIL_FILTERS)}, got {resample!r}")
         if max_image_size < image_size:
-            raise ValueError(f"max_image_size ({max_image_size}) must be at least the tile size ({image_size})")
-        if layout == "nanovlm" and max_image_size % image_size:
-            raise ValueError(f"nanovlm layout: max_image_size ({max_image_size}) must be a multiple of the tile size "
+            raise ValueError(f"max_image_size ({max_image_size}) must be at least the tile size "
                              f"({image_size})")
+        if layout == "nanovlm" and max_image_size % image_size:
+            raise ValueError(f"nanovlm layout: max_image_size ({max_image_size}) must be a multiple of the "
+                             f"tile size ({image_size})")
         self.image_size = image_size
         self.max_image_size = max_image_size
         self.layout = layout
@@ -211,7 +228,8 @@ class ImageSplitter:
                    vision.image_std, backend)
 
     def marker_tokens(self) -> list[str]:
-        """The special tokens this layout's placeholders use beyond `<|image|>`, for every grid it can make."""
+        """The special tokens this layout's placeholders use beyond `<|image|>`, for every grid it can
+        make."""
         n = max_grid(self.layout, self.max_image_size, self.image_size)
         tiles = [tile_token(row, col) for row in range(1, n + 1) for col in range(1, n + 1)]
         if self.layout == "idefics3":
@@ -239,7 +257,8 @@ class ImageSplitter:
             if rows * cols > 1:
                 tiles = torch.cat([tiles, self._resize(pixels, self.image_size, self.image_size)[None]])
             return self._normalise(tiles), rows, cols
-        pixels = self._resize(pixels, *nanovlm_resized_size(*pixels.shape[1:], self.image_size, self.max_image_size))
+        pixels = self._resize(pixels,
+                              *nanovlm_resized_size(*pixels.shape[1:], self.image_size, self.max_image_size))
         pixels = pixels.float().div(255)  # nanoVLM's ToTensor; its global image is resized from these floats
         tiles, rows, cols = self._tiles(pixels)
         if rows * cols > 1:
@@ -265,22 +284,25 @@ class ImageSplitter:
         """uint8 [3, h, w] → uint8 [3, height, width] with the configured filter."""
         if self.backend == "torchvision":
             return _torchvision_resize(pixels, [height, width], self.resample)
-        image = Image.fromarray(pixels.permute(1, 2, 0).numpy()).resize((width, height), PIL_FILTERS[self.resample])
+        image = Image.fromarray(pixels.permute(1, 2, 0).numpy()).resize(
+            (width, height), PIL_FILTERS[self.resample]
+        )
         return torch.from_numpy(np.array(image)).permute(2, 0, 1)
 
 
 def _torchvision_resize(pixels: Tensor, size: list[int], resample: Resample) -> Tensor:
-    """torchvision's antialiased tensor resize. Imported here, not at the top: importing torchvision takes ~1-2 s, which
-    every start of train.py and generate.py would pay, while only image splitting uses it."""
+    """torchvision's antialiased tensor resize. Imported here, not at the top: importing torchvision takes
+    ~1-2 s, which every start of train.py and generate.py would pay, while only image splitting uses it."""
     from torchvision.transforms.v2 import InterpolationMode, functional
 
     return functional.resize(pixels, size, interpolation=InterpolationMode[resample.upper()], antialias=True)
 
 
-# tinyvlm's own: nanoVLM's BaseDataset._process_images + get_image_string, Idefics3Processor.__call__, for any config.
+# tinyvlm's own: nanoVLM's BaseDataset._process_images + get_image_string, Idefics3Processor.__call__, for any
+# config.
 class ImageInputs:
-    """A prompt's PIL images → (pixels [N_tiles, 3, S, S] in placeholder order, or None without images; each image's
-    placeholder ids for `encode_prompt(..., placeholders=...)`), split or not as `processor` does it.
+    """A prompt's PIL images → (pixels [N_tiles, 3, S, S] in placeholder order, or None without images; each
+    image's placeholder ids for `encode_prompt(..., placeholders=...)`), split or not as `processor` does it.
 
     `from_config` follows the model's config: split (`config.splitting.enabled`) or one square per image. The
     tokenizer is needed for placeholders only, and must then hold the marker tokens (`check_tokenizer`)."""
@@ -293,7 +315,8 @@ class ImageInputs:
         self._cache: dict[tuple[int, int, int | None], list[int]] = {}
 
     def check_tokenizer(self) -> None:
-        """TokenizerError unless the tokenizer holds every token the placeholders can use (fail before any batch)."""
+        """TokenizerError unless the tokenizer holds every token the placeholders can use (fail before any
+        batch)."""
         if self.tokenizer is None:
             raise ValueError("image placeholders need a tokenizer")
         for token in [IMAGE_TOKEN, *(self.processor.marker_tokens() if self.splits else ())]:
@@ -341,8 +364,8 @@ class ImageInputs:
             index = None  # idefics3 numbers no images
         key = (rows, cols, index)
         if key not in self._cache:
-            self._cache[key] = placeholder_ids(self.tokenizer, self.processor.layout, rows, cols, self.tokens_per_image,
-                                               index)
+            self._cache[key] = placeholder_ids(self.tokenizer, self.processor.layout, rows, cols,
+                                               self.tokens_per_image, index)
         return list(self._cache[key])
 
 
@@ -350,12 +373,18 @@ class ImageInputs:
 def as_image_inputs(processor: ImageProcessor | ImageInputs, tokens_per_image: int,
                     tokenizer: PreTrainedTokenizerBase | None = None) -> ImageInputs:
     """`ImageInputs` as they are; an `ImageProcessor` (one square per image) wrapped as ImageInputs."""
-    return processor if isinstance(processor, ImageInputs) else ImageInputs(processor, tokens_per_image, tokenizer)
+    return (
+        processor
+        if isinstance(processor, ImageInputs)
+        else ImageInputs(processor, tokens_per_image, tokenizer)
+    )
 
 
-# The images half of ChatProcessor.encode, on its own (nanoVLM generate.py / Idefics3Processor do this inline).
+# The images half of ChatProcessor.encode, on its own (nanoVLM generate.py / Idefics3Processor do this
+# inline).
 def prepare_images(config: VLMConfig, tokenizer: PreTrainedTokenizerBase,
                    images: Sequence[Image.Image]) -> tuple[Tensor | None, list[list[int]]]:
-    """The model inputs for a prompt's images, as the model's config says (split or not): pixels [N_tiles, 3, S, S]
-    (None without images) and each image's placeholder ids, for `encode_prompt(..., placeholders=...)`."""
+    """The model inputs for a prompt's images, as the model's config says (split or not): pixels [N_tiles, 3,
+    S, S] (None without images) and each image's placeholder ids, for `encode_prompt(...,
+    placeholders=...)`."""
     return ImageInputs.from_config(config, tokenizer)(images)

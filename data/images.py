@@ -28,10 +28,14 @@ class ImageLoadError(TinyVLMError, ValueError):
 def load_image(source: str | os.PathLike | BinaryIO, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
     """Open an image file (path or binary file object) as RGB; the first frame of an animation.
 
-    Raises ImageLoadError with a one-line message naming the file for anything that is not a readable image, or that
-    would decode to more than `max_pixels` pixels.
+    Raises ImageLoadError with a one-line message naming the file for anything that is not a readable image,
+    or that would decode to more than `max_pixels` pixels.
     """
-    name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else getattr(source, "name", "<file object>")
+    name = (
+        os.fspath(source)
+        if isinstance(source, (str, os.PathLike))
+        else getattr(source, "name", "<file object>")
+    )
     try:
         data = Path(source).read_bytes() if isinstance(source, (str, os.PathLike)) else source.read()
     except FileNotFoundError:
@@ -57,22 +61,25 @@ def load_image(source: str | os.PathLike | BinaryIO, max_pixels: int = MAX_IMAGE
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """Any PIL mode → RGB: transparency composited on white; 16-bit greyscale (`I;16`, `I`) scaled, not clipped, to
-    8 bits."""
+    """Any PIL mode → RGB: transparency composited on white; 16-bit greyscale (`I;16`, `I`) scaled, not
+    clipped, to 8 bits."""
     if image.mode in _WIDE_GREY_MODES:
         pixels = np.asarray(image, dtype=np.float64) * (255 / 65535)
         image = Image.fromarray(pixels.round().clip(0, 255).astype(np.uint8))
     if image.has_transparency_data:
-        image = Image.alpha_composite(Image.new("RGBA", image.size, (255, 255, 255, 255)), image.convert("RGBA"))
+        image = Image.alpha_composite(Image.new("RGBA", image.size, (255, 255, 255, 255)),
+                                      image.convert("RGBA"))
     return image.convert("RGB")
 
 
 class ImageProcessor:
-    """PIL image → float tensor [3, image_size, image_size]: square resize, scale to [0, 1], normalise per channel.
+    """PIL image → float tensor [3, image_size, image_size]: square resize, scale to [0, 1], normalise per
+    channel.
 
-    The same numbers as torchvision's `v2.Compose([Resize, ToImage, ToDtype(scale=True), Normalize])`, bit for bit, in
-    a sixth of its time: an image already at `image_size` (the synthetic data's) is not resized, and the rest is three
-    tensor operations (the training loop processes every image of every batch on the step's own cores)."""
+    The same numbers as torchvision's `v2.Compose([Resize, ToImage, ToDtype(scale=True), Normalize])`, bit for
+    bit, in a sixth of its time: an image already at `image_size` (the synthetic data's) is not resized, and
+    the rest is three tensor operations (the training loop processes every image of every batch on the step's
+    own cores)."""
 
     def __init__(self, image_size: int, mean: tuple[float, ...] = (0.5, 0.5, 0.5),
                  std: tuple[float, ...] = (0.5, 0.5, 0.5)):
@@ -87,6 +94,7 @@ class ImageProcessor:
     def __call__(self, image: Image.Image) -> torch.Tensor:
         image = to_rgb(image)
         if image.size != (self.image_size, self.image_size):
-            image = image.resize((self.image_size, self.image_size), Image.Resampling.BILINEAR)  # as v2.Resize does
+            # as v2.Resize does
+            image = image.resize((self.image_size, self.image_size), Image.Resampling.BILINEAR)
         pixels = torch.from_numpy(np.array(image)).permute(2, 0, 1)  # uint8 [3, H, W]
         return (pixels.to(torch.float32) * (1 / 255) - self.mean) / self.std

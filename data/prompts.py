@@ -1,4 +1,5 @@
-"""ChatML token ids built piece by piece (never by tokenizing special-token strings), with answer-only targets."""
+"""ChatML token ids built piece by piece (never by tokenizing special-token strings), with answer-only
+targets."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ ROLES = ("system", "user", "assistant")
 
 @dataclasses.dataclass(frozen=True)
 class Message:
-    """One message of a conversation to answer: its role, its text, and how many of the conversation's images (in
-    order) it holds (user messages only)."""
+    """One message of a conversation to answer: its role, its text, and how many of the conversation's images
+    (in order) it holds (user messages only)."""
 
     role: str
     text: str
@@ -34,12 +35,13 @@ class Message:
 
 
 class PromptError(TinyVLMError, ValueError):
-    """Text that cannot be encoded: not a string, or not valid Unicode (e.g. invalid UTF-8 bytes from a command
-    line)."""
+    """Text that cannot be encoded: not a string, or not valid Unicode (e.g. invalid UTF-8 bytes from a
+    command line)."""
 
 
 def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """Plain text: no BOS/EOS, and special-token strings a user typed (a literal "<|image|>") stay ordinary text."""
+    """Plain text: no BOS/EOS, and special-token strings a user typed (a literal "<|image|>") stay ordinary
+    text."""
     if not isinstance(text, str):
         raise PromptError(f"expected text, got {type(text).__name__}")
     try:
@@ -52,20 +54,20 @@ def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 @functools.lru_cache(maxsize=4096)
 def _encode(tokenizer: PreTrainedTokenizerBase, vocab_size: int, text: str) -> tuple[int, ...]:
     """Memoised: every record repeats the chat pieces ("user\\n", "assistant\\n"), and a templated dataset its
-    questions; a record costs 6 encodes (~30 us each on a 2-core CPU, ~5 ms a training batch). `vocab_size` in the
-    key: a token added to the tokenizer later can change how a text encodes."""
+    questions; a record costs 6 encodes (~30 us each on a 2-core CPU, ~5 ms a training batch). `vocab_size` in
+    the key: a token added to the tokenizer later can change how a text encodes."""
     return tuple(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, user_text: str, num_images: int = 0, tokens_per_image: int = 0,
-                  image_position: ImagePosition = "before_text", *,
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, user_text: str, num_images: int = 0,
+                  tokens_per_image: int = 0, image_position: ImagePosition = "before_text", *,
                   placeholders: Sequence[Sequence[int]] | None = None) -> list[int]:
     """`<|im_start|>user\\n` + images + text + `<|im_end|>\\n<|im_start|>assistant\\n`; with
     image_position="after_text" the images follow the text instead.
 
     The images are each image's placeholder ids, in order: `placeholders` (from `data.ImageInputs` /
-    `data.prepare_images`, which split images when the model's config says so), or else `num_images` unsplit images
-    of `<|image|>` x tokens_per_image each."""
+    `data.prepare_images`, which split images when the model's config says so), or else `num_images` unsplit
+    images of `<|image|>` x tokens_per_image each."""
     if placeholders is not None and (num_images or tokens_per_image):
         raise ValueError("give the images as placeholders or as num_images and tokens_per_image, not both")
     if placeholders is None:
@@ -77,17 +79,18 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, user_text: str, num_images
 
 
 def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message],
-                image_position: ImagePosition = "before_text", *, placeholders: Sequence[Sequence[int]]) -> list[int]:
-    """A conversation's ChatML ids with the assistant turn opened: each message as `<|im_start|>` + role + `\\n` +
-    content + `<|im_end|>\\n`, a user message's content being its images' placeholder ids (the next `message.images`
-    of `placeholders`, in order) before its text (or after, with image_position="after_text"); then
-    `<|im_start|>assistant\\n`. A turn's prompt, its answer and `<|im_end|>\n` are the start of the next turn's
-    prompt, so the engine's prefix cache reuses them."""
+                image_position: ImagePosition = "before_text", *,
+                placeholders: Sequence[Sequence[int]]) -> list[int]:
+    """A conversation's ChatML ids with the assistant turn opened: each message as
+    `<|im_start|>` + role + `\\n` + content + `<|im_end|>\\n`, a user message's content being its images'
+    placeholder ids (the next `message.images` of `placeholders`, in order) before its text (or after, with
+    image_position="after_text"); then `<|im_start|>assistant\\n`. A turn's prompt, its answer and
+    `<|im_end|>\n` are the start of the next turn's prompt, so the engine's prefix cache reuses them."""
     if image_position not in ("before_text", "after_text"):
         raise ValueError(f"image_position must be 'before_text' or 'after_text', got {image_position!r}")
     if sum(message.images for message in messages) != len(placeholders):
-        raise PromptError(f"the messages hold {sum(m.images for m in messages)} images but {len(placeholders)} "
-                          f"were given")
+        raise PromptError(f"the messages hold {sum(m.images for m in messages)} images but "
+                          f"{len(placeholders)} were given")
     start = token_id(tokenizer, IM_START)
     end = token_id(tokenizer, IM_END)
     newline = encode_text(tokenizer, "\n")
@@ -103,14 +106,15 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message],
 
 
 def encode_conversation(
-    tokenizer: PreTrainedTokenizerBase, turns: list[dict[str, str]], num_images: int = 0, tokens_per_image: int = 0,
-    image_position: ImagePosition = "before_text", *, placeholders: Sequence[Sequence[int]] | None = None,
+    tokenizer: PreTrainedTokenizerBase, turns: list[dict[str, str]], num_images: int = 0,
+    tokens_per_image: int = 0, image_position: ImagePosition = "before_text", *,
+    placeholders: Sequence[Sequence[int]] | None = None,
 ) -> tuple[list[int], list[int]]:
     """ChatML ids for `turns` ({"user", "assistant"} dicts; the images go in the first user turn, given as in
     `encode_prompt`) and their targets.
 
-    Targets are aligned with the logits: `targets[t]` is `input_ids[t + 1]` where that token is part of an answer
-    or the `<|im_end|>` closing one, and IGNORE_INDEX everywhere else (the last position included).
+    Targets are aligned with the logits: `targets[t]` is `input_ids[t + 1]` where that token is part of an
+    answer or the `<|im_end|>` closing one, and IGNORE_INDEX everywhere else (the last position included).
     """
     if not turns:
         raise ValueError("a conversation needs at least one user/assistant turn")

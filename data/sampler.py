@@ -1,4 +1,5 @@
-"""The training batch sampler: endless shuffled batches that resume from any sample count, split across ranks."""
+"""The training batch sampler: endless shuffled batches that resume from any sample count, split across
+ranks."""
 
 from __future__ import annotations
 
@@ -13,16 +14,16 @@ from torch.utils.data import Sampler
 class ResumableBatchSampler(Sampler[list[int]]):
     """Endless shuffled batches for one rank of `world_size`.
 
-    The epochs' permutations (epoch e seeded by seed + e) form one stream of sample indices; global batch k is the
-    stream's samples [start + k*G, start + (k+1)*G) with G = batch_size * world_size, and rank r takes the r-th
-    slice of it. So a run resumes from any sample count at any world size, and 2 ranks x batch b see exactly the
-    samples that 1 rank x batch 2b sees.
+    The epochs' permutations (epoch e seeded by seed + e) form one stream of sample indices; global batch k is
+    the stream's samples [start + k*G, start + (k+1)*G) with G = batch_size * world_size, and rank r takes the
+    r-th slice of it. So a run resumes from any sample count at any world size, and 2 ranks x batch b see
+    exactly the samples that 1 rank x batch 2b sees.
 
-    With `lengths` (one per sample), batches are grouped by length to save padding: each window of `group` global
-    batches of the stream is sorted by length in buckets of `bucket` (so that records of about the same length keep
-    their random order and batches still mix kinds of record), cut into global batches again, and those are taken in
-    a seeded shuffled order. The same samples are seen, in batches of similar lengths; a run then resumes exactly
-    from any multiple of G (any step), at any world size that keeps G.
+    With `lengths` (one per sample), batches are grouped by length to save padding: each window of `group`
+    global batches of the stream is sorted by length in buckets of `bucket` (so that records of about the same
+    length keep their random order and batches still mix kinds of record), cut into global batches again, and
+    those are taken in a seeded shuffled order. The same samples are seen, in batches of similar lengths; a
+    run then resumes exactly from any multiple of G (any step), at any world size that keeps G.
     """
 
     def __init__(self, num_samples: int, batch_size: int, seed: int, start: int = 0, rank: int = 0,

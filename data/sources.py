@@ -1,4 +1,5 @@
-"""Real data in the same record format: the_cauldron, users' JSONL files and image folders; `DataConfig` picks one."""
+"""Real data in the same record format: the_cauldron, users' JSONL files and image folders; `DataConfig` picks
+one."""
 
 from __future__ import annotations
 
@@ -30,23 +31,24 @@ def load_cauldron(subset: str, split: str = "train") -> Dataset:
     try:
         dataset = load_dataset("HuggingFaceM4/the_cauldron", subset, split=split)
     except (OSError, ValueError) as e:  # offline (ConnectionError), an unknown subset, a failed download, ...
-        raise DataSourceError(f"the_cauldron subset {subset!r}: the hub could not provide it ({type(e).__name__}: "
-                              f"{one_line(e)})") from None
+        raise DataSourceError(f"the_cauldron subset {subset!r}: the hub could not provide it "
+                              f"({type(e).__name__}: {one_line(e)})") from None
     return dataset.select_columns(["images", "texts"])
 
 
 def load_jsonl(path: str | Path, on_bad_record: Policy = "fail") -> Dataset:
-    """Records from a JSONL file, a line each; images (paths relative to the file) are opened when a record is read.
+    """Records from a JSONL file, a line each; images (paths relative to the file) are opened when a record is
+    read.
 
     A line is {"images": ["a.png", ...], "texts": [{"user": ..., "assistant": ...}, ...]}, or has
-    "conversations": [{"role": "user" | "assistant", "content": ...}, ...] in place of "texts"; a text-only record
-    has no "images", or "images": [] or null. A line may carry a "question_type" string: the held-out exact-match
-    scores are then given per type ("caption" is left out of the overall accuracy; lines without one count as
-    "question"). Other fields are dropped.
+    "conversations": [{"role": "user" | "assistant", "content": ...}, ...] in place of "texts"; a text-only
+    record has no "images", or "images": [] or null. A line may carry a "question_type" string: the held-out
+    exact-match scores are then given per type ("caption" is left out of the overall accuracy; lines without
+    one count as "question"). Other fields are dropped.
 
     A malformed line (not JSON, no user/assistant turns, an image file that is not there) stops the load under
-    `on_bad_record="fail"`; under "skip" it is kept as a record carrying its `problem`, which reading it raises, so
-    that training skips and counts it with every other bad record (data/bad_records.py).
+    `on_bad_record="fail"`; under "skip" it is kept as a record carrying its `problem`, which reading it
+    raises, so that training skips and counts it with every other bad record (data/bad_records.py).
     """
     path = Path(path)
     try:
@@ -109,18 +111,24 @@ def _turns(row: dict[str, Any], where: str) -> list[dict[str, str]]:
         alternating = (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)
                        and [m.get("role") for m in messages] == ["user", "assistant"] * (len(messages) // 2))
         if not alternating:
-            raise DataSourceError(f"{where}: 'conversations' must alternate user and assistant messages, user first")
+            raise DataSourceError(f"{where}: 'conversations' must alternate user and assistant messages, "
+                                  "user first")
         turns = [{"user": u.get("content"), "assistant": a.get("content")}
                  for u, a in zip(messages[::2], messages[1::2])]
     else:
         turns = row.get("texts")
     if not (isinstance(turns, list) and turns and all(_is_turn(turn) for turn in turns)):
-        raise DataSourceError(f"{where}: needs 'texts' (a list of user/assistant string pairs) or 'conversations'")
+        raise DataSourceError(f"{where}: needs 'texts' (a list of user/assistant string pairs) or "
+                              "'conversations'")
     return [{"user": turn["user"], "assistant": turn["assistant"]} for turn in turns]
 
 
 def _is_turn(turn: Any) -> bool:
-    return isinstance(turn, dict) and isinstance(turn.get("user"), str) and isinstance(turn.get("assistant"), str)
+    return (
+        isinstance(turn, dict)
+        and isinstance(turn.get("user"), str)
+        and isinstance(turn.get("assistant"), str)
+    )
 
 
 def _open_images(batch: dict[str, list]) -> dict[str, list]:
@@ -128,13 +136,15 @@ def _open_images(batch: dict[str, list]) -> dict[str, list]:
 
 
 def load_imagefolder(directory: str | Path, split: str = "train") -> Dataset:
-    """An image folder whose metadata.jsonl gives each `file_name` a `question` and `answer`, or a `text` caption."""
+    """An image folder whose metadata.jsonl gives each `file_name` a `question` and `answer`, or a `text`
+    caption."""
     if not Path(directory).is_dir():
         raise DataSourceError(f"{directory}: no such directory")
     dataset = load_dataset("imagefolder", data_dir=str(directory), split=split)
     columns = set(dataset.column_names)
     if not ({"question", "answer"} <= columns or "text" in columns):
-        raise DataSourceError(f"{directory}: metadata.jsonl needs 'question' and 'answer' fields, or 'text' captions")
+        raise DataSourceError(f"{directory}: metadata.jsonl needs 'question' and 'answer' fields, or 'text' "
+                              "captions")
     return dataset.with_transform(_imagefolder_records)
 
 
@@ -149,14 +159,17 @@ def _imagefolder_records(batch: dict[str, list]) -> dict[str, list]:
 class DataConfig(Config):
     """Where training and validation records come from; every source yields the_cauldron record format."""
 
-    source: Literal["synthetic", "cauldron", "jsonl", "imagefolder"] = "synthetic"  # where the records come from
+    # where the records come from
+    source: Literal["synthetic", "cauldron", "jsonl", "imagefolder"] = "synthetic"
     shapes: ShapesConfig = dataclasses.field(default_factory=ShapesConfig)  # source=synthetic
     subsets: tuple[str, ...] = ()  # source=cauldron: the_cauldron subsets, concatenated
     path: str | None = None  # source=jsonl|imagefolder: the JSONL file or the image folder
-    validation_path: str | None = None  # source=jsonl|imagefolder: optional; without it, `holdout` records are held out
+    # source=jsonl|imagefolder: optional; without it, `holdout` records are held out
+    validation_path: str | None = None
     # training records held out for validation when there is no validation_path (default: a tenth, 1 to 500)
     holdout: int | None = None
-    on_bad_record: Literal["skip", "fail"] = "skip"  # a corrupt image or malformed record: skip and count it, or stop
+    # a corrupt image or malformed record: skip and count it, or stop
+    on_bad_record: Literal["skip", "fail"] = "skip"
 
     def __post_init__(self) -> None:
         check(self.source != "cauldron" or bool(self.subsets),
@@ -181,6 +194,7 @@ def build_datasets(config: DataConfig) -> tuple[Dataset, Dataset]:
         if config.validation_path:
             return train, load(config.validation_path)
     holdout = config.holdout or min(max(len(train) // 10, 1), MAX_DEFAULT_HOLDOUT)
-    check(holdout < len(train), f"data.holdout ({holdout}) must be smaller than the dataset ({len(train)} records)")
+    check(holdout < len(train),
+          f"data.holdout ({holdout}) must be smaller than the dataset ({len(train)} records)")
     split = train.train_test_split(test_size=holdout, seed=0)
     return split["train"], split["test"]

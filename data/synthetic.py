@@ -1,18 +1,20 @@
-"""Synthetic shapes VQA + captioning data, generated in code: 1-4 coloured shapes on a 3x3 grid, deterministic by seed.
+"""Synthetic shapes VQA + captioning data, generated in code: 1-4 coloured shapes on a 3x3 grid, deterministic
+by seed.
 
-A scene holds at most one shape of each kind (so "the circle" is unambiguous) and one shape per cell. Every question
-has a short lowercase answer and a `question_type`: color, shape, count, presence, position or caption; training
-records may also ask `verify` ("Is the circle red?"), which validation never asks.
+A scene holds at most one shape of each kind (so "the circle" is unambiguous) and one shape per cell. Every
+question has a short lowercase answer and a `question_type`: color, shape, count, presence, position or
+caption; training records may also ask `verify` ("Is the circle red?"), which validation never asks.
 
 Train/validation split: each scene goes to a split by a stable hash of its canonical content (the sorted
-(cell, shape, colour, size) tuples), so a validation scene never appears in training, whatever the seeds or sizes.
-`make_shapes_dataset` draws scenes from a seeded RNG and keeps those that hash into the requested split.
+(cell, shape, colour, size) tuples), so a validation scene never appears in training, whatever the seeds or
+sizes. `make_shapes_dataset` draws scenes from a seeded RNG and keeps those that hash into the requested
+split.
 
-Records are in the_cauldron format plus a `question_type` column. Validation records hold one question each (types
-cycle, so each type gets an equal share and per-type accuracy is clean). Training records may bundle several turns
-about one image (`turns` distinct types; the caption, which gives every answer away, always last): the image costs
-the same, and the model learns from several answers per image instead of one. Their `question_type` joins the
-turns' types with "+".
+Records are in the_cauldron format plus a `question_type` column. Validation records hold one question each
+(types cycle, so each type gets an equal share and per-type accuracy is clean). Training records may bundle
+several turns about one image (`turns` distinct types; the caption, which gives every answer away, always
+last): the image costs the same, and the model learns from several answers per image instead of one. Their
+`question_type` joins the turns' types with "+".
 """
 
 from __future__ import annotations
@@ -46,11 +48,12 @@ SIZES = {"small": 0.22, "large": 0.38}  # shape radius as a fraction of the cell
 CELLS = ("top left", "top", "top right", "left", "center", "right", "bottom left", "bottom", "bottom right")
 BACKGROUND = (235, 235, 235)
 QUESTION_TYPES = ("color", "shape", "count", "presence", "position", "caption")
-# Training only (never asked in validation): "Is the circle red?", yes or no, about a shape of the scene; half the
-# time its own colour. The colour comparison that presence needs ("Is there a red circle?" when the circle is blue),
-# asked where no shortcut answers it: the shape named is always there.
+# Training only (never asked in validation): "Is the circle red?", yes or no, about a shape of the scene; half
+# the time its own colour. The colour comparison that presence needs ("Is there a red circle?" when the circle
+# is blue), asked where no shortcut answers it: the shape named is always there.
 TRAINING_ONLY_TYPES = ("verify",)
-JITTER = 0.05  # a shape's centre moves by up to this fraction of the cell; radius + jitter < 1/2 keeps it in its cell
+# a shape's centre moves by up to this fraction of the cell; radius + jitter < 1/2 keeps it in its cell
+JITTER = 0.05
 _PREPOSITIONS = {"left": "on", "right": "on", "center": "in"}  # every other cell takes "at"
 
 Split = Literal["train", "validation"]
@@ -78,12 +81,15 @@ def sample_scene(rng: random.Random) -> Scene:
     count = rng.randint(1, len(SHAPES))
     shapes, cells = rng.sample(SHAPES, count), rng.sample(range(len(CELLS)), count)
     colors, sizes = tuple(COLORS), tuple(SIZES)
-    return tuple(sorted(Item(cell, shape, rng.choice(colors), rng.choice(sizes)) for shape, cell in zip(shapes, cells)))
+    return tuple(
+        sorted(Item(cell, shape, rng.choice(colors), rng.choice(sizes)) for shape, cell in zip(shapes, cells))
+    )
 
 
 def split_by_hash(key: str, validation_fraction: float) -> Split:
-    """The split of the scene whose canonical content is `key`, from a stable hash (not Python's per-process `hash`):
-    the same key lands in the same split on every machine, and `validation_fraction` of all keys in validation."""
+    """The split of the scene whose canonical content is `key`, from a stable hash (not Python's per-process
+    `hash`): the same key lands in the same split on every machine, and `validation_fraction` of all keys in
+    validation."""
     bucket = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
     return "validation" if bucket < validation_fraction else "train"
 
@@ -102,7 +108,8 @@ def sample_scene_of(split: Split, rng: random.Random, validation_fraction: float
 
 
 def render(scene: Scene, image_size: int, rng: random.Random) -> Image.Image:
-    """Draw the scene crisply (no anti-aliasing) on a light background; `rng` jitters the shapes within their cells."""
+    """Draw the scene crisply (no anti-aliasing) on a light background; `rng` jitters the shapes within their
+    cells."""
     image = Image.new("RGB", (image_size, image_size), BACKGROUND)
     draw = ImageDraw.Draw(image)
     side = image_size / 3
@@ -128,7 +135,8 @@ CELL_CLASSES = {"shape": ("none", *SHAPES), "color": ("none", *COLORS), "size": 
 
 
 def cell_labels(scene: Scene) -> list[tuple[int, int, int]]:
-    """Per cell (row-major), the class indices of its shape, colour and size in CELL_CLASSES; (0, 0, 0) when empty."""
+    """Per cell (row-major), the class indices of its shape, colour and size in CELL_CLASSES; (0, 0, 0) when
+    empty."""
     labels = [(0, 0, 0)] * len(CELLS)
     for item in scene:
         labels[item.cell] = tuple(CELL_CLASSES[name].index(value) for name, value in
@@ -143,8 +151,8 @@ def add_noise(image: Image.Image, amplitude: int, generator: np.random.Generator
 
 
 def describe(scene: Scene) -> str:
-    """The caption: every shape in reading order, "a small red circle at the top left and a large blue square in the
-    center"."""
+    """The caption: every shape in reading order, "a small red circle at the top left and a large blue square
+    in the center"."""
     parts = [f"a {item.size} {item.color} {item.shape} {where(item.cell)}" for item in scene]
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
@@ -182,12 +190,13 @@ def ask(scene: Scene, question_type: str, rng: random.Random) -> tuple[str, str]
 def make_shapes_dataset(split: Split, num_samples: int, seed: int, image_size: int = 64, noise: int = 0,
                         turns: int = 1, validation_fraction: float = 0.1,
                         question_types: tuple[str, ...] = QUESTION_TYPES) -> Dataset:
-    """`num_samples` records of `split`, each one image and `turns` question/answer turns; same arguments, same data.
+    """`num_samples` records of `split`, each one image and `turns` question/answer turns; same arguments,
+    same data.
 
     Single-turn records cycle through `question_types`: a type listed twice is asked twice as often.
 
-    With `noise`, images are stored clean and each record's fixed noise is added when it is read (noisy PNGs barely
-    compress, and encoding them would triple the generation time).
+    With `noise`, images are stored clean and each record's fixed noise is added when it is read (noisy PNGs
+    barely compress, and encoding them would triple the generation time).
     """
     check(split in ("train", "validation"), f"split must be 'train' or 'validation', got {split!r}")
     check(1 <= turns <= len(QUESTION_TYPES), f"turns must lie in [1, {len(QUESTION_TYPES)}], got {turns}")
@@ -234,7 +243,8 @@ def _add_noise_to_batch(batch: dict[str, list], amplitude: int) -> dict[str, lis
 
 
 def _png(image: Image.Image) -> dict:
-    """Encoded for Arrow ourselves: fast zlib level 1 (lossless all the same) is ~3x quicker than the default."""
+    """Encoded for Arrow ourselves: fast zlib level 1 (lossless all the same) is ~3x quicker than the
+    default."""
     buffer = io.BytesIO()
     image.save(buffer, format="PNG", compress_level=1)
     return {"bytes": buffer.getvalue(), "path": None}
@@ -265,7 +275,8 @@ class ShapesConfig(Config):
               f"data.shapes.train_turns must lie in [1, {len(QUESTION_TYPES)}], got {self.train_turns}")
         check_question_types(self.train_question_types, "data.shapes.train_question_types")
         check(self.train_turns == 1 or tuple(self.train_question_types) == QUESTION_TYPES,
-              "data.shapes.train_question_types applies to single-turn records only: set data.shapes.train_turns to 1")
+              "data.shapes.train_question_types applies to single-turn records only: set "
+              "data.shapes.train_turns to 1")
         check(0 < self.validation_fraction <= 0.5,
               f"data.shapes.validation_fraction must lie in (0, 0.5], got {self.validation_fraction}")
 

@@ -1,20 +1,22 @@
-"""A second synthetic set, disjoint from the default shapes: one object per image, exported as a user's own JSONL data.
+"""A second synthetic set, disjoint from the default shapes: one object per image, exported as a user's own
+JSONL data.
 
-The default generator (data/synthetic.py) never draws these shapes, colours or backgrounds, nor asks these questions,
-so a model that scores well on this set's held-out split learned it from the JSONL files alone. Nothing in
-data/sources.py or configs/ uses it: it stands in for a user's data.
+The default generator (data/synthetic.py) never draws these shapes, colours or backgrounds, nor asks these
+questions, so a model that scores well on this set's held-out split learned it from the JSONL files alone.
+Nothing in data/sources.py or configs/ uses it: it stands in for a user's data.
 
-    python -m data.synthetic_objects /tmp/objects                       # 20,000 train + 500 validation records, 64 px
+    python -m data.synthetic_objects /tmp/objects   # 20,000 train + 500 validation records, 64 px
     python train.py --data.source jsonl --data.path /tmp/objects/train.jsonl \\
         --data.validation_path /tmp/objects/validation.jsonl
 
-A scene is one object (star, cross, hexagon, ring, heart or crescent), small or big, on the left, in the middle or on
-the right (with jitter), in one of six colours on one of four backgrounds (two dark, two light, one of each a vertical
-gradient) that contrasts with it. Each record asks one question of five types in turn (colour, shape, size, position,
-background), each worded by one of a few templates, with a one-word lowercase answer; lines carry its `question_type`.
+A scene is one object (star, cross, hexagon, ring, heart or crescent), small or big, on the left, in the
+middle or on the right (with jitter), in one of six colours on one of four backgrounds (two dark, two light,
+one of each a vertical gradient) that contrasts with it. Each record asks one question of five types in turn
+(colour, shape, size, position, background), each worded by one of a few templates, with a one-word lowercase
+answer; lines carry its `question_type`.
 
-Train/validation split as in data/synthetic.py: by a stable hash of the scene's content, so no validation scene (same
-shape, colour, size, position and background) ever appears in training.
+Train/validation split as in data/synthetic.py: by a stable hash of the scene's content, so no validation
+scene (same shape, colour, size, position and background) ever appears in training.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from data.synthetic import Split, split_by_hash
 from models.errors import TinyVLMError
 from typed_config import check, one_line
 
-# Built as data/synthetic.py is (sample a scene, split by its hash, render, ask), sharing none of its vocabulary.
+# Built as data/synthetic.py is (sample a scene, split by its hash, render, ask), sharing none of its
+# vocabulary.
 
 SHAPES = ("star", "cross", "hexagon", "ring", "heart", "crescent")
 COLOURS = {
@@ -61,15 +64,27 @@ VALIDATION_FRACTION = 0.1  # share of all possible scenes (there are 720) reserv
 MIN_CONTRAST = 100  # least RGB distance between an object's colour and any pixel of its background
 QUESTION_TYPES = ("colour", "shape", "size", "position", "background")
 TEMPLATES = {
-    "colour": ("Which colour is the object?", "Name the colour of the thing in the picture.",
-               "What is the colour of the object?"),
+    "colour": (
+        "Which colour is the object?",
+        "Name the colour of the thing in the picture.",
+        "What is the colour of the object?",
+    ),
     "shape": ("What kind of shape is this?", "Which shape is drawn here?", "Name the shape in the picture."),
-    "size": ("Is the object big or small?", "How large is the object, big or small?",
-             "Is the thing in the picture small or big?"),
-    "position": ("Where in the picture is the object: left, middle or right?",
-                 "Is the object on the left, in the middle or on the right?",
-                 "Which part of the picture holds the object?"),
-    "background": ("Is the background dark?", "Is the object on a dark background?", "Is it dark behind the object?"),
+    "size": (
+        "Is the object big or small?",
+        "How large is the object, big or small?",
+        "Is the thing in the picture small or big?",
+    ),
+    "position": (
+        "Where in the picture is the object: left, middle or right?",
+        "Is the object on the left, in the middle or on the right?",
+        "Which part of the picture holds the object?",
+    ),
+    "background": (
+        "Is the background dark?",
+        "Is the object on a dark background?",
+        "Is it dark behind the object?",
+    ),
 }
 ANSWERS = {"colour": tuple(COLOURS), "shape": SHAPES, "size": tuple(SIZES), "position": tuple(POSITIONS),
            "background": ("yes", "no")}
@@ -122,14 +137,18 @@ def background(name: str, image_size: int) -> Image.Image:
     return column.resize((image_size, image_size), Image.Resampling.NEAREST)
 
 
-def _polygon(x: float, y: float, radii: list[float], start: float = -math.pi / 2) -> list[tuple[float, float]]:
+def _polygon(x: float, y: float, radii: list[float],
+             start: float = -math.pi / 2) -> list[tuple[float, float]]:
     """Vertices at the given radii around (x, y), evenly spaced clockwise from `start` (straight up)."""
     step = 2 * math.pi / len(radii)
-    return [(x + r * math.cos(start + i * step), y + r * math.sin(start + i * step)) for i, r in enumerate(radii)]
+    return [
+        (x + r * math.cos(start + i * step), y + r * math.sin(start + i * step)) for i, r in enumerate(radii)
+    ]
 
 
 def _draw_mask(draw: ImageDraw.ImageDraw, shape: str, x: float, y: float, r: float) -> None:
-    """The shape in 255 on an L-mode mask (holes cut back to 0), centred at (x, y), reaching about r from it."""
+    """The shape in 255 on an L-mode mask (holes cut back to 0), centred at (x, y), reaching about r from
+    it."""
     if shape == "star":
         draw.polygon(_polygon(x, y, [r, 0.45 * r] * 5), fill=255)
     elif shape == "cross":
@@ -147,7 +166,8 @@ def _draw_mask(draw: ImageDraw.ImageDraw, shape: str, x: float, y: float, r: flo
             draw.ellipse((cx - lobe, y - 0.3 * r - lobe, cx + lobe, y - 0.3 * r + lobe), fill=255)
         draw.polygon([(x - r, y - 0.3 * r), (x + r, y - 0.3 * r), (x, y + r)], fill=255)
     elif shape == "crescent":
-        disc, cut = x + 0.3 * r, x + 0.9 * r  # the disc's centre shifted right: the crescent's own centre is near x
+        # the disc's centre shifted right: the crescent's own centre is near x
+        disc, cut = x + 0.3 * r, x + 0.9 * r
         draw.ellipse((disc - r, y - r, disc + r, y + r), fill=255)
         draw.ellipse((cut - 0.8 * r, y - 0.8 * r, cut + 0.8 * r, y + 0.8 * r), fill=0)
     else:
@@ -155,12 +175,14 @@ def _draw_mask(draw: ImageDraw.ImageDraw, shape: str, x: float, y: float, r: flo
 
 
 def render(scene: Scene, image_size: int, rng: random.Random) -> Image.Image:
-    """Draw the scene crisply (no anti-aliasing: every object pixel has its exact colour); `rng` gives the jitter."""
+    """Draw the scene crisply (no anti-aliasing: every object pixel has its exact colour); `rng` gives the
+    jitter."""
     image = background(scene.background, image_size).copy()
     mask = Image.new("L", (image_size, image_size), 0)
     x = (POSITIONS[scene.position] + rng.uniform(-JITTER, JITTER)) * image_size
     y = rng.uniform(0.3, 0.7) * image_size
-    _draw_mask(ImageDraw.Draw(mask), scene.shape, x, y, SIZES[scene.size] * image_size * rng.uniform(0.92, 1.08))
+    _draw_mask(ImageDraw.Draw(mask), scene.shape, x, y,
+               SIZES[scene.size] * image_size * rng.uniform(0.92, 1.08))
     image.paste(COLOURS[scene.colour], mask=mask)
     return image
 
@@ -170,7 +192,8 @@ def answer_of(scene: Scene, question_type: str) -> str:
     if question_type == "background":
         return "yes" if BACKGROUNDS[scene.background][2] else "no"
     if question_type not in QUESTION_TYPES:
-        raise ValueError(f"unknown question type {question_type!r}; expected one of {', '.join(QUESTION_TYPES)}")
+        raise ValueError(f"unknown question type {question_type!r}; expected one of "
+                         f"{', '.join(QUESTION_TYPES)}")
     return getattr(scene, question_type)
 
 
@@ -181,7 +204,8 @@ def ask(scene: Scene, question_type: str, rng: random.Random) -> tuple[str, str]
 
 
 class Sample(NamedTuple):
-    """One record: the image, one question about it and its answer, the question's type, and the scene drawn."""
+    """One record: the image, one question about it and its answer, the question's type, and the scene
+    drawn."""
 
     image: Image.Image
     question: str
@@ -191,8 +215,8 @@ class Sample(NamedTuple):
 
 
 def generate(split: Split, num_samples: int, seed: int, image_size: int = 64) -> Iterator[Sample]:
-    """`num_samples` single-question samples of `split`, their types in turn (equal shares); same arguments, same
-    samples."""
+    """`num_samples` single-question samples of `split`, their types in turn (equal shares); same arguments,
+    same samples."""
     check(split in ("train", "validation"), f"split must be 'train' or 'validation', got {split!r}")
     rng = random.Random(f"objects:{split}:{seed}")
     for i in range(num_samples):
@@ -206,8 +230,8 @@ def generate(split: Split, num_samples: int, seed: int, image_size: int = 64) ->
 def export_jsonl(out_dir: str | Path, num_train: int = 20000, num_validation: int = 500, seed: int = 0,
                  image_size: int = 64) -> dict[str, Path]:
     """Write PNGs under `out_dir/images/` and `train.jsonl` / `validation.jsonl` in the JSONL format
-    data/sources.py's `load_jsonl` reads, each line one image, one question and its `question_type`; return the
-    JSONL paths by split."""
+    data/sources.py's `load_jsonl` reads, each line one image, one question and its `question_type`; return
+    the JSONL paths by split."""
     check(num_train > 0 and num_validation > 0,
           f"the train and validation record counts must be positive, got {num_train} and {num_validation}")
     check(image_size >= 16, f"the image size must be at least 16 px, got {image_size}")
@@ -219,7 +243,8 @@ def export_jsonl(out_dir: str | Path, num_train: int = 20000, num_validation: in
         for i, sample in enumerate(generate(split, count, seed, image_size)):
             name = f"images/{split}_{i:06d}.png"
             sample.image.save(out_dir / name, compress_level=1)
-            lines.append(json.dumps({"images": [name], "texts": [{"user": sample.question, "assistant": sample.answer}],
+            lines.append(json.dumps({"images": [name],
+                                     "texts": [{"user": sample.question, "assistant": sample.answer}],
                                      "question_type": sample.question_type}))
         paths[split] = out_dir / f"{split}.jsonl"
         paths[split].write_text("\n".join(lines) + "\n")

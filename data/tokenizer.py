@@ -29,10 +29,12 @@ CHAT_TEMPLATE = (
 
 
 def build_shapes_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """A byte-level BPE trained on `texts` (plus the ChatML role headers), with ChatML, image and pad special tokens.
+    """A byte-level BPE trained on `texts` (plus the ChatML role headers), with ChatML, image and pad special
+    tokens.
 
-    Byte-level, so any string encodes; trained on the small synthetic corpus, so its words are mostly one token each.
-    Training is deterministic. The vocabulary may end up smaller than `vocab_size` when the corpus runs out of merges.
+    Byte-level, so any string encodes; trained on the small synthetic corpus, so its words are mostly one
+    token each. Training is deterministic. The vocabulary may end up smaller than `vocab_size` when the corpus
+    runs out of merges.
     """
     specials = [PAD_TOKEN, IM_START, IM_END, IMAGE_TOKEN]
     bpe = Tokenizer(models.BPE())
@@ -54,12 +56,17 @@ def build_shapes_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTr
 
 def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase,
                       extra_tokens: Iterable[str] = ()) -> PreTrainedTokenizerBase:
-    """Add `<|image|>` (and ChatML tokens and a pad token where missing) as special tokens, in place; return it.
-    `extra_tokens` are added too where missing: image splitting's marker tokens (`data.marker_tokens(config)`).
+    """Add `<|image|>` (and ChatML tokens and a pad token where missing) as special tokens, in place; return
+    it. `extra_tokens` are added too where missing: image splitting's marker tokens
+    (`data.marker_tokens(config)`).
 
     The caller then resizes the LM's embeddings to `len(tokenizer)`.
     """
-    missing = [t for t in dict.fromkeys((IM_START, IM_END, IMAGE_TOKEN, *extra_tokens)) if not has_token(tokenizer, t)]
+    missing = [
+        t
+        for t in dict.fromkeys((IM_START, IM_END, IMAGE_TOKEN, *extra_tokens))
+        if not has_token(tokenizer, t)
+    ]
     if missing:
         tokenizer.add_special_tokens({"extra_special_tokens": missing}, replace_extra_special_tokens=False)
     if tokenizer.pad_token is None:
@@ -75,19 +82,21 @@ def has_token(tokenizer: PreTrainedTokenizerBase, token: str) -> bool:
 def token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
     """The id of a special token such as `IMAGE_TOKEN`; ValueError if the tokenizer lacks it."""
     if not has_token(tokenizer, token):
-        raise TokenizerError(f"the tokenizer has no {token} token; call data.prepare_tokenizer(tokenizer) first")
+        raise TokenizerError(f"the tokenizer has no {token} token; call data.prepare_tokenizer(tokenizer) "
+                             "first")
     return tokenizer.convert_tokens_to_ids(token)
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """The tokens that end an answer: `<|im_end|>` (training closes every answer with it) and the tokenizer's EOS,
-    which a base tokenizer sets to another token (`<|endoftext|>`, `</s>`)."""
+    """The tokens that end an answer: `<|im_end|>` (training closes every answer with it) and the tokenizer's
+    EOS, which a base tokenizer sets to another token (`<|endoftext|>`, `</s>`)."""
     ids = [token_id(tokenizer, IM_END), tokenizer.eos_token_id]
     return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
 def conversation_texts(dataset: Iterable[dict]) -> Iterator[str]:
-    """Every user and assistant string of the records (a tokenizer corpus); a Dataset's images are not even decoded."""
+    """Every user and assistant string of the records (a tokenizer corpus); a Dataset's images are not even
+    decoded."""
     for record in _texts_only(dataset):
         for turn in record["texts"]:
             yield turn["user"]
@@ -95,8 +104,8 @@ def conversation_texts(dataset: Iterable[dict]) -> Iterator[str]:
 
 
 def text_lengths(dataset: Iterable[dict]) -> list[int]:
-    """Characters of conversation text per record, a cheap stand-in for its token count (images are not decoded;
-    malformed texts count 0 and are reported when the record is read)."""
+    """Characters of conversation text per record, a cheap stand-in for its token count (images are not
+    decoded; malformed texts count 0 and are reported when the record is read)."""
     def chars(turns) -> int:
         if not isinstance(turns, list):
             return 0

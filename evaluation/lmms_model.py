@@ -1,12 +1,15 @@
-"""tinyvlm as an lmms-eval model (lmms-eval 0.7: `pip install -e ".[eval]"`), registered under the name `tinyvlm`:
+"""tinyvlm as an lmms-eval model (lmms-eval 0.7: `pip install -e ".[eval]"`), registered under the name
+`tinyvlm`:
 
     python -m lmms_eval --model tinyvlm --model_args checkpoint=runs/tiny --tasks mmstar --batch_size 32
-    python -m lmms_eval --model tinyvlm --model_args checkpoint=HuggingFaceTB/SmolVLM-256M-Instruct --tasks mme
+    python -m lmms_eval --model tinyvlm --tasks mme \\
+        --model_args checkpoint=HuggingFaceTB/SmolVLM-256M-Instruct
 
-Any checkpoint `generate.py` takes (tinyvlm's own, SmolVLM / Idefics3, nanoVLM; a directory or a hub id) is asked
-the way it was trained: its own chat template and image splitting (data/chat_processors.py), every image of a
-document in its prompt. `generate_until` runs all of a task's requests through the serving engine (batched, greedy
-unless the task asks for a temperature); `loglikelihood` scores continuations with the model's log-probabilities.
+Any checkpoint `generate.py` takes (tinyvlm's own, SmolVLM / Idefics3, nanoVLM; a directory or a hub id) is
+asked the way it was trained: its own chat template and image splitting (data/chat_processors.py), every image
+of a document in its prompt. `generate_until` runs all of a task's requests through the serving engine
+(batched, greedy unless the task asks for a temperature); `loglikelihood` scores continuations with the
+model's log-probabilities.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ def manifest() -> ModelManifest:
 
 # lmms-eval's model interface (lmms_eval/api/model.py), as its llava_hf model implements it.
 class TinyVLM(lmms):
-    """`checkpoint`: a directory or hub id (None: the newest run under runs/); `batch_size`: the engine's sequences
-    at once, and the rows of a log-likelihood forward; `kv_cache_mib`: the engine's KV-cache memory."""
+    """`checkpoint`: a directory or hub id (None: the newest run under runs/); `batch_size`: the engine's
+    sequences at once, and the rows of a log-likelihood forward; `kv_cache_mib`: the engine's KV-cache
+    memory."""
 
     def __init__(self, checkpoint: str | None = None, device: str | None = None, batch_size: int | str = 16,
                  kv_cache_mib: int = 1024, allow_pickle: bool = False, **unused) -> None:
@@ -55,8 +59,8 @@ class TinyVLM(lmms):
         return [image.convert("RGB") for image in images]
 
     def generate_until(self, requests: list[Instance]) -> list[str]:
-        """Every request through the engine at once (greedy unless it asks for a temperature; as many new tokens as
-        it asks for and the context holds); each answer cut at the first of its `until` strings."""
+        """Every request through the engine at once (greedy unless it asks for a temperature; as many new
+        tokens as it asks for and the context holds); each answer cut at the first of its `until` strings."""
         prepared, stops = [], []
         context_length = self.model.config.language.max_position_embeddings
         for context, gen_kwargs, doc_to_visual, doc_id, task, split in [request.args for request in requests]:
@@ -72,12 +76,15 @@ class TinyVLM(lmms):
 
     @torch.no_grad()
     def loglikelihood(self, requests: list[Instance]) -> list[GenerationResult]:
-        """(the continuation's negative log-likelihood, in nats, summed over its tokens; whether greedy decoding would
-        give it) for each (context, continuation). Negated as lmms-eval's models return it: its multiple-choice
-        tasks pick the choice with the smallest value. Each pair is wrapped in a GenerationResult: lmms-eval 0.7's
-        evaluator turns a bare (float, bool) into its str, which its multiple-choice scoring cannot read."""
+        """(the continuation's negative log-likelihood, in nats, summed over its tokens; whether greedy
+        decoding would give it) for each (context, continuation). Negated as lmms-eval's models return it: its
+        multiple-choice tasks pick the choice with the smallest value. Each pair is wrapped in a
+        GenerationResult: lmms-eval 0.7's evaluator turns a bare (float, bool) into its str, which its
+        multiple-choice scoring cannot read."""
         encoded = []
-        for context, continuation, doc_to_visual, doc_id, task, split in [request.args for request in requests]:
+        for context, continuation, doc_to_visual, doc_id, task, split in [
+            request.args for request in requests
+        ]:
             if not isinstance(continuation, str):  # a task's doc_to_target, for "loglikelihood" tasks
                 continuation = continuation(self.task_dict[task][split][doc_id])
             prompt, pixels = self.processor.encode(context, self._visuals(doc_to_visual, doc_id, task, split))
@@ -94,8 +101,9 @@ class TinyVLM(lmms):
 
 def continuation_scores(model, rows: Sequence[tuple[list[int], list[int], torch.Tensor | None]], pad_id: int,
                         device: torch.device) -> list[tuple[float, bool]]:
-    """For each (prompt ids, continuation ids, prompt pixels): the continuation's summed negative log-likelihood under
-    `model` after the prompt, and whether it is the greedy continuation. One right-padded forward for all rows."""
+    """For each (prompt ids, continuation ids, prompt pixels): the continuation's summed negative
+    log-likelihood under `model` after the prompt, and whether it is the greedy continuation. One right-padded
+    forward for all rows."""
     ids, mask = pad([prompt + continuation for prompt, continuation, _ in rows], pad_id, "right")
     pixels = [p for _, _, p in rows if p is not None]
     logits, _ = model(ids.to(device), torch.cat(pixels).to(device) if pixels else None, mask.to(device))

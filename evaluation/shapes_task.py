@@ -1,12 +1,13 @@
-"""The local lmms-eval task's data: held-out questions of the synthetic shapes (never a training scene), written as
-JSONL + PNG files where evaluation/tasks/tinyvlm_shapes/*.yaml reads them (relative to the working directory).
+"""The local lmms-eval task's data: held-out questions of the synthetic shapes (never a training scene),
+written as JSONL + PNG files where evaluation/tasks/tinyvlm_shapes/*.yaml reads them (relative to the working
+directory).
 
-    python -m evaluation.shapes_task                          # runs/lmms_eval/shapes, as configs/tiny.yaml draws them
+    python -m evaluation.shapes_task      # runs/lmms_eval/shapes, as configs/tiny.yaml draws them
     python -m lmms_eval --model tinyvlm --model_args checkpoint=runs/tiny --include_path evaluation/tasks \\
         --tasks tinyvlm_shapes,tinyvlm_shapes_choice --batch_size 32
 
-`tinyvlm_shapes` scores generated answers by exact match (training/evaluate.py's); `tinyvlm_shapes_choice` asks the
-same questions as multiple choice over every answer of the question's type, scored by log-likelihood.
+`tinyvlm_shapes` scores generated answers by exact match (training/evaluate.py's); `tinyvlm_shapes_choice`
+asks the same questions as multiple choice over every answer of the question's type, scored by log-likelihood.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ CHOICES = {"color": tuple(COLORS), "shape": SHAPES, "count": ("1", "2", "3", "4"
 
 
 def write_shapes_task(directory: Path, num_questions: int, shapes: ShapesConfig) -> list[dict]:
-    """`num_questions` held-out questions (types cycling, no captions) of the shapes set `shapes` draws (its image
-    size, seed and split), as `directory`/test.jsonl with one PNG per question; returns the rows."""
+    """`num_questions` held-out questions (types cycling, no captions) of the shapes set `shapes` draws (its
+    image size, seed and split), as `directory`/test.jsonl with one PNG per question; returns the rows."""
     questions = tuple(kind for kind in QUESTION_TYPES if kind != "caption")
     records = make_shapes_dataset("validation", num_questions, shapes.seed, shapes.image_size, shapes.noise,
                                   validation_fraction=shapes.validation_fraction, question_types=questions)
@@ -43,7 +44,8 @@ def write_shapes_task(directory: Path, num_questions: int, shapes: ShapesConfig)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/tiny.yaml", help="the run config whose shapes to draw")
     parser.add_argument("--num-questions", type=int, default=500)
     parser.add_argument("--out", type=Path, default=DEFAULT_DIRECTORY)

@@ -1,9 +1,10 @@
-"""Attention over every KV-cache layout: causal masks, grouped-query attention under a mask, and paged attention.
+"""Attention over every KV-cache layout: causal masks, grouped-query attention under a mask, and paged
+attention.
 
-The language model's blocks call these (models/language_model.py); the layouts are in models/kv_cache.py. Paged
-attention has two implementations of one contract: `gathered_paged_attention` (each sequence's blocks gathered, then
-SDPA: exact, any block size, the reference and the CPU path) and a Triton kernel that reads the pool in place
-(models/paged_attention_triton.py: GPUs, and tests through Triton's interpreter).
+The language model's blocks call these (models/language_model.py); the layouts are in models/kv_cache.py.
+Paged attention has two implementations of one contract: `gathered_paged_attention` (each sequence's blocks
+gathered, then SDPA: exact, any block size, the reference and the CPU path) and a Triton kernel that reads the
+pool in place (models/paged_attention_triton.py: GPUs, and tests through Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ def causal_mask(start_pos: int | Tensor, num_queries: int, num_keys: int, device
 
 # Grouped-query attention (Ainslie et al. 2023) through PyTorch's scaled_dot_product_attention.
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """q [B, H, T, D] against k, v [B, Hkv, S, D] under a boolean mask [B or 1, 1, T, S], each kv head serving its
-    query heads without repeating K/V: the query heads of a group are folded into the sequence axis."""
+    """q [B, H, T, D] against k, v [B, Hkv, S, D] under a boolean mask [B or 1, 1, T, S], each kv head serving
+    its query heads without repeating K/V: the query heads of a group are folded into the sequence axis."""
     batch, heads, seq, dim = q.shape
     kv_heads = k.shape[1]
     groups = heads // kv_heads
@@ -46,12 +47,13 @@ def paged_attention(q: Tensor, cache: KVCache) -> Tensor:
 
 
 def gathered_paged_attention(q: Tensor, key_pool: Tensor, value_pool: Tensor, layout: Paged) -> Tensor:
-    """The reference: each sequence's blocks gathered ([S, Hkv, blocks * block_size, D]), its queries padded to
-    `max_query_len`, SDPA under a causal mask at the queries' positions, the padding dropped again. No host sync:
-    every shape comes from the layout's tensors and its host-known `max_query_len`."""
+    """The reference: each sequence's blocks gathered ([S, Hkv, blocks * block_size, D]), its queries padded
+    to `max_query_len`, SDPA under a causal mask at the queries' positions, the padding dropped again. No host
+    sync: every shape comes from the layout's tensors and its host-known `max_query_len`."""
     num_tokens, heads, dim = q.shape
     num_seqs, width = layout.block_table.shape
-    blocks = layout.block_table.flatten()  # index_select copies whole blocks (4x faster than pool[table] on a CPU)
+    # index_select copies whole blocks (4x faster than pool[table] on a CPU)
+    blocks = layout.block_table.flatten()
     keys, values = (pool.index_select(0, blocks).view(num_seqs, width * pool.shape[1], *pool.shape[2:])
                     .transpose(1, 2).to(q.dtype) for pool in (key_pool, value_pool))
     starts = layout.query_start.long()

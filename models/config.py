@@ -27,12 +27,15 @@ class VisionConfig(Config):
     pretrained: str | None = None  # SigLIP checkpoint to load: local directory or hub id
 
     def __post_init__(self) -> None:
-        self.check_at_least("vision", 1, ("image_size", "patch_size", "hidden_size", "intermediate_size", "num_layers",
-                                          "num_heads", "num_channels"))
+        self.check_at_least("vision", 1,
+                            ("image_size", "patch_size", "hidden_size", "intermediate_size", "num_layers",
+                             "num_heads", "num_channels"))
         check(self.image_size % self.patch_size == 0,
-              f"vision.image_size ({self.image_size}) must be divisible by vision.patch_size ({self.patch_size})")
+              f"vision.image_size ({self.image_size}) must be divisible by vision.patch_size "
+              f"({self.patch_size})")
         check(self.hidden_size % self.num_heads == 0,
-              f"vision.hidden_size ({self.hidden_size}) must be divisible by vision.num_heads ({self.num_heads})")
+              f"vision.hidden_size ({self.hidden_size}) must be divisible by vision.num_heads "
+              f"({self.num_heads})")
         check(len(self.image_mean) == len(self.image_std) == self.num_channels,
               f"vision.image_mean and vision.image_std need {self.num_channels} values each")
         check(all(s > 0 for s in self.image_std), "vision.image_std values must be positive")
@@ -48,8 +51,9 @@ class VisionConfig(Config):
 
 @dataclasses.dataclass
 class ProjectorConfig(Config):
-    """Pixel shuffle by `pixel_shuffle_factor` (fewer, wider patch tokens), then a linear map to the LM width, plus
-    (with `position_embedding`) a learned embedding per image token, which tells the LM where each token came from."""
+    """Pixel shuffle by `pixel_shuffle_factor` (fewer, wider patch tokens), then a linear map to the LM width,
+    plus (with `position_embedding`) a learned embedding per image token, which tells the LM where each token
+    came from."""
 
     pixel_shuffle_factor: int = 2  # merge factor x factor neighbouring patches into one image token
     position_embedding: bool = False  # add a learned embedding per image token (which cell it shows)
@@ -65,12 +69,13 @@ Resample = Literal["lanczos", "bicubic", "bilinear"]
 
 @dataclasses.dataclass
 class SplitConfig(Config):
-    """Image splitting (SmolVLM / Idefics3, nanoVLM): an image is resized so that its longer side is `max_image_size`,
-    then up to whole multiples of the encoder's `vision.image_size`, cut into that grid of tiles, and shown with one
-    extra tile-sized global (downscaled) image; each tile's tokens are marked in the prompt with its row and column.
-    `layout` names whose order and marker tokens are used: "idefics3" (tiles row by row, then the global image;
-    `<fake_token_around_image>`, `<row_R_col_C>`, `<global-img>`) or "nanovlm" (the global image, then the tiles;
-    nanoVLM's `global_image_token` and `rRcC` tokens). Disabled: one square resize per image."""
+    """Image splitting (SmolVLM / Idefics3, nanoVLM): an image is resized so that its longer side is
+    `max_image_size`, then up to whole multiples of the encoder's `vision.image_size`, cut into that grid of
+    tiles, and shown with one extra tile-sized global (downscaled) image; each tile's tokens are marked in the
+    prompt with its row and column. `layout` names whose order and marker tokens are used: "idefics3" (tiles
+    row by row, then the global image; `<fake_token_around_image>`, `<row_R_col_C>`, `<global-img>`) or
+    "nanovlm" (the global image, then the tiles; nanoVLM's `global_image_token` and `rRcC` tokens). Disabled:
+    one square resize per image."""
 
     enabled: bool = False  # split images into tiles plus a global image (else one square resize)
     max_image_size: int = 1536  # the longer side an image is resized to before it is cut into tiles
@@ -90,22 +95,29 @@ class LanguageConfig(Config):
     intermediate_size: int = 1536  # width of each SwiGLU MLP's hidden layer
     num_layers: int = 30  # decoder blocks
     num_heads: int = 9  # query heads per block
-    num_kv_heads: int = 3  # key/value heads per block (grouped-query attention: num_heads / num_kv_heads share one)
+    # key/value heads per block (grouped-query attention: num_heads / num_kv_heads share one)
+    num_kv_heads: int = 3
     max_position_embeddings: int = 8192  # the context length
     rope_theta: float = 100000.0  # base of the rotary position embedding's frequencies
     rms_norm_eps: float = 1e-5  # epsilon of each RMSNorm
     tie_word_embeddings: bool = True  # the output head reuses the token embedding matrix
-    eos_token_id: int | None = None  # the tokenizer's end-of-sequence id (training sets it from the tokenizer)
-    pretrained: str | None = None  # Llama checkpoint: local directory, hub id, .gguf path or package://pkg/file.gguf
+    # the tokenizer's end-of-sequence id (training sets it from the tokenizer)
+    eos_token_id: int | None = None
+    # Llama checkpoint: local directory, hub id, .gguf path or package://pkg/file.gguf
+    pretrained: str | None = None
 
     def __post_init__(self) -> None:
-        self.check_at_least("language", 1, ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                                            "num_kv_heads", "max_position_embeddings"))
+        self.check_at_least("language", 1,
+                            ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                             "num_kv_heads", "max_position_embeddings"))
         check(self.hidden_size % self.num_heads == 0,
-              f"language.hidden_size ({self.hidden_size}) must be divisible by language.num_heads ({self.num_heads})")
+              f"language.hidden_size ({self.hidden_size}) must be divisible by language.num_heads "
+              f"({self.num_heads})")
         check(self.num_heads % self.num_kv_heads == 0,
-              f"language.num_heads ({self.num_heads}) must be divisible by language.num_kv_heads ({self.num_kv_heads})")
-        check(self.head_dim % 2 == 0, f"language head_dim ({self.head_dim}) must be even for rotary embeddings")
+              f"language.num_heads ({self.num_heads}) must be divisible by language.num_kv_heads "
+              f"({self.num_kv_heads})")
+        check(self.head_dim % 2 == 0,
+              f"language head_dim ({self.head_dim}) must be even for rotary embeddings")
         check(self.rope_theta > 0 and self.rms_norm_eps > 0,
               "language.rope_theta and language.rms_norm_eps must be positive")
         check(self.eos_token_id is None or 0 <= self.eos_token_id < self.vocab_size,
@@ -125,18 +137,21 @@ class VLMConfig(Config):
     projector: ProjectorConfig = dataclasses.field(default_factory=ProjectorConfig)
     language: LanguageConfig = dataclasses.field(default_factory=LanguageConfig)
     splitting: SplitConfig = dataclasses.field(default_factory=SplitConfig)
-    image_token_id: int | None = None  # the image placeholder token's id (training sets it from the tokenizer)
-    # before_text: image tokens open the user turn (nanoVLM, Idefics3). after_text: they close it, so that in a causal
-    # LM each image token can attend to the question and the image is read with the question in mind.
+    # the image placeholder token's id (training sets it from the tokenizer)
+    image_token_id: int | None = None
+    # before_text: image tokens open the user turn (nanoVLM, Idefics3). after_text: they close it, so that in
+    # a causal LM each image token can attend to the question and the image is read with the question in mind.
     image_position: ImagePosition = "before_text"
-    # Tokens that end an answer (the chat format's end of turn and the tokenizer's EOS); empty in configs written
-    # before this field, where the language model's eos_token_id is used (see `stop_ids`).
+    # Tokens that end an answer (the chat format's end of turn and the tokenizer's EOS); empty in configs
+    # written before this field, where the language model's eos_token_id is used (see `stop_ids`).
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         grid, factor = self.vision.grid_size, self.projector.pixel_shuffle_factor
-        check(grid % factor == 0,
-              f"the patch grid ({grid}x{grid}) must be divisible by projector.pixel_shuffle_factor ({factor})")
+        check(
+            grid % factor == 0,
+            f"the patch grid ({grid}x{grid}) must be divisible by projector.pixel_shuffle_factor ({factor})",
+        )
         vocab = self.language.vocab_size
         check(self.image_token_id is None or 0 <= self.image_token_id < vocab,
               f"image_token_id ({self.image_token_id}) must lie in [0, language.vocab_size={vocab})")
@@ -144,11 +159,13 @@ class VLMConfig(Config):
               f"stop_token_ids {list(self.stop_token_ids)} must lie in [0, language.vocab_size={vocab})")
         split, tile = self.splitting, self.vision.image_size
         if split.enabled:
-            check(split.max_image_size >= tile, f"splitting.max_image_size ({split.max_image_size}) must be at least "
+            check(split.max_image_size >= tile,
+                  f"splitting.max_image_size ({split.max_image_size}) must be at least "
                   f"vision.image_size ({tile}), the size of one tile")
             check(split.layout != "nanovlm" or split.max_image_size % tile == 0,
-                  f"splitting.max_image_size ({split.max_image_size}) must be a multiple of vision.image_size ({tile}) "
-                  f"for splitting.layout nanovlm (nanoVLM resizes the longer side to it, in whole tiles)")
+                  f"splitting.max_image_size ({split.max_image_size}) must be a multiple of "
+                  f"vision.image_size ({tile}) for splitting.layout nanovlm (nanoVLM resizes the longer side "
+                  "to it, in whole tiles)")
 
     @property
     def stop_ids(self) -> list[int]:

@@ -6,4 +6,5 @@ class TinyVLMError(Exception):
 
 
 class InputError(TinyVLMError, ValueError):
-    """Inputs that do not fit the model: images of the wrong shape, or image tokens that do not match the images."""
+    """Inputs that do not fit the model: images of the wrong shape, or image tokens that do not match the
+    images."""

@@ -1,8 +1,9 @@
 """A Llama GGUF file (llama.cpp's format; SmolLM2 ships as one) as a Hugging Face Llama config and state dict.
 
-Read with the `gguf` package (what transformers' GGUF loader reads with too), without building a transformers model:
-the weights are dequantized to float32 and renamed to Hugging Face's Llama names, and the query / key rows go back
-from llama.cpp's rotary layout to Hugging Face's (llama.cpp's convert_hf_to_gguf.py permutes them).
+Read with the `gguf` package (what transformers' GGUF loader reads with too), without building a transformers
+model: the weights are dequantized to float32 and renamed to Hugging Face's Llama names, and the query / key
+rows go back from llama.cpp's rotary layout to Hugging Face's (llama.cpp's convert_hf_to_gguf.py permutes
+them).
 """
 
 from __future__ import annotations
@@ -30,28 +31,34 @@ _NAMES = [
     (r"^blk\.(\d+)\.ffn_up\.", r"model.layers.\1.mlp.up_proj."),
     (r"^blk\.(\d+)\.ffn_down\.", r"model.layers.\1.mlp.down_proj."),
 ]
-_REQUIRED = ["llama.block_count", "llama.embedding_length", "llama.feed_forward_length", "llama.attention.head_count"]
+_REQUIRED = ["llama.block_count", "llama.embedding_length", "llama.feed_forward_length",
+             "llama.attention.head_count"]
 
 
 def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The Hugging Face `config.json` dict and float32 state dict of the Llama model in the GGUF file `path`."""
+    """The Hugging Face `config.json` dict and float32 state dict of the Llama model in the GGUF file
+    `path`."""
     try:
         from gguf import GGUFReader
         from gguf.quants import dequantize
     except ImportError:
-        raise CheckpointError(f"{path}: reading GGUF files needs the gguf package (pip install -e '.[gguf]')") from None
+        raise CheckpointError(
+            f"{path}: reading GGUF files needs the gguf package (pip install -e '.[gguf]')"
+        ) from None
 
     try:
         reader = GGUFReader(path)
     except (ValueError, OSError) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
     config = _hf_config(reader, path)
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}  # llama.cpp's names
+    # llama.cpp's names
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     weights = {}
     for tensor in reader.tensors:
         projection = tensor.name.removesuffix(".weight").rpartition(".")[2]
         try:
-            values = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # a copy, not the map
+            # a copy, not the map
+            values = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
             if projection in heads:
                 values = _unpermute(values, heads[projection])
         except (NotImplementedError, ValueError) as e:  # a quantization gguf cannot dequantize, odd shapes
@@ -66,20 +73,23 @@ def _field(reader, key: str, default: Any = None) -> Any:
 
 
 def _hf_config(reader, path: Path) -> dict[str, Any]:
-    """The metadata of a Llama GGUF file as a Hugging Face Llama `config.json` dict (as transformers maps it)."""
+    """The metadata of a Llama GGUF file as a Hugging Face Llama `config.json` dict (as transformers maps
+    it)."""
     if (architecture := _field(reader, "general.architecture")) != "llama":
         raise CheckpointError(f"{path}: GGUF architecture {architecture!r} is not supported (expected llama)")
     if missing := [key for key in _REQUIRED if key not in reader.fields]:
-        raise CheckpointError(f"{path}: not a complete Llama GGUF file (no {', '.join(missing)} in its metadata)")
+        raise CheckpointError(f"{path}: not a complete Llama GGUF file (no {', '.join(missing)} in its "
+                              "metadata)")
     tensors = {tensor.name for tensor in reader.tensors}
     heads, hidden = _field(reader, "llama.attention.head_count"), _field(reader, "llama.embedding_length")
-    # Rope scaling comes as a type, an older linear factor, or (Llama 3.1+) a rope_freqs tensor: config_from_hf
-    # refuses it ("rope scaling") rather than the model loading without it.
+    # Rope scaling comes as a type, an older linear factor, or (Llama 3.1+) a rope_freqs tensor:
+    # config_from_hf refuses it ("rope scaling") rather than the model loading without it.
     scaling = _field(reader, "llama.rope.scaling.type", "none")
     if scaling == "none" and ("rope_freqs.weight" in tensors or "llama.rope.scale_linear" in reader.fields):
         scaling = "llama3" if "rope_freqs.weight" in tensors else "linear"
     return {
-        # transformers reads a "llama" file named Mistral as Mistral (its sliding window is not in the metadata)
+        # transformers reads a "llama" file named Mistral as Mistral (its sliding window is not in the
+        # metadata)
         "model_type": "mistral" if "mistral" in str(_field(reader, "general.name", "")).lower() else "llama",
         "vocab_size": _field(reader, "llama.vocab_size", len(_field(reader, "tokenizer.ggml.tokens", []))),
         "hidden_size": hidden,
@@ -98,6 +108,7 @@ def _hf_config(reader, path: Path) -> dict[str, Any]:
 
 
 def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's rotary permutation of a q or k projection: within each head, its two interleaved halves."""
+    """Undo llama.cpp's rotary permutation of a q or k projection: within each head, its two interleaved
+    halves."""
     half = rows.shape[0] // heads // 2
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)

@@ -1,10 +1,12 @@
-"""SmolVLM / Idefics3 checkpoints (transformers format) as tinyvlm models, and tinyvlm models as Idefics3 checkpoints.
+"""SmolVLM / Idefics3 checkpoints (transformers format) as tinyvlm models, and tinyvlm models as Idefics3
+checkpoints.
 
     model = VisionLanguageModel.from_pretrained("HuggingFaceTB/SmolVLM-256M-Instruct")   # dispatches here
     python -m training.export --format idefics3 runs/tiny/step_002000 exported/           # the way back
 
-An Idefics3 model is a SigLIP vision tower, a pixel-shuffle connector and a Llama text model: tinyvlm's own three
-modules, so loading is a mapping of config fields and weight names, and export is the same mapping reversed.
+An Idefics3 model is a SigLIP vision tower, a pixel-shuffle connector and a Llama text model: tinyvlm's own
+three modules, so loading is a mapping of config fields and weight names, and export is the same mapping
+reversed.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from models.weights import CheckpointError, atomic_write, read_json, read_weight
 if TYPE_CHECKING:
     from models.vision_language_model import VisionLanguageModel
 
-# Idefics3's parts: (its prefix, the prefix the SigLIP / Llama renaming rules expect, tinyvlm's prefix, the rules).
+# Idefics3's parts: (its prefix, the prefix the SigLIP / Llama renaming rules expect, tinyvlm's prefix, the
+# rules).
 PARTS = (("model.vision_model.", "", "vision.", HF_SIGLIP_KEYS),
          ("model.connector.modality_projection.", "", "projector.", []),
          ("model.text_model.", "model.", "language.", HF_LLAMA_KEYS),
@@ -33,7 +36,8 @@ LANCZOS = 1  # PIL.Image.Resampling.LANCZOS, as preprocessor_config.json stores 
 
 
 def full_config(hf: dict) -> dict:
-    """An Idefics3 config.json with every default filled in by transformers (hub configs list only what differs)."""
+    """An Idefics3 config.json with every default filled in by transformers (hub configs list only what
+    differs)."""
     from transformers import Idefics3Config
 
     return Idefics3Config.from_dict(hf).to_dict()
@@ -41,7 +45,8 @@ def full_config(hf: dict) -> dict:
 
 def config_from_idefics3(hf: dict, preprocessor: dict | None = None,
                          generation: dict | None = None) -> VLMConfig:
-    """Our config for an Idefics3 `config.json` (+ its preprocessor_config.json and generation_config.json)."""
+    """Our config for an Idefics3 `config.json` (+ its preprocessor_config.json and
+    generation_config.json)."""
     hf = full_config(hf)
     vision = hf["vision_config"]
     if vision.get("model_type") != "idefics3_vision":
@@ -54,8 +59,8 @@ def config_from_idefics3(hf: dict, preprocessor: dict | None = None,
     stop = generation.get("eos_token_id", language.eos_token_id)
     tile = preprocessor.get("max_image_size", {}).get("longest_edge", vision_config.image_size)
     if tile != vision_config.image_size:
-        raise CheckpointError(f"unsupported Idefics3 variant: max_image_size.longest_edge {tile} differs from the "
-                              f"vision tower's image_size {vision_config.image_size}")
+        raise CheckpointError(f"unsupported Idefics3 variant: max_image_size.longest_edge {tile} differs "
+                              f"from the vision tower's image_size {vision_config.image_size}")
     resample = preprocessor.get("resample", LANCZOS)
     if resample != LANCZOS:
         raise CheckpointError(f"unsupported Idefics3 variant: resample {resample} (only LANCZOS, 1)")
@@ -69,7 +74,8 @@ def config_from_idefics3(hf: dict, preprocessor: dict | None = None,
 
 
 def to_tinyvlm_key(key: str) -> str:
-    """An Idefics3 weight name as tinyvlm's (a name outside the four parts is kept, so load_checked reports it)."""
+    """An Idefics3 weight name as tinyvlm's (a name outside the four parts is kept, so load_checked reports
+    it)."""
     for prefix, hf_prefix, ours, rules in PARTS:
         if key.startswith(prefix):
             return ours + next(iter(rename_keys({hf_prefix + key.removeprefix(prefix): None}, rules)))
@@ -81,13 +87,15 @@ def _optional_json(path: Path) -> dict | None:
 
 
 def image_processor_config(path: Path) -> dict | None:
-    """The image processor's settings: preprocessor_config.json (transformers 4), or the `image_processor` entry of
-    processor_config.json (transformers 5)."""
+    """The image processor's settings: preprocessor_config.json (transformers 4), or the `image_processor`
+    entry of processor_config.json (transformers 5)."""
     return (_optional_json(path / "preprocessor_config.json")
             or (_optional_json(path / "processor_config.json") or {}).get("image_processor"))
 
 
-def read_idefics3(path: Path, hf_config: dict, allow_pickle: bool = False) -> tuple[VLMConfig, dict[str, torch.Tensor]]:
+def read_idefics3(
+    path: Path, hf_config: dict, allow_pickle: bool = False
+) -> tuple[VLMConfig, dict[str, torch.Tensor]]:
     """The tinyvlm config and weights (tinyvlm's names) of the Idefics3 checkpoint directory `path`."""
     generation = _optional_json(path / "generation_config.json")
     config = config_from_idefics3(hf_config, image_processor_config(path), generation)
@@ -98,11 +106,13 @@ def read_idefics3(path: Path, hf_config: dict, allow_pickle: bool = False) -> tu
 
 
 def idefics3_config(config: VLMConfig):
-    """transformers' Idefics3Config for a tinyvlm config, or a CheckpointError naming the field Idefics3 lacks."""
+    """transformers' Idefics3Config for a tinyvlm config, or a CheckpointError naming the field Idefics3
+    lacks."""
     from transformers import Idefics3Config
 
     misfits = {
-        "projector.position_embedding": config.projector.position_embedding,  # Idefics3 has no per-token embedding
+        # Idefics3 has no per-token embedding
+        "projector.position_embedding": config.projector.position_embedding,
         "image_position": config.image_position != "before_text",
         "image_token_id": config.image_token_id is None,
         "splitting.layout": config.splitting.enabled and config.splitting.layout != "idefics3",
@@ -113,19 +123,38 @@ def idefics3_config(config: VLMConfig):
                               f"({', '.join(f'{n}={_field(config, n)!r}' for n in bad)})")
     vision, language = config.vision, config.language
     return Idefics3Config(
-        vision_config=dict(model_type="idefics3_vision", hidden_size=vision.hidden_size,
-                           intermediate_size=vision.intermediate_size, num_hidden_layers=vision.num_layers,
-                           num_attention_heads=vision.num_heads, num_channels=vision.num_channels,
-                           image_size=vision.image_size, patch_size=vision.patch_size,
-                           layer_norm_eps=vision.layer_norm_eps, hidden_act="gelu_pytorch_tanh"),
-        text_config=dict(model_type="llama", vocab_size=language.vocab_size, hidden_size=language.hidden_size,
-                         intermediate_size=language.intermediate_size, num_hidden_layers=language.num_layers,
-                         num_attention_heads=language.num_heads, num_key_value_heads=language.num_kv_heads,
-                         head_dim=language.head_dim, max_position_embeddings=language.max_position_embeddings,
-                         rope_theta=language.rope_theta, rms_norm_eps=language.rms_norm_eps,
-                         tie_word_embeddings=language.tie_word_embeddings, eos_token_id=language.eos_token_id),
-        scale_factor=config.projector.pixel_shuffle_factor, image_token_id=config.image_token_id,
-        tie_word_embeddings=language.tie_word_embeddings, architectures=["Idefics3ForConditionalGeneration"])
+        vision_config=dict(
+            model_type="idefics3_vision",
+            hidden_size=vision.hidden_size,
+            intermediate_size=vision.intermediate_size,
+            num_hidden_layers=vision.num_layers,
+            num_attention_heads=vision.num_heads,
+            num_channels=vision.num_channels,
+            image_size=vision.image_size,
+            patch_size=vision.patch_size,
+            layer_norm_eps=vision.layer_norm_eps,
+            hidden_act="gelu_pytorch_tanh",
+        ),
+        text_config=dict(
+            model_type="llama",
+            vocab_size=language.vocab_size,
+            hidden_size=language.hidden_size,
+            intermediate_size=language.intermediate_size,
+            num_hidden_layers=language.num_layers,
+            num_attention_heads=language.num_heads,
+            num_key_value_heads=language.num_kv_heads,
+            head_dim=language.head_dim,
+            max_position_embeddings=language.max_position_embeddings,
+            rope_theta=language.rope_theta,
+            rms_norm_eps=language.rms_norm_eps,
+            tie_word_embeddings=language.tie_word_embeddings,
+            eos_token_id=language.eos_token_id,
+        ),
+        scale_factor=config.projector.pixel_shuffle_factor,
+        image_token_id=config.image_token_id,
+        tie_word_embeddings=language.tie_word_embeddings,
+        architectures=["Idefics3ForConditionalGeneration"],
+    )
 
 
 def _field(config: VLMConfig, dotted: str):
@@ -136,8 +165,9 @@ def _field(config: VLMConfig, dotted: str):
 
 
 def export_idefics3(model: VisionLanguageModel, out: Path) -> None:
-    """Write `model` as a transformers Idefics3 checkpoint: config.json, model.safetensors (Idefics3's weight names),
-    generation_config.json (the stop tokens) and preprocessor_config.json (the image splitting settings)."""
+    """Write `model` as a transformers Idefics3 checkpoint: config.json, model.safetensors (Idefics3's weight
+    names), generation_config.json (the stop tokens) and preprocessor_config.json (the image splitting
+    settings)."""
     import json
 
     from safetensors.torch import save_file
@@ -154,13 +184,23 @@ def export_idefics3(model: VisionLanguageModel, out: Path) -> None:
         "config.json": hf_config.to_dict(),
         "generation_config.json": {"eos_token_id": model.config.stop_ids, "bos_token_id": None},
         "preprocessor_config.json": {
-            "image_processor_type": "Idefics3ImageProcessor", "do_image_splitting": splitting.enabled,
+            "image_processor_type": "Idefics3ImageProcessor",
+            "do_image_splitting": splitting.enabled,
             "size": {"longest_edge": splitting.max_image_size if splitting.enabled else vision.image_size},
-            "max_image_size": {"longest_edge": vision.image_size}, "resample": LANCZOS, "do_resize": True,
-            "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": list(vision.image_mean),
-            "image_std": list(vision.image_std), "do_pad": True, "do_convert_rgb": True},
+            "max_image_size": {"longest_edge": vision.image_size},
+            "resample": LANCZOS,
+            "do_resize": True,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": list(vision.image_mean),
+            "image_std": list(vision.image_std),
+            "do_pad": True,
+            "do_convert_rgb": True,
+        },
     }
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     for name, content in files.items():
-        atomic_write(out / name, lambda tmp, content=content: tmp.write_text(json.dumps(content, indent=2) + "\n"))
+        atomic_write(out / name,
+                     lambda tmp, content=content: tmp.write_text(json.dumps(content, indent=2) + "\n"))

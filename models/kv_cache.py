@@ -1,23 +1,25 @@
-"""The per-block KV cache: a dict {"key", "value", "layout"}; the layout entry says how K/V are stored and read.
+"""The per-block KV cache: a dict {"key", "value", "layout"}; the layout entry says how K/V are stored and
+read.
 
-| layout                          | "key" / "value"            | a call writes             | attention spans       |
-|---------------------------------|----------------------------|---------------------------|-----------------------|
-| no cache (None)                 | -                          | nothing; returns Growing  | the call's tokens     |
-| Growing (nanoVLM's)             | [B, Hkv, tokens so far, D] | appends (torch.cat)       | every token so far    |
-| Preallocated()                  | [B, Hkv, capacity, D]      | slots start_pos .. + T    | slots 0 .. start + T  |
-| Preallocated(shape_static=True) | [B, Hkv, capacity, D]      | the same, index_copy_     | all slots, masked     |
-| Paged                           | [blocks, block, Hkv, D]    | the slots of slot_mapping | its sequence's blocks |
+| layout                          | "key" / "value"         | a call writes          | attention spans      |
+|---------------------------------|-------------------------|------------------------|----------------------|
+| no cache (None)                 | -                       | none; returns Growing  | the call's tokens    |
+| Growing (nanoVLM's)             | [B, Hkv, so far, D]     | appends (torch.cat)    | every token so far   |
+| Preallocated()                  | [B, Hkv, capacity, D]   | slots start_pos .. + T | slots 0 .. start + T |
+| Preallocated(shape_static=True) | [B, Hkv, capacity, D]   | the same, index_copy_  | all slots, masked    |
+| Paged                           | [blocks, block, Hkv, D] | slot_mapping's slots   | its blocks           |
 
-`start_pos` is an int for Growing and Preallocated, a 0-dim device tensor for the shape-static mode (so every step of
-a compiled decode has one shape), and unused by Paged, whose layout carries every token's position. A preallocated
-cache never grows: writing past its capacity raises `CacheCapacityError` (int positions; a tensor position is the
-caller's to check once, before decoding, since reading a device tensor would stall the step).
+`start_pos` is an int for Growing and Preallocated, a 0-dim device tensor for the shape-static mode (so every
+step of a compiled decode has one shape), and unused by Paged, whose layout carries every token's position. A
+preallocated cache never grows: writing past its capacity raises `CacheCapacityError` (int positions; a tensor
+position is the caller's to check once, before decoding, since reading a device tensor would stall the step).
 
-Paged (PagedAttention, Kwon et al. 2023; built and managed by serving/): the tokens of many sequences run as one
-row, [1, N], packed without padding; the pool is shared by every sequence, and the layout says where each sequence's
-tokens live (its block table), where each new token goes (`slot_mapping`), and which queries belong to which sequence
-(`query_start`, as flash attention's cu_seqlens) at which positions. Attention reads the pool through the block tables
-(models/attention.py): gathered + SDPA (exact, the reference and the CPU path), or a Triton kernel in place.
+Paged (PagedAttention, Kwon et al. 2023; built and managed by serving/): the tokens of many sequences run as
+one row, [1, N], packed without padding; the pool is shared by every sequence, and the layout says where each
+sequence's tokens live (its block table), where each new token goes (`slot_mapping`), and which queries belong
+to which sequence (`query_start`, as flash attention's cu_seqlens) at which positions. Attention reads the
+pool through the block tables (models/attention.py): gathered + SDPA (exact, the reference and the CPU path),
+or a Triton kernel in place.
 
 Memory (the formula from the KV-cache articles, with grouped-query attention's fewer kv heads):
     bytes = 2 (K and V) x layers x kv_heads x head_dim x tokens x batch x bytes_per_element
@@ -48,20 +50,23 @@ class Growing:
 
 @dataclasses.dataclass(frozen=True)
 class Preallocated:
-    """A fixed capacity written in place at `start_pos`. shape_static: the position is a 0-dim device tensor and
-    attention spans the whole capacity under a mask, so every decode step has one shape (compiled decoding)."""
+    """A fixed capacity written in place at `start_pos`. shape_static: the position is a 0-dim device tensor
+    and attention spans the whole capacity under a mask, so every decode step has one shape (compiled
+    decoding)."""
 
     shape_static: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Paged:
-    """Where the tokens of a packed call live in a shared block pool (see the module docstring). Sequences s = 0 ..
-    S-1 own queries query_start[s] .. query_start[s + 1] - 1 of the call, the last ones of their first
-    context_lens[s] tokens. `max_query_len` (host-known) sizes the reference path; `attention` picks the kernel."""
+    """Where the tokens of a packed call live in a shared block pool (see the module docstring). Sequences
+    s = 0 .. S-1 own queries query_start[s] .. query_start[s + 1] - 1 of the call, the last ones of their
+    first context_lens[s] tokens. `max_query_len` (host-known) sizes the reference path; `attention` picks the
+    kernel."""
 
     block_table: Tensor  # [S, max blocks] int: each sequence's blocks in order, padded with the null block 0
-    slot_mapping: Tensor  # [N] int64: the pool slot (block * block_size + offset) each new token is written to
+    # [N] int64: the pool slot (block * block_size + offset) each new token is written to
+    slot_mapping: Tensor
     positions: Tensor  # [N] int64: each token's position in its own sequence
     query_start: Tensor  # [S + 1] int: cumulative query counts
     context_lens: Tensor  # [S] int: each sequence's tokens in the cache once this call has written
@@ -76,8 +81,8 @@ class Paged:
 Layout = Growing | Preallocated | Paged
 
 
-def allocate(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-             shape_static: bool = False) -> KVCache:
+def allocate(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
+             device: torch.device, shape_static: bool = False) -> KVCache:
     shape = (batch, kv_heads, capacity, head_dim)
     return {"key": torch.zeros(shape, dtype=dtype, device=device),
             "value": torch.zeros(shape, dtype=dtype, device=device), "layout": Preallocated(shape_static)}
@@ -88,7 +93,8 @@ def layout_of(cache: KVCache | None) -> Layout | None:
 
 
 def with_layout(caches: list[KVCache], layout: Layout) -> list[KVCache]:
-    """The same K/V tensors under another layout (e.g. a prefilled cache switched to shape-static decoding)."""
+    """The same K/V tensors under another layout (e.g. a prefilled cache switched to shape-static
+    decoding)."""
     return [{**cache, "layout": layout} for cache in caches]
 
 
@@ -111,9 +117,10 @@ def attended_slots(cache: KVCache | None, start_pos: int | Tensor, num_new: int)
     return start_pos + num_new
 
 
-def write(cache: KVCache | None, key: Tensor, value: Tensor, start_pos: int | Tensor) -> tuple[KVCache, Tensor, Tensor]:
-    """Store `key`/`value` [B, H, T, D] as the table above says; return the cache and the keys/values to attend over
-    (the pools themselves for a paged cache)."""
+def write(cache: KVCache | None, key: Tensor, value: Tensor,
+          start_pos: int | Tensor) -> tuple[KVCache, Tensor, Tensor]:
+    """Store `key`/`value` [B, H, T, D] as the table above says; return the cache and the keys/values to
+    attend over (the pools themselves for a paged cache)."""
     layout = layout_of(cache)
     if layout is None:
         return {"key": key, "value": value, "layout": Growing()}, key, value
@@ -136,18 +143,21 @@ def write(cache: KVCache | None, key: Tensor, value: Tensor, start_pos: int | Te
         cache["value"].index_copy_(2, slots, value.to(cache["value"].dtype))
         return cache, cache["key"], cache["value"]
     if isinstance(start_pos, Tensor):
-        raise TypeError("a preallocated cache takes an int start_pos (Preallocated(shape_static=True) takes tensors)")
+        raise TypeError("a preallocated cache takes an int start_pos (Preallocated(shape_static=True) takes "
+                        "tensors)")
     end = start_pos + key.shape[2]
     if end > capacity(cache):
         raise CacheCapacityError(f"writing KV slots {start_pos}..{end - 1} into a cache of {capacity(cache)} "
-                                 f"slots; allocate one that holds every token (allocate_kv_cache(batch, capacity))")
+                                 "slots; allocate one that holds every token (allocate_kv_cache(batch, "
+                                 "capacity))")
     cache["key"][:, :, start_pos:end] = key
     cache["value"][:, :, start_pos:end] = value
     return cache, cache["key"][:, :, :end], cache["value"][:, :, :end]
 
 
 def _write_paged(cache: KVCache, layout: Paged, key: Tensor, value: Tensor) -> None:
-    """Scatter the call's K/V [1, Hkv, N, D] into the pool at `slot_mapping` (padded tokens write the null block)."""
+    """Scatter the call's K/V [1, Hkv, N, D] into the pool at `slot_mapping` (padded tokens write the null
+    block)."""
     for pool, new in ((cache["key"], key), (cache["value"], value)):
         num_blocks, size, heads, dim = pool.shape
         flat = pool.view(num_blocks * size, heads, dim)
@@ -155,12 +165,14 @@ def _write_paged(cache: KVCache, layout: Paged, key: Tensor, value: Tensor) -> N
 
 
 def repeat_rows(caches: list[KVCache], repeats: int) -> list[KVCache]:
-    """Each batch row's cache copied `repeats` times (row b becomes rows b*repeats .. b*repeats + repeats - 1)."""
+    """Each batch row's cache copied `repeats` times (row b becomes rows b*repeats ..
+    b*repeats + repeats - 1)."""
     return [{**{name: t.repeat_interleave(repeats, dim=0) for name, t in tensors(cache).items()},
              "layout": cache["layout"]} for cache in caches]
 
 
-def kv_cache_bytes(config: LanguageConfig, batch: int, tokens: int, dtype: torch.dtype = torch.bfloat16) -> int:
+def kv_cache_bytes(config: LanguageConfig, batch: int, tokens: int,
+                   dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes a KV cache holds: 2 x layers x kv_heads x head_dim x tokens x batch x bytes per element."""
     element = torch.tensor([], dtype=dtype).element_size()
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * tokens * batch * element

@@ -1,9 +1,10 @@
-"""A Llama-style decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) with a per-block dict KV cache.
+"""A Llama-style decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) with a per-block dict
+KV cache.
 
-Weights load from Hugging Face Llama checkpoints (safetensors, sharded or not) and from GGUF files (SmolLM2 ships
-as one). Every block maps `(x, kv_cache)` to `(x, kv_cache)`; positions come from `start_pos` and, for padded
-batches, from the attention mask, so each row's (or each packed sequence's) rotary positions start at 0 at its first
-real token.
+Weights load from Hugging Face Llama checkpoints (safetensors, sharded or not) and from GGUF files (SmolLM2
+ships as one). Every block maps `(x, kv_cache)` to `(x, kv_cache)`; positions come from `start_pos` and, for
+padded batches, from the attention mask, so each row's (or each packed sequence's) rotary positions start at 0
+at its first real token.
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ from models.attention import causal_mask, grouped_attention, paged_attention
 from models.config import LanguageConfig
 from models.gguf import read_gguf
 from models.kv_cache import KVCache, Paged, allocate, attended_slots, layout_of, write
-from models.weights import CheckpointError, load_checked, read_json, read_weights, rename_keys, resolve, weight_patterns
+from models.weights import (
+    CheckpointError,
+    load_checked,
+    read_json,
+    read_weights,
+    rename_keys,
+    resolve,
+    weight_patterns,
+)
 
 
 # Root-mean-square LayerNorm (Zhang & Sennrich, 2019), as transformers' LlamaRMSNorm computes it.
@@ -36,15 +45,16 @@ class RMSNorm(nn.Module):
 
 # Rotary position embeddings (RoFormer, Su et al. 2021) in Hugging Face Llama's half-rotation layout.
 class RotaryEmbedding(nn.Module):
-    """cos/sin computed in float32 for each call's positions, as transformers' Llama does: no stored table, so no
-    `model.to(bfloat16)` can round it for good."""
+    """cos/sin computed in float32 for each call's positions, as transformers' Llama does: no stored table, so
+    no `model.to(bfloat16)` can round it for good."""
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos and sin for `positions` [batch, seq], shaped [batch, 1, seq, head_dim] to broadcast over heads."""
+        """cos and sin for `positions` [batch, seq], shaped [batch, 1, seq, head_dim] to broadcast over
+        heads."""
         exponents = torch.arange(0, self.head_dim, 2, device=positions.device).float() / self.head_dim
         angles = positions.float()[..., None] * (1.0 / self.theta**exponents)
         angles = torch.cat([angles, angles], dim=-1)
@@ -109,8 +119,8 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None,
                 kv_cache: KVCache | None = None, start_pos: int | Tensor = 0) -> tuple[Tensor, KVCache]:
-        """`mask` [B or 1, 1, T, S] bool (None: causal). Without a cache, returns a new one holding this call's K/V;
-        with one, writes K/V at slots start_pos .. start_pos + T and attends over the cache."""
+        """`mask` [B or 1, 1, T, S] bool (None: causal). Without a cache, returns a new one holding this
+        call's K/V; with one, writes K/V at slots start_pos .. start_pos + T and attends over the cache."""
         attended, kv_cache = self.attn(self.attn_norm(x), cos, sin, mask, kv_cache, start_pos)
         x = x + attended
         return x + self.mlp(self.mlp_norm(x)), kv_cache
@@ -130,14 +140,16 @@ HF_LLAMA_KEYS = [
 def config_from_hf(hf: dict) -> LanguageConfig:
     """Our config for a Hugging Face Llama `config.json`; unsupported variants fail with a clear message."""
     if hf.get("model_type") not in ("llama", None):
-        raise CheckpointError(f"model_type {hf.get('model_type')!r} is not supported (expected a Llama checkpoint)")
+        raise CheckpointError(f"model_type {hf.get('model_type')!r} is not supported (expected a Llama "
+                              "checkpoint)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     unsupported = {
         "hidden_act": hf.get("hidden_act", "silu") != "silu",
         "attention_bias": bool(hf.get("attention_bias")),
         "mlp_bias": bool(hf.get("mlp_bias")),
         "rope scaling": rope.get("rope_type", rope.get("type", "default")) != "default",
-        "head_dim": (hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"]) * hf["num_attention_heads"]
+        "head_dim": (hf.get("head_dim",
+                            hf["hidden_size"] // hf["num_attention_heads"]) * hf["num_attention_heads"]
                      != hf["hidden_size"]),
     }
     if bad := [name for name, flag in unsupported.items() if flag]:
@@ -180,16 +192,17 @@ class LanguageModel(nn.Module):
     def tied_weight_keys(self) -> list[str]:
         return ["head.weight"] if self.config.tie_word_embeddings else []
 
-    def forward(self, embeddings: Tensor, attention_mask: Tensor | None = None, kv_cache: list[KVCache] | None = None,
+    def forward(self, embeddings: Tensor, attention_mask: Tensor | None = None,
+                kv_cache: list[KVCache] | None = None,
                 start_pos: int | Tensor = 0) -> tuple[Tensor, list[KVCache]]:
         """Run the blocks over `embeddings` [B, T, C] placed at slots start_pos .. start_pos + T.
 
         attention_mask: [B, L] with 1 for real tokens and 0 for padding over slots 0 .. L-1 (L >= the slots
         attended), or, for rows that pack several sequences, 1, 2, ... for the tokens of each (in order; see
-        data/packing.py); None means no padding. kv_cache: one dict per block (see `allocate_kv_cache`), or None for a
-        plain pass; its "layout" entry says how it is written and read (models/kv_cache.py). start_pos: an int, or a
-        0-dim tensor for a shape-static cache; a paged cache carries each token's position itself (one row [1, N] of
-        packed sequences, no attention mask).
+        data/packing.py); None means no padding. kv_cache: one dict per block (see `allocate_kv_cache`), or
+        None for a plain pass; its "layout" entry says how it is written and read (models/kv_cache.py).
+        start_pos: an int, or a 0-dim tensor for a shape-static cache; a paged cache carries each token's
+        position itself (one row [1, N] of packed sequences, no attention mask).
         Returns the final-normed hidden states and the cache; logits are `head(hidden)`.
         """
         batch, seq, _ = embeddings.shape
@@ -220,9 +233,9 @@ class LanguageModel(nn.Module):
                             num_keys: int, device: torch.device) -> tuple[Tensor, Tensor | None]:
         """Rotary positions [B, T] and the attention mask [B, 1, T, S] (None for plain causal attention).
 
-        A token's position is the number of real tokens before it in its own sequence (a packed row's sequences are
-        numbered 1, 2, ... in order); a token sees the earlier tokens of its sequence, and a pad sees only itself, so
-        that no softmax row is empty."""
+        A token's position is the number of real tokens before it in its own sequence (a packed row's
+        sequences are numbered 1, 2, ... in order); a token sees the earlier tokens of its sequence, and a pad
+        sees only itself, so that no softmax row is empty."""
         slots = torch.arange(seq, device=device) + start_pos
         if attention_mask is None:
             if num_keys == seq:
@@ -244,10 +257,11 @@ class LanguageModel(nn.Module):
 
     def allocate_kv_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None,
                           device: torch.device | None = None, shape_static: bool = False) -> list[KVCache]:
-        """One preallocated {"key", "value", "layout"} dict per block, [batch, kv_heads, capacity, head_dim] each."""
+        """One preallocated {"key", "value", "layout"} dict per block, [batch, kv_heads, capacity, head_dim]
+        each."""
         c, weight = self.config, self.token_embedding.weight
-        return [allocate(batch, c.num_kv_heads, capacity, c.head_dim, dtype or weight.dtype, device or weight.device,
-                         shape_static) for _ in range(c.num_layers)]
+        return [allocate(batch, c.num_kv_heads, capacity, c.head_dim, dtype or weight.dtype,
+                         device or weight.device, shape_static) for _ in range(c.num_layers)]
 
     def resize_token_embeddings(self, vocab_size: int) -> None:
         """Grow (or shrink) the vocabulary; new rows start at the mean of the old embeddings."""
@@ -260,7 +274,9 @@ class LanguageModel(nn.Module):
             return nn.Parameter(new)
 
         self.token_embedding.weight = resized(old_embedding)
-        self.head.weight = self.token_embedding.weight if self.config.tie_word_embeddings else resized(old_head)
+        self.head.weight = (
+            self.token_embedding.weight if self.config.tie_word_embeddings else resized(old_head)
+        )
         self.token_embedding.num_embeddings = self.head.out_features = vocab_size
         self.config = LanguageConfig.from_dict({**self.config.to_dict(), "vocab_size": vocab_size})
 

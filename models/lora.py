@@ -1,14 +1,15 @@
-"""Low-rank adapters (LoRA, Hu et al. 2021) on a VisionLanguageModel, through peft: injected into the linear layers
-whose names match, saved and read in peft's format (adapter_config.json, whose base_model_name_or_path names the model
-the adapter belongs to, and adapter_model.safetensors, keys under `base_model.model.`, as `PeftModel.save_pretrained`
-writes them), and merged into the weights for inference and export. Modules named to train fully (peft's
-`modules_to_save`: a new head, the projector) train beside the adapters and are saved whole in the adapter's file.
+"""Low-rank adapters (LoRA, Hu et al. 2021) on a VisionLanguageModel, through peft: injected into the linear
+layers whose names match, saved and read in peft's format (adapter_config.json, whose base_model_name_or_path
+names the model the adapter belongs to, and adapter_model.safetensors, keys under `base_model.model.`, as
+`PeftModel.save_pretrained` writes them), and merged into the weights for inference and export. Modules named
+to train fully (peft's `modules_to_save`: a new head, the projector) train beside the adapters and are saved
+whole in the adapter's file.
 
     add_adapters(model, rank=16, alpha=32, target_modules=LANGUAGE_PROJECTIONS)   # only the adapters train
     add_adapters(model, 16, 32, LANGUAGE_PROJECTIONS, modules_to_save="projector")       # and the projector
     save_adapter(model, "out", base="runs/tiny")
-    load_adapter(base_model, "out"); merge_adapters(base_model)                   # inference: plain weights again
-    quantize_frozen(model, device); add_adapters(model, ...)                        # QLoRA: a 4-bit frozen base
+    load_adapter(base_model, "out"); merge_adapters(base_model)      # inference: plain weights again
+    quantize_frozen(model, device); add_adapters(model, ...)           # QLoRA: a 4-bit frozen base
 """
 
 from __future__ import annotations
@@ -30,14 +31,16 @@ LANGUAGE_PROJECTIONS = r"language\.blocks\.\d+\.(attn|mlp)\.\w+_proj"  # the LM'
 
 
 class WholeModuleError(ValueError):
-    """`modules_to_save` names no module, one that holds adapters, or one whose weight another module shares."""
+    """`modules_to_save` names no module, one that holds adapters, or one whose weight another module
+    shares."""
 
 
 def add_adapters(model: nn.Module, rank: int, alpha: float, target_modules: str | list[str],
                  dropout: float = 0.0, modules_to_save: str | list[str] = "") -> None:
-    """Wrap the linear layers `target_modules` names (a regex over full module names, or a list of name endings)
-    with LoRA adapters (B initialised to zero: the model's outputs are unchanged); the modules `modules_to_save`
-    names (a regex over full module names, or a list of them) train whole; everything else is frozen."""
+    """Wrap the linear layers `target_modules` names (a regex over full module names, or a list of name
+    endings) with LoRA adapters (B initialised to zero: the model's outputs are unchanged); the modules
+    `modules_to_save` names (a regex over full module names, or a list of them) train whole; everything else
+    is frozen."""
     from peft import LoraConfig, inject_adapter_in_model
 
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules)
@@ -48,12 +51,14 @@ def add_adapters(model: nn.Module, rank: int, alpha: float, target_modules: str 
     _refuse_tied(model)
 
 
-# QLoRA (Dettmers et al. 2023): a frozen base's linear layers in 4-bit NormalFloat, adapters on top (peft's bnb).
+# QLoRA (Dettmers et al. 2023): a frozen base's linear layers in 4-bit NormalFloat, adapters on top (peft's
+# bnb).
 def quantize_frozen(model: nn.Module, device: torch.device, compute_dtype: torch.dtype = torch.bfloat16,
                     blocks: str = r"(language|vision)\.blocks\.\d+\..*") -> int:
-    """Replace every nn.Linear whose full name matches `blocks` (by default the LM's and ViT's blocks: nearly all of
-    their weights) with a frozen bitsandbytes NF4 Linear4bit on `device` (double-quantized statistics, matmuls in
-    `compute_dtype`), before `add_adapters`. Returns the number of layers quantized. Needs bitsandbytes."""
+    """Replace every nn.Linear whose full name matches `blocks` (by default the LM's and ViT's blocks: nearly
+    all of their weights) with a frozen bitsandbytes NF4 Linear4bit on `device` (double-quantized statistics,
+    matmuls in `compute_dtype`), before `add_adapters`. Returns the number of layers quantized. Needs
+    bitsandbytes."""
     import bitsandbytes as bnb
 
     layers = [(name, module) for name, module in model.named_modules()
@@ -66,18 +71,21 @@ def quantize_frozen(model: nn.Module, device: torch.device, compute_dtype: torch
         if linear.bias is not None:
             quantized.bias = nn.Parameter(linear.bias.data, requires_grad=False)
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, quantized.to(device))  # quantized here
+        # quantized here
+        setattr(model.get_submodule(parent) if parent else model, child, quantized.to(device))
     model.is_loaded_in_4bit = True  # peft then wraps these layers with its bitsandbytes LoRA layers
     return len(layers)
 
 
 def _whole_modules(model: nn.Module, names: str | list[str]) -> list[str]:
-    """The full names of the modules `names` selects (outermost matches only); ValueError for a pattern that matches
-    none, or a module that holds adapters (it would train twice over)."""
+    """The full names of the modules `names` selects (outermost matches only); ValueError for a pattern that
+    matches none, or a module that holds adapters (it would train twice over)."""
     if not names:
         return []
     modules = dict(model.named_modules())
-    chosen = [name for name in modules if (re.fullmatch(names, name) if isinstance(names, str) else name in names)]
+    chosen = [
+        name for name in modules if (re.fullmatch(names, name) if isinstance(names, str) else name in names)
+    ]
     chosen = [name for name in chosen if not any(name.startswith(outer + ".") for outer in chosen)]
     if not chosen:
         raise WholeModuleError(f"{names!r} matches no module")
@@ -88,24 +96,28 @@ def _whole_modules(model: nn.Module, names: str | list[str]) -> list[str]:
 
 
 def _refuse_tied(model: nn.Module) -> None:
-    """ValueError where an adapted layer's weight, or a weight of a module trained whole, is another module's too (an
-    output head tied to the token embedding): merging or training it would change both."""
+    """ValueError where an adapted layer's weight, or a weight of a module trained whole, is another module's
+    too (an output head tied to the token embedding): merging or training it would change both."""
     from peft.tuners.lora import LoraLayer
 
     uses: dict[int, int] = {}
     for _, parameter in model.named_parameters(remove_duplicate=False):
         uses[id(parameter)] = uses.get(id(parameter), 0) + 1
-    whole = [(name, model.get_submodule(name), WholeModuleError) for name in model.lora_config.modules_to_save or ()]
+    whole = [
+        (name, model.get_submodule(name), WholeModuleError)
+        for name in model.lora_config.modules_to_save or ()
+    ]
     adapted = [(name, module.get_base_layer(), ValueError) for name, module in model.named_modules()
                if isinstance(module, LoraLayer)]
     for name, module, error in whole + adapted:
         if any(uses[id(parameter)] > 1 for parameter in module.parameters()):
-            raise error(f"{name} shares its weight with another module (a tied output head?): an adapter there, or "
-                        f"training it whole, would change both")
+            raise error(f"{name} shares its weight with another module (a tied output head?): an adapter "
+                        f"there, or training it whole, would change both")
 
 
 def train_only_adapters(model: nn.Module) -> None:
-    """Gradients for the adapters and the modules to train whole (`model.lora_config.modules_to_save`) only."""
+    """Gradients for the adapters and the modules to train whole (`model.lora_config.modules_to_save`)
+    only."""
     whole = tuple(f"{name}." for name in model.lora_config.modules_to_save or ())
     for name, parameter in model.named_parameters():
         parameter.requires_grad = ".lora_" in name or name.startswith(whole)
@@ -116,8 +128,8 @@ def has_adapters(model: nn.Module) -> bool:
 
 
 def save_adapter(model: nn.Module, directory: Path, base: str) -> None:
-    """The adapter's config (pointing at `base`) and weights, in peft's format: the modules trained whole under
-    their own names, as peft saves `modules_to_save`."""
+    """The adapter's config (pointing at `base`) and weights, in peft's format: the modules trained whole
+    under their own names, as peft saves `modules_to_save`."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
@@ -144,9 +156,10 @@ def adapter_base(directory: Path) -> str | None:
 
 
 def load_adapter(model: nn.Module, directory: Path) -> None:
-    """Inject the adapter saved in `directory` into `model` (a VisionLanguageModel, or a LanguageModel): written here,
-    or by peft itself on transformers' Idefics3 (SmolVLM) or Llama, whose weight names are mapped to ours as the
-    checkpoint loaders map them. The adapters go exactly on the layers the file holds adapters for."""
+    """Inject the adapter saved in `directory` into `model` (a VisionLanguageModel, or a LanguageModel):
+    written here, or by peft itself on transformers' Idefics3 (SmolVLM) or Llama, whose weight names are
+    mapped to ours as the checkpoint loaders map them. The adapters go exactly on the layers the file holds
+    adapters for."""
     from peft import LoraConfig, set_peft_model_state_dict
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -156,7 +169,8 @@ def load_adapter(model: nn.Module, directory: Path) -> None:
         raise CheckpointError(f"{directory}: a {config['peft_type']} adapter; only LoRA adapters load here")
     unsupported = [key for key in UNSUPPORTED if config.get(key)]
     if unsupported:
-        raise CheckpointError(f"{directory}: the adapter uses {', '.join(unsupported)}, which tinyvlm does not load")
+        raise CheckpointError(f"{directory}: the adapter uses {', '.join(unsupported)}, which tinyvlm does "
+                              "not load")
     try:
         weights = load_file(directory / ADAPTER_WEIGHTS)
     except (OSError, SafetensorError) as e:
@@ -176,7 +190,8 @@ def load_adapter(model: nn.Module, directory: Path) -> None:
     with torch.no_grad():
         for key, value in whole.items():
             model.get_parameter(key).copy_(value)
-    result = set_peft_model_state_dict(model, {key: value for key, value in tensors.items() if ".lora_" in key})
+    result = set_peft_model_state_dict(model,
+                                       {key: value for key, value in tensors.items() if ".lora_" in key})
     missing = [key for key in result.missing_keys if ".lora_" in key]
     if missing or result.unexpected_keys:
         raise CheckpointError(f"{directory}: the adapter does not fit the model (missing {missing[:2]}, "
@@ -184,17 +199,18 @@ def load_adapter(model: nn.Module, directory: Path) -> None:
 
 
 def _check_whole(model: nn.Module, whole: dict[str, torch.Tensor], directory: Path) -> None:
-    """CheckpointError unless every weight of a module trained whole is a parameter of `model`, of its shape."""
+    """CheckpointError unless every weight of a module trained whole is a parameter of `model`, of its
+    shape."""
     parameters = dict(model.named_parameters())
     for key, value in whole.items():
         if key not in parameters or parameters[key].shape != value.shape:
-            raise CheckpointError(f"{directory}: the adapter's {key} {tuple(value.shape)} fits no parameter of the "
-                                  f"model")
+            raise CheckpointError(f"{directory}: the adapter's {key} {tuple(value.shape)} fits no parameter "
+                                  f"of the model")
 
 
 def _our_key(key: str, model: nn.Module) -> str:
-    """An adapter weight's name in tinyvlm's modules: transformers' names (model.layers..., model.text_model...) mapped
-    as the Llama and Idefics3 loaders map them; our own kept."""
+    """An adapter weight's name in tinyvlm's modules: transformers' names (model.layers...,
+    model.text_model...) mapped as the Llama and Idefics3 loaders map them; our own kept."""
     from models.idefics3 import to_tinyvlm_key
     from models.language_model import HF_LLAMA_KEYS, LanguageModel
 
@@ -207,8 +223,8 @@ def _our_key(key: str, model: nn.Module) -> str:
 
 @torch.no_grad()
 def merge_adapters(model: nn.Module) -> nn.Module:
-    """Fold each adapter into its layer's weight and put the plain layer back: the model computes what it did, with
-    no adapter left (its state dict is a plain checkpoint's)."""
+    """Fold each adapter into its layer's weight and put the plain layer back: the model computes what it did,
+    with no adapter left (its state dict is a plain checkpoint's)."""
     from peft.tuners.lora import LoraLayer
 
     for name, module in list(model.named_modules()):

@@ -21,14 +21,17 @@ class ModalityProjector(nn.Module):
         nn.init.normal_(self.proj.weight, std=0.02)
         self.position = None
         if config.projector.position_embedding:
-            # At the scale of the projected patches (unit-variance features through the map above): where a token comes
-            # from is as visible to the LM as what it shows. At 0.02, the tiny default's colour and position questions
-            # were at 60% and 45% after 2,000 steps, against 100% at this scale.
+            # At the scale of the projected patches (unit-variance features through the map above): where a
+            # token comes from is as visible to the LM as what it shows. At 0.02, the tiny default's colour
+            # and position questions were at 60% and 45% after 2,000 steps, against 100% at this scale.
             std = 0.02 * width**0.5
-            self.position = nn.Parameter(torch.randn(config.tokens_per_image, config.language.hidden_size) * std)
+            self.position = nn.Parameter(
+                torch.randn(config.tokens_per_image, config.language.hidden_size) * std
+            )
 
     def forward(self, patches: Tensor) -> Tensor:
-        """[N, grid*grid, vision_hidden] -> [N, (grid/f)^2, language_hidden], row-major over the shuffled grid."""
+        """[N, grid*grid, vision_hidden] -> [N, (grid/f)^2, language_hidden], row-major over the shuffled
+        grid."""
         f = self.factor
         shuffled = rearrange(patches, "n (h fh w fw) c -> n (h w) (fh fw c)", fh=f, fw=f, h=self.grid // f)
         tokens = self.proj(shuffled)

@@ -1,15 +1,15 @@
 """Paged attention in one Triton kernel that reads the KV pool in place through the block tables (no gather).
 
-After vLLM's Triton "unified attention", with FlashAttention's online softmax: one program per (sequence, tile of
-BLOCK_Q queries, kv head) holds the tile's queries of every query head of that kv head's group as the rows of one
-matrix ([BLOCK_Q x group] x head_dim: grouped-query attention reads each K/V block once for the whole group), walks the
-sequence's keys BLOCK_N at a time (each key's block looked up in the table), and keeps a running max and sum. Decode
-steps (one query per sequence) run with BLOCK_Q = 1 and a fixed grid, so the launch fits in a CUDA graph; padded
-sequences (context length 1, the null block) cost one block each.
+After vLLM's Triton "unified attention", with FlashAttention's online softmax: one program per (sequence, tile
+of BLOCK_Q queries, kv head) holds the tile's queries of every query head of that kv head's group as the rows
+of one matrix ([BLOCK_Q x group] x head_dim: grouped-query attention reads each K/V block once for the whole
+group), walks the sequence's keys BLOCK_N at a time (each key's block looked up in the table), and keeps a
+running max and sum. Decode steps (one query per sequence) run with BLOCK_Q = 1 and a fixed grid, so the
+launch fits in a CUDA graph; padded sequences (context length 1, the null block) cost one block each.
 
-With TRITON_INTERPRET=1 set before triton is imported (tests/conftest.py does so on machines without CUDA) it runs on
-CPU tensors in Triton's interpreter (numpy): slow, and meant for tests of this kernel against the gathered reference
-(models/attention.py), which stays the CPU path.
+With TRITON_INTERPRET=1 set before triton is imported (tests/conftest.py does so on machines without CUDA) it
+runs on CPU tensors in Triton's interpreter (numpy): slow, and meant for tests of this kernel against the
+gathered reference (models/attention.py), which stays the CPU path.
 """
 
 from __future__ import annotations
@@ -42,8 +42,11 @@ def _kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, query_start_ptr, context_le
         dims = tl.arange(0, BLOCK_D)
         dim_valid = dims < HEAD_DIM
         head = kv_head * GROUP + group
-        q = tl.load(q_ptr + (q_begin + query)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                    mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + (q_begin + query)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+            mask=row_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
         position = context - q_len + query  # each row's query position in its sequence
         last = context - q_len + tl.minimum(q0 + BLOCK_Q, q_len) - 1  # the tile's last query position
         running_max = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
@@ -86,8 +89,9 @@ def triton_paged_attention(q: Tensor, key_pool: Tensor, value_pool: Tensor, layo
     grid = (num_seqs, triton.cdiv(layout.max_query_len, block_q), kv_heads)
     _kernel[grid](
         q, key_pool, value_pool, out, layout.block_table, layout.query_start, layout.context_lens, dim**-0.5,
-        q.stride(0), q.stride(1), key_pool.stride(0), key_pool.stride(1), key_pool.stride(2), value_pool.stride(0),
-        value_pool.stride(1), value_pool.stride(2), out.stride(0), out.stride(1), layout.block_table.stride(0),
-        GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_N=64, BLOCK_SIZE=block_size, HEAD_DIM=dim,
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        q.stride(0), q.stride(1), key_pool.stride(0), key_pool.stride(1), key_pool.stride(2),
+        value_pool.stride(0), value_pool.stride(1), value_pool.stride(2), out.stride(0), out.stride(1),
+        layout.block_table.stride(0), GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_N=64,
+        BLOCK_SIZE=block_size, HEAD_DIM=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     return out.to(dtype)

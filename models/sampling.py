@@ -12,7 +12,8 @@ from typed_config import Config, check
 
 @dataclasses.dataclass
 class SamplingParams(Config):
-    """How to pick each next token (as vLLM's SamplingParams): greedy, or temperature -> top-k -> top-p sampling."""
+    """How to pick each next token (as vLLM's SamplingParams): greedy, or temperature -> top-k -> top-p
+    sampling."""
 
     greedy: bool = False
     temperature: float = 1.0  # 0 means greedy
@@ -31,8 +32,9 @@ class SamplingParams(Config):
 
 @dataclasses.dataclass
 class RowSettings:
-    """Each row's sampling settings as tensors on the logits' device (a batch of requests, one step of the engine).
-    top_k / top_p are plain 0 / 1.0 when no row of the batch uses them (the host knows), so that work is skipped."""
+    """Each row's sampling settings as tensors on the logits' device (a batch of requests, one step of the
+    engine). top_k / top_p are plain 0 / 1.0 when no row of the batch uses them (the host knows), so that work
+    is skipped."""
 
     greedy: Tensor  # [B] bool
     temperature: Tensor  # [B, 1] float32, 1 on greedy rows
@@ -41,8 +43,8 @@ class RowSettings:
 
 
 def filter_logits(logits: Tensor, top_k: int | Tensor = 0, top_p: float | Tensor = 1.0) -> Tensor:
-    """Logits [B, V] with everything outside the top-k, then outside the top-p nucleus, set to -inf; top_k and top_p
-    are one value for every row, or one per row ([B, 1]) where 0 and 1 leave that row as it is.
+    """Logits [B, V] with everything outside the top-k, then outside the top-p nucleus, set to -inf; top_k and
+    top_p are one value for every row, or one per row ([B, 1]) where 0 and 1 leave that row as it is.
 
     The nucleus is the smallest set of most probable tokens whose probability mass reaches top_p."""
     vocab = logits.shape[-1]
@@ -64,8 +66,8 @@ def filter_logits(logits: Tensor, top_k: int | Tensor = 0, top_p: float | Tensor
 
 
 def race(probs: Tensor, noise: Tensor) -> Tensor:
-    """argmax(p / E) with E ~ Exp(1) (`noise`, like probs) draws from p (the exponential race), with no host sync
-    unlike torch.multinomial."""
+    """argmax(p / E) with E ~ Exp(1) (`noise`, like probs) draws from p (the exponential race), with no host
+    sync unlike torch.multinomial."""
     return (probs / noise).argmax(-1)
 
 
@@ -78,7 +80,8 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
 
 
 def sample_rows(logits: Tensor, settings: RowSettings, noise: Tensor) -> Tensor:
-    """One token id per row of `logits` [B, V], each row with its own settings and exponential `noise` [B, V] (a
-    row drawn from the same generator as `sample` draws it gets the same token): one call for a whole batch."""
+    """One token id per row of `logits` [B, V], each row with its own settings and exponential `noise` [B, V]
+    (a row drawn from the same generator as `sample` draws it gets the same token): one call for a whole
+    batch."""
     probs = filter_logits(logits.float() / settings.temperature, settings.top_k, settings.top_p).softmax(-1)
     return torch.where(settings.greedy, logits.argmax(-1), race(probs, noise))

@@ -46,7 +46,8 @@ class GenerationError(TinyVLMError, ValueError):
 
 
 # nanoVLM's VisionLanguageModel (Hugging Face, 2025), with batched left padding and a preallocated cache.
-class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm", tags=["vision-language-model"]):
+class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm",
+                          tags=["vision-language-model"]):
     def __init__(self, config: VLMConfig) -> None:
         super().__init__()
         self.config = config
@@ -76,10 +77,12 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         return [f"language.{key}" for key in self.language.tied_weight_keys()]
 
     def resize_token_embeddings(self, vocab_size: int, image_token_id: int | None = None) -> None:
-        """Resize the LM vocabulary (after adding image / special tokens to the tokenizer) and record the image id."""
+        """Resize the LM vocabulary (after adding image / special tokens to the tokenizer) and record the
+        image id."""
         self.language.resize_token_embeddings(vocab_size)
         image_token_id = self.config.image_token_id if image_token_id is None else image_token_id
-        self.config = dataclasses.replace(self.config, language=self.language.config, image_token_id=image_token_id)
+        self.config = dataclasses.replace(self.config, language=self.language.config,
+                                          image_token_id=image_token_id)
 
     def image_features(self, images: Tensor) -> Tensor:
         """The LM-space embeddings of `images` [N, C, H, W]: [N, tokens_per_image, hidden]."""
@@ -88,19 +91,21 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
     def embed(self, input_ids: Tensor, images: Tensor | None = None, features: Tensor | None = None,
               slots: Tensor | None = None) -> Tensor:
         """Token embeddings [B, T, C] with the projected image patches written at the image-token positions,
-        images in the row-major order of their placeholders. `features` (rows of `image_features`, in placeholder
-        order) may stand in for `images`: a chunk of a prompt then takes just its part of an image's features.
-        `slots` says where they go when not every image-token id is a placeholder (the model may generate that id; in
-        a generated token it is just a token): a [B, T] bool mask, or the placeholders' indices into the flattened
-        B x T tokens, whose count is then known without reading anything back from the device."""
+        images in the row-major order of their placeholders. `features` (rows of `image_features`, in
+        placeholder order) may stand in for `images`: a chunk of a prompt then takes just its part of an
+        image's features. `slots` says where they go when not every image-token id is a placeholder (the model
+        may generate that id; in a generated token it is just a token): a [B, T] bool mask, or the
+        placeholders' indices into the flattened B x T tokens, whose count is then known without reading
+        anything back from the device."""
         embeddings = self.language.token_embedding(input_ids)
         if slots is None:
             slots = input_ids == (-1 if self.config.image_token_id is None else self.config.image_token_id)
         if features is None and images is not None and len(images):
             features = self.image_features(images)
         num_features = 0 if features is None else features.shape[:-1].numel()
-        # Counting a mask's placeholders reads a value back from the device: eager calls only (train.compile's graph
-        # would break here; its batches come from the collator, which places one placeholder per image token).
+        # Counting a mask's placeholders reads a value back from the device: eager calls only (train.compile's
+        # graph would break here; its batches come from the collator, which places one placeholder per image
+        # token).
         if slots.dtype != torch.bool:
             num_slots = slots.numel()
         else:
@@ -111,7 +116,8 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
                              f"({num_features // per_image} image(s) of {per_image} tokens)")
         if num_features == 0:
             return embeddings
-        # Under autocast the projector returns bfloat16 while embeddings stay float32: splice in the embeddings' dtype.
+        # Under autocast the projector returns bfloat16 while embeddings stay float32: splice in the
+        # embeddings' dtype.
         features = features.to(embeddings.dtype)
         if slots.dtype != torch.bool:
             return embeddings.flatten(0, 1).index_copy(0, slots, features.flatten(0, -2)).view_as(embeddings)
@@ -127,7 +133,8 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         logits = self.language.head(hidden)
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction=reduction)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
+                               reduction=reduction)
         return logits, loss.view(targets.shape) if reduction == "none" else loss
 
     @torch.inference_mode()
@@ -137,15 +144,17 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
                pad_token_id: int | None = None, use_cache: bool = True, compile: bool = False,
                generator: torch.Generator | None = None) -> Iterator[Tensor]:
         """Yield each step's new tokens, [B * num_samples] (rows of one prompt are adjacent); rows that have
-        finished yield `pad_token_id`. Prefills image + prompt tokens in one pass, then decodes one token per step
-        at `start_pos` offsets in a preallocated cache (or, with use_cache=False, recomputes the whole sequence).
+        finished yield `pad_token_id`. Prefills image + prompt tokens in one pass, then decodes one token per
+        step at `start_pos` offsets in a preallocated cache (or, with use_cache=False, recomputes the whole
+        sequence).
 
-        input_ids [B, T] are left-padded prompts with `attention_mask` [B, T] (1 real, 0 pad); each row's rotary
-        positions start at 0 at its first real token, so a row gives what it would give alone.
+        input_ids [B, T] are left-padded prompts with `attention_mask` [B, T] (1 real, 0 pad); each row's
+        rotary positions start at 0 at its first real token, so a row gives what it would give alone.
 
-        compile=True runs the same decode step shape-static through torch.compile (models/compiled_decode.py: the
-        position in a device tensor, attention over the whole preallocated cache under a mask, the batch and the cache
-        rounded up to buckets): no recompilation and no host sync between steps (CUDA graphs on GPU)."""
+        compile=True runs the same decode step shape-static through torch.compile (models/compiled_decode.py:
+        the position in a device tensor, attention over the whole preallocated cache under a mask, the batch
+        and the cache rounded up to buckets): no recompilation and no host sync between steps (CUDA graphs on
+        GPU)."""
         params = SamplingParams(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
         prompt_len = input_ids.shape[1]
         capacity = self._capacity(prompt_len, max_new_tokens, num_samples, static=compile and use_cache)
@@ -153,12 +162,15 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
                                 else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id),
                                device=input_ids.device, dtype=torch.long)
         pad_token_id = pad_token_id if pad_token_id is not None else (int(eos_ids[0]) if len(eos_ids) else 0)
-        logits, embeddings, mask, cache = self._prefill(input_ids, images, attention_mask, capacity, num_samples,
-                                                        use_cache)
+        logits, embeddings, mask, cache = self._prefill(
+            input_ids, images, attention_mask, capacity, num_samples, use_cache
+        )
         rows = logits.shape[0]
         step_fn, position = self.decode_step, prompt_len
-        if compile and use_cache:  # shape-static: rows padded to a bucket (masked out), the position a device tensor
-            step_fn, position = self._compiled_decode_step(), torch.tensor(prompt_len, device=input_ids.device)
+        # shape-static: rows padded to a bucket (masked out), the position a device tensor
+        if compile and use_cache:
+            step_fn = self._compiled_decode_step()
+            position = torch.tensor(prompt_len, device=input_ids.device)
             mask, cache = shape_static(mask, cache, rows, capacity)
         done = torch.zeros(rows, dtype=torch.bool, device=logits.device)
         for step in range(max_new_tokens):
@@ -169,18 +181,22 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
                                               and bool(done.all())):
                 return
             if use_cache:
-                logits = step_fn(pad_rows(token, cache[0]["key"].shape[0], pad_token_id), mask, cache, position)[:rows]
+                logits = step_fn(pad_rows(token, cache[0]["key"].shape[0], pad_token_id), mask, cache,
+                                 position)[:rows]
                 position += 1
             else:
                 embeddings = torch.cat([embeddings, self.language.token_embedding(token[:, None])], dim=1)
-                hidden, _ = self.language(embeddings, None if mask is None else mask[:, : embeddings.shape[1]])
+                hidden, _ = self.language(
+                    embeddings, None if mask is None else mask[:, : embeddings.shape[1]]
+                )
                 logits = self.language.head(hidden[:, -1])
 
     def _prefill(self, input_ids: Tensor, images: Tensor | None, attention_mask: Tensor | None, capacity: int,
-                 num_samples: int, use_cache: bool) -> tuple[Tensor, Tensor, Tensor | None, list[dict] | None]:
-        """Image + prompt tokens in one pass into a cache of `capacity` positions: the last position's logits, the
-        input embeddings, the attention mask over the whole capacity and the cache, each repeated for `num_samples`
-        (one prefill serves every sample: its cache rows are copied, not recomputed)."""
+                 num_samples: int,
+                 use_cache: bool) -> tuple[Tensor, Tensor, Tensor | None, list[dict] | None]:
+        """Image + prompt tokens in one pass into a cache of `capacity` positions: the last position's logits,
+        the input embeddings, the attention mask over the whole capacity and the cache, each repeated for
+        `num_samples` (one prefill serves every sample: its cache rows are copied, not recomputed)."""
         batch, prompt_len = input_ids.shape
         embeddings = self.embed(input_ids, images)
         mask = None
@@ -191,14 +207,15 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         hidden, cache = self.language(embeddings, mask, cache)
         logits = self.language.head(hidden[:, -1])
         if num_samples > 1:
-            logits, embeddings = logits.repeat_interleave(num_samples, 0), embeddings.repeat_interleave(num_samples, 0)
+            logits = logits.repeat_interleave(num_samples, 0)
+            embeddings = embeddings.repeat_interleave(num_samples, 0)
             mask = None if mask is None else mask.repeat_interleave(num_samples, 0)
             cache = repeat_rows(cache, num_samples) if use_cache else None
         return logits, embeddings, mask, cache
 
     def _capacity(self, prompt_len: int, max_new_tokens: int, num_samples: int, static: bool) -> int:
-        """The cache slots a generation needs (rounded up to a bucket for the shape-static step); GenerationError
-        where the request cannot be served."""
+        """The cache slots a generation needs (rounded up to a bucket for the shape-static step);
+        GenerationError where the request cannot be served."""
         capacity, context = prompt_len + max_new_tokens, self.config.language.max_position_embeddings
         if max_new_tokens < 1 or num_samples < 1:
             raise GenerationError(f"max_new_tokens and num_samples must be >= 1, "
@@ -210,26 +227,31 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
 
     def decode_step(self, token: Tensor, mask: Tensor | None, cache: list[dict[str, Tensor]],
                     position: int | Tensor) -> Tensor:
-        """One decode step: `token` [B] enters the cache at slot `position`; returns the next logits [B, V]."""
-        hidden, _ = self.language(self.language.token_embedding(token[:, None]), mask, cache, start_pos=position)
+        """One decode step: `token` [B] enters the cache at slot `position`; returns the next logits [B,
+        V]."""
+        hidden, _ = self.language(
+            self.language.token_embedding(token[:, None]), mask, cache, start_pos=position
+        )
         return self.language.head(hidden[:, -1])
 
     def _compiled_decode_step(self) -> CompiledDecodeStep:
-        """`decode_step` through torch.compile (see models/compiled_decode.py), built once per device type and reused
-        across calls (a model compiled on the CPU and then moved to a GPU gets its CUDA-graph version)."""
+        """`decode_step` through torch.compile (see models/compiled_decode.py), built once per device type and
+        reused across calls (a model compiled on the CPU and then moved to a GPU gets its CUDA-graph
+        version)."""
         device_type = next(self.parameters()).device.type
         if device_type not in self._compiled_steps:
             self._compiled_steps[device_type] = CompiledDecodeStep(self.decode_step, device_type)
         return self._compiled_steps[device_type]
 
     def __getstate__(self) -> dict:
-        """Copies (copy.deepcopy, pickle) leave the compiled steps behind: they call this model's `decode_step`, so a
-        copy that kept them would decode with the original's weights."""
+        """Copies (copy.deepcopy, pickle) leave the compiled steps behind: they call this model's
+        `decode_step`, so a copy that kept them would decode with the original's weights."""
         return {**super().__getstate__(), "_compiled_steps": {}}
 
     def generate(self, input_ids: Tensor, images: Tensor | None = None, attention_mask: Tensor | None = None,
                  **settings) -> Tensor:
-        """New tokens [B * num_samples, steps]; see `stream` for the settings. Rows end with pads after EOS."""
+        """New tokens [B * num_samples, steps]; see `stream` for the settings. Rows end with pads after
+        EOS."""
         return torch.stack(list(self.stream(input_ids, images, attention_mask, **settings)), dim=1)
 
     def _save_pretrained(self, save_directory: Path) -> None:
@@ -240,18 +262,20 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
     @classmethod
     def from_pretrained(cls, source: str | Path, map_location: str | torch.device = "cpu",
                         allow_pickle: bool = False) -> VisionLanguageModel:
-        """A checkpoint directory or hub id: tinyvlm's own (`save_pretrained`: config.json + model.safetensors), a
-        transformers Idefics3 / SmolVLM checkpoint, or nanoVLM's published format, told apart by config.json. With
-        `allow_pickle`, a `pytorch_model.bin` read by `torch.load(weights_only=True)` will also do."""
+        """A checkpoint directory or hub id: tinyvlm's own (`save_pretrained`:
+        config.json + model.safetensors), a transformers Idefics3 / SmolVLM checkpoint, or nanoVLM's published
+        format, told apart by config.json. With `allow_pickle`, a `pytorch_model.bin` read by
+        `torch.load(weights_only=True)` will also do."""
         path = resolve(source, allow_patterns=weight_patterns(allow_pickle))
         if not path.is_dir():
-            raise CheckpointError(f"{source}: expected a checkpoint directory with config.json and model.safetensors")
+            raise CheckpointError(f"{source}: expected a checkpoint directory with config.json and "
+                                  "model.safetensors")
         hf_config = read_json(path / "config.json")
         if hf_config.get("model_type") == "idefics3":
             config, weights = read_idefics3(path, hf_config, allow_pickle)
         elif "model_type" in hf_config:
-            raise CheckpointError(f"{path}: model_type {hf_config['model_type']!r} is not supported (tinyvlm loads its "
-                                  f"own checkpoints, Idefics3 / SmolVLM and nanoVLM)")
+            raise CheckpointError(f"{path}: model_type {hf_config['model_type']!r} is not supported (tinyvlm "
+                                  f"loads its own checkpoints, Idefics3 / SmolVLM and nanoVLM)")
         elif "vit_hidden_dim" in hf_config:
             config, weights = read_nanovlm(path, hf_config, allow_pickle)
         else:

@@ -1,4 +1,5 @@
-"""A ViT image encoder that matches SigLIP / SigLIP2 at fixed resolution and loads their Hugging Face weights."""
+"""A ViT image encoder that matches SigLIP / SigLIP2 at fixed resolution and loads their Hugging Face
+weights."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ from torch.utils.checkpoint import checkpoint
 
 from models.config import VisionConfig
 from models.errors import InputError
-from models.weights import CheckpointError, load_checked, read_json, read_weights, rename_keys, resolve, weight_patterns
+from models.weights import (
+    CheckpointError,
+    load_checked,
+    read_json,
+    read_weights,
+    rename_keys,
+    resolve,
+    weight_patterns,
+)
 
 
 # Multi-head self-attention over all patches (no mask), as in transformers' SiglipAttention.
@@ -56,20 +65,23 @@ HF_SIGLIP_KEYS = [
     (r"^(?:vision_model\.)?encoder\.layers\.(\d+)\.mlp\.", r"blocks.\1."),
     (r"^(?:vision_model\.)?post_layernorm\.", "norm."),
 ]
-# Keys carry a `vision_model.` prefix in SiglipModel and transformers-4 SiglipVisionModel checkpoints, none in v5.
-# SiglipModel's text tower and contrastive scalars, and the vision tower's attention-pooling head, are not used.
+# Keys carry a `vision_model.` prefix in SiglipModel and transformers-4 SiglipVisionModel checkpoints, none in
+# v5. SiglipModel's text tower and contrastive scalars, and the vision tower's attention-pooling head, are not
+# used.
 HF_SIGLIP_UNUSED = r"^(text_model\.|logit_scale|logit_bias|(vision_model\.)?head\.)"
 
 
 def config_from_hf(hf: dict, preprocessor: dict | None = None) -> VisionConfig:
-    """Our config for a SiglipVisionModel / SiglipModel `config.json` (and its preprocessor_config.json). SigLIP2's
-    fixed-resolution checkpoints are SigLIP models too. Fields a hub config leaves out (older SigLIP repos list only
-    what differs) take transformers' SiglipVisionConfig defaults, as transformers itself does."""
+    """Our config for a SiglipVisionModel / SiglipModel `config.json` (and its preprocessor_config.json).
+    SigLIP2's fixed-resolution checkpoints are SigLIP models too. Fields a hub config leaves out (older SigLIP
+    repos list only what differs) take transformers' SiglipVisionConfig defaults, as transformers itself
+    does."""
     from transformers import SiglipVisionConfig
 
     model_type = hf.get("model_type")
     if model_type not in (None, "siglip", "siglip_vision_model"):
-        raise CheckpointError(f"model_type {model_type!r} is not supported as a vision tower (expected SigLIP)")
+        raise CheckpointError(f"model_type {model_type!r} is not supported as a vision tower (expected "
+                              "SigLIP)")
     vision = {**SiglipVisionConfig().to_dict(), **hf.get("vision_config", hf)}
     if vision.get("hidden_act", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_new"):
         raise CheckpointError(f"unsupported SigLIP variant: hidden_act {vision['hidden_act']!r}")
@@ -109,7 +121,8 @@ class VisionTransformer(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, images: Tensor) -> Tensor:
-        """Patch features [N, num_patches, hidden] for normalised images [N, channels, image_size, image_size]."""
+        """Patch features [N, num_patches, hidden] for normalised images [N, channels, image_size,
+        image_size]."""
         expected = (self.config.num_channels, self.config.image_size, self.config.image_size)
         if tuple(images.shape[1:]) != expected:
             raise InputError(f"images must be [N, {', '.join(map(str, expected))}], got {list(images.shape)}")
@@ -128,6 +141,7 @@ class VisionTransformer(nn.Module):
         config = config_from_hf(read_json(path / "config.json"),
                                 read_json(preprocessor) if preprocessor.is_file() else None)
         model = cls(VisionConfig.from_dict({**config.to_dict(), "pretrained": str(source)}))
-        load_checked(model, rename_keys(read_weights(path, allow_pickle), HF_SIGLIP_KEYS, ignore=HF_SIGLIP_UNUSED),
+        load_checked(model,
+                     rename_keys(read_weights(path, allow_pickle), HF_SIGLIP_KEYS, ignore=HF_SIGLIP_UNUSED),
                      source)
         return model

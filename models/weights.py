@@ -1,4 +1,5 @@
-"""Finding and reading checkpoints: local paths, hub ids, package files; safetensors only; checked, atomic writes."""
+"""Finding and reading checkpoints: local paths, hub ids, package files; safetensors only; checked, atomic
+writes."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from torch import nn
 from models.errors import TinyVLMError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-PICKLE_REFUSED = ("pickle files can run code and are refused; convert to safetensors, or opt in with allow_pickle=True "
-                  "(--allow-pickle) to read them with torch.load(weights_only=True)")
+PICKLE_REFUSED = ("pickle files can run code and are refused; convert to safetensors, or opt in with "
+                  "allow_pickle=True (--allow-pickle) to read them with torch.load(weights_only=True)")
 
 
 class CheckpointError(TinyVLMError, ValueError):
@@ -28,7 +29,8 @@ class CheckpointError(TinyVLMError, ValueError):
 
 
 def resolve(source: str | Path, allow_patterns: list[str] | None = None) -> Path:
-    """A local file or directory for `source`: a path, `package://pkg/relative/file`, or a Hugging Face hub id."""
+    """A local file or directory for `source`: a path, `package://pkg/relative/file`, or a Hugging Face hub
+    id."""
     source = str(source)
     if source.startswith("package://"):
         package, _, relative = source.removeprefix("package://").partition("/")
@@ -54,8 +56,8 @@ def resolve(source: str | Path, allow_patterns: list[str] | None = None) -> Path
 
 
 def weight_patterns(allow_pickle: bool) -> list[str]:
-    """Hub files worth downloading for a checkpoint: configs, safetensors, tokenizer files and chat templates, plus
-    pickles when allowed."""
+    """Hub files worth downloading for a checkpoint: configs, safetensors, tokenizer files and chat templates,
+    plus pickles when allowed."""
     return ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", *(["*.bin"] if allow_pickle else [])]
 
 
@@ -71,8 +73,8 @@ def read_json(path: Path) -> dict[str, Any]:
 def read_weights(path: Path, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
     """Tensors of a weights file or directory: safetensors (single or sharded with an index), never unpickled.
 
-    Pickle files (`.bin`, `.pt`, ...) can run code when loaded, so they are refused unless `allow_pickle`, and even then
-    read with `torch.load(weights_only=True)`, which only rebuilds tensors and plain containers.
+    Pickle files (`.bin`, `.pt`, ...) can run code when loaded, so they are refused unless `allow_pickle`, and
+    even then read with `torch.load(weights_only=True)`, which only rebuilds tensors and plain containers.
     """
     if path.is_dir():
         layouts = [("model.safetensors.index.json", "model.safetensors")]
@@ -102,10 +104,14 @@ def read_weights(path: Path, allow_pickle: bool = False) -> dict[str, torch.Tens
 def _read_pickle(path: Path) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:  # weights_only met an object that is not a tensor or a plain container
-        culprit = next((line for line in str(e).splitlines() if "GLOBAL" in line),
-                       "it holds objects other than tensors")
-        raise CheckpointError(f"{path}: refused by torch.load(weights_only=True): {culprit.strip()}") from None
+    # weights_only met an object that is not a tensor or a plain container
+    except pickle.UnpicklingError as e:
+        culprit = next(
+            (line for line in str(e).splitlines() if "GLOBAL" in line), "it holds objects other than tensors"
+        )
+        raise CheckpointError(
+            f"{path}: refused by torch.load(weights_only=True): {culprit.strip()}"
+        ) from None
     except (RuntimeError, OSError, EOFError, ValueError) as e:
         raise CheckpointError(f"{path}: unreadable or truncated pickle file ({type(e).__name__})") from None
     if not (isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values())):
@@ -115,7 +121,8 @@ def _read_pickle(path: Path) -> dict[str, torch.Tensor]:
 
 def rename_keys(state_dict: dict[str, torch.Tensor], rules: list[tuple[str, str]],
                 ignore: str = r"$^") -> dict[str, torch.Tensor]:
-    """Apply the first matching regex rule to each key; keys matching `ignore` are dropped, others kept as they are."""
+    """Apply the first matching regex rule to each key; keys matching `ignore` are dropped, others kept as
+    they are."""
     renamed = {}
     for key, value in state_dict.items():
         if re.search(ignore, key):
@@ -133,7 +140,8 @@ def _listing(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def load_checked(module: nn.Module, state_dict: dict[str, torch.Tensor], source: str | Path = "checkpoint") -> None:
+def load_checked(module: nn.Module, state_dict: dict[str, torch.Tensor],
+                 source: str | Path = "checkpoint") -> None:
     """Copy weights into `module`, or raise CheckpointError naming every key that is missing, unexpected
     or misshapen."""
     expected = {name: p.shape for name, p in module.state_dict().items()}
@@ -154,8 +162,8 @@ def load_checked(module: nn.Module, state_dict: dict[str, torch.Tensor], source:
 
 
 def atomic_write(path: Path, write: callable) -> None:
-    """Call `write(tmp_path)`, fsync, and rename over `path`: readers see the old file or the new one, never half.
-    The file gets the permissions any new file gets under the umask (mkstemp's own are owner-only)."""
+    """Call `write(tmp_path)`, fsync, and rename over `path`: readers see the old file or the new one, never
+    half. The file gets the permissions any new file gets under the umask (mkstemp's own are owner-only)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)

@@ -1,5 +1,6 @@
-"""The engine on its own thread, for an asyncio server: requests go in through a thread-safe inbox, each step's
-tokens come back to the request's asyncio queue. The engine itself is used from that one thread only."""
+"""The engine on its own thread, for an asyncio server: requests go in through a thread-safe inbox, each
+step's tokens come back to the request's asyncio queue. The engine itself is used from that one thread
+only."""
 
 from __future__ import annotations
 

@@ -1,15 +1,16 @@
 """Paged KV-cache bookkeeping: fixed-size blocks, ref counts, a free list, prefix reuse and copy-on-write.
 
-Follows PagedAttention (Kwon et al., SOSP 2023) and vLLM / nano-vllm's block manager. The pool holds `num_blocks`
-blocks of `block_size` token slots per layer (serving/runner.py); block 0 is the null block, never handed out,
-where padded rows write. A sequence owns a block table (its blocks in order); token t of the sequence lives in slot
-`table[t // block_size] * block_size + t % block_size`.
+Follows PagedAttention (Kwon et al., SOSP 2023) and vLLM / nano-vllm's block manager. The pool holds
+`num_blocks` blocks of `block_size` token slots per layer (serving/runner.py); block 0 is the null block,
+never handed out, where padded rows write. A sequence owns a block table (its blocks in order); token t of the
+sequence lives in slot `table[t // block_size] * block_size + t % block_size`.
 
-Prefix caching: a full block is registered under a hash chained over every token before it (the hash of the previous
-block and this block's token keys), so a block is reused only by a sequence whose whole prefix up to it is the same.
-Token keys are token ids, and for image tokens (image digest, index in the image), so two different images never share
-a block. A hit is checked against the stored keys, never the hash alone. Freed blocks keep their contents and hash
-and go to the back of the free list, so the most recently used prefixes are evicted last.
+Prefix caching: a full block is registered under a hash chained over every token before it (the hash of the
+previous block and this block's token keys), so a block is reused only by a sequence whose whole prefix up to
+it is the same. Token keys are token ids, and for image tokens (image digest, index in the image), so two
+different images never share a block. A hit is checked against the stored keys, never the hash alone. Freed
+blocks keep their contents and hash and go to the back of the free list, so the most recently used prefixes
+are evicted last.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class BlockManager:
                              f"got {num_blocks} x {block_size}")
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # unreferenced blocks, least recently freed first: an ordered set, O(1) to take, reclaim (a prefix hit) or free
+        # unreferenced blocks, least recently freed first: an ordered set, O(1) to take, reclaim (a prefix
+        # hit) or free
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self.cached: dict[int, int] = {}  # chain hash -> block id (full blocks, in use or free)
         self.hits = self.lookups = 0  # full prompt blocks found in the prefix cache, and looked up
@@ -58,20 +60,21 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def block_hashes(self, keys: Sequence[TokenKey], hashes: list[int], limit: int | None = None) -> list[int]:
-        """`hashes` extended in place to one chain hash per full block of `keys` (of its first `limit` keys): a
-        sequence keeps its list, so each block is hashed once."""
+    def block_hashes(self, keys: Sequence[TokenKey], hashes: list[int],
+                     limit: int | None = None) -> list[int]:
+        """`hashes` extended in place to one chain hash per full block of `keys` (of its first `limit` keys):
+        a sequence keeps its list, so each block is hashed once."""
         size = self.block_size
         for b in range(len(hashes), (len(keys) if limit is None else limit) // size):
             hashes.append(chain_hash(hashes[-1] if hashes else None, keys[b * size : (b + 1) * size]))
         return hashes
 
     def allocate_prompt(self, keys: Sequence[TokenKey], hashes: list[int]) -> tuple[list[int], int] | None:
-        """Blocks for a new sequence's prompt, reusing cached full blocks of its prefix; returns (block table, number
-        of prompt tokens already in the cache), or None (nothing taken) when too few blocks are free.
+        """Blocks for a new sequence's prompt, reusing cached full blocks of its prefix; returns (block table,
+        number of prompt tokens already in the cache), or None (nothing taken) when too few blocks are free.
 
-        The block holding the prompt's last token is never taken from the cache, so at least that token is computed
-        again: the model needs its logits, and its K/V then go to a block this sequence owns."""
+        The block holding the prompt's last token is never taken from the cache, so at least that token is
+        computed again: the model needs its logits, and its K/V then go to a block this sequence owns."""
         size = self.block_size
         hashes = self.block_hashes(keys, hashes)[: (len(keys) - 1) // size]
         reused = []
@@ -91,10 +94,10 @@ class BlockManager:
 
     def commit(self, table: list[int], keys: Sequence[TokenKey], hashes: list[int], num_computed: int,
                num_registered: int) -> int:
-        """Register the sequence's full blocks whose tokens are all computed (the first `num_computed` of `keys`) from
-        block `num_registered` on, so later prompts can reuse them; returns how many leading blocks are registered.
-        Only computed blocks are registered: a hit never reads K/V still to be written. A decode step touches only the
-        block that just filled, whatever the context length."""
+        """Register the sequence's full blocks whose tokens are all computed (the first `num_computed` of
+        `keys`) from block `num_registered` on, so later prompts can reuse them; returns how many leading
+        blocks are registered. Only computed blocks are registered: a hit never reads K/V still to be written.
+        A decode step touches only the block that just filled, whatever the context length."""
         size = self.block_size
         full = num_computed // size
         self.block_hashes(keys, hashes, full * size)
@@ -112,9 +115,10 @@ class BlockManager:
         return list(table)
 
     def append_slot(self, table: list[int], position: int) -> tuple[int, int] | None:
-        """Make room for the token at `position` of a sequence whose table covers every earlier token; returns a
-        (source, destination) block copy to perform first when the token's block is shared (copy-on-write), or None.
-        The table is changed in place. Raises MemoryError when no block is free (check `can_append` first)."""
+        """Make room for the token at `position` of a sequence whose table covers every earlier token; returns
+        a (source, destination) block copy to perform first when the token's block is shared (copy-on-write),
+        or None. The table is changed in place. Raises MemoryError when no block is free (check `can_append`
+        first)."""
         if position // self.block_size == len(table):
             table.append(self._take())
             return None
@@ -127,16 +131,18 @@ class BlockManager:
         return last, copy
 
     def needs_block(self, table: list[int], position: int) -> bool:
-        """Whether the token at `position` needs a block taken from the free list: a new one, or a private copy of a
-        shared last block (copy-on-write). Most decode steps need none."""
+        """Whether the token at `position` needs a block taken from the free list: a new one, or a private
+        copy of a shared last block (copy-on-write). Most decode steps need none."""
         return position // self.block_size == len(table) or self.blocks[table[-1]].ref_count > 1
 
     def can_append(self, table: list[int], position: int) -> bool:
         return not self.needs_block(table, position) or self.num_free > 0
 
     def release(self, table: list[int]) -> None:
-        """Drop a sequence's references (finish, abort, preemption); blocks nobody uses go back to the free list."""
-        for block_id in reversed(table):  # the prefix's first blocks end up last in the free list: evicted last
+        """Drop a sequence's references (finish, abort, preemption); blocks nobody uses go back to the free
+        list."""
+        # the prefix's first blocks end up last in the free list: evicted last
+        for block_id in reversed(table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -164,8 +170,8 @@ class BlockManager:
         block.hash, block.keys = None, ()
 
     def check(self) -> None:
-        """Invariants (for tests): the free list holds exactly the unreferenced blocks; the null block is never handed
-        out; every cached hash points at a block that carries it."""
+        """Invariants (for tests): the free list holds exactly the unreferenced blocks; the null block is
+        never handed out; every cached hash points at a block that carries it."""
         free = set(self.free)
         assert NULL_BLOCK not in free and self.blocks[NULL_BLOCK].ref_count == 0
         for block in self.blocks[1:]:

@@ -1,9 +1,9 @@
 """CUDA graphs of the engine's decode forward, one per batch-size bucket, captured once at start-up.
 
-As nano-vllm and vLLM do it: the decode step's inputs live at fixed device addresses (serving/input_buffers.py), so a
-graph recorded once per bucket replays every later step of that many rows or fewer (padded rows write to the null
-block); a replay is one launch where the eager forward is hundreds. Graphs are captured largest first into one memory
-pool, which the smaller ones share.
+As nano-vllm and vLLM do it: the decode step's inputs live at fixed device addresses
+(serving/input_buffers.py), so a graph recorded once per bucket replays every later step of that many rows or
+fewer (padded rows write to the null block); a replay is one launch where the eager forward is hundreds.
+Graphs are captured largest first into one memory pool, which the smaller ones share.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ def batch_buckets(max_rows: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """`forward(rows)` (reading the static inputs, padded to `rows`) captured for every bucket; `run(n)` replays the
-    smallest bucket that holds n rows and returns the first n rows of its output."""
+    """`forward(rows)` (reading the static inputs, padded to `rows`) captured for every bucket; `run(n)`
+    replays the smallest bucket that holds n rows and returns the first n rows of its output."""
 
     def __init__(self, forward: Callable[[int], Tensor], max_rows: int) -> None:
         self.buckets = batch_buckets(max_rows)

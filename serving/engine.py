@@ -2,14 +2,15 @@
 
     engine = Engine(model, processor, num_blocks=512)     # processor: data.chat_processors (or a tokenizer)
     outputs = engine.generate([Request("What color is the circle?", [image]), Request("Describe the image.")])
-    outputs = engine.generate([Request([Message("system", "Answer in one word."), Message("user", "Color?", 1)],
-                                       [image])])         # a conversation: its earlier turns reuse cached blocks
+    # a conversation: its earlier turns reuse cached blocks
+    turns = [Message("system", "Answer in one word."), Message("user", "Color?", 1)]
+    outputs = engine.generate([Request(turns, [image])])
 
-or step by step (a server): `add_request`, then `step()` until `has_unfinished()` is False; `abort(request_id)` drops
-a request and frees its blocks. Each step schedules (serving/scheduler.py), runs the decode rows and the prompt chunks
-on the device (serving/runner.py), samples every row in one call, each with its request's settings and generator, and
-does the bookkeeping: the host's work per running sequence is a few attribute reads and appends, never a loop over its
-tokens or blocks.
+or step by step (a server): `add_request`, then `step()` until `has_unfinished()` is False;
+`abort(request_id)` drops a request and frees its blocks. Each step schedules (serving/scheduler.py), runs the
+decode rows and the prompt chunks on the device (serving/runner.py), samples every row in one call, each with
+its request's settings and generator, and does the bookkeeping: the host's work per running sequence is a few
+attribute reads and appends, never a loop over its tokens or blocks.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from serving.structured import Grammars, accepted
 
 def engine_settings(model: VisionLanguageModel, kv_cache_mib: int, block_size: int = 16,
                     max_num_seqs: int = 64) -> dict[str, int]:
-    """Engine keyword arguments for a KV-cache memory budget: as many blocks as fit, but no more than `max_num_seqs`
-    sequences of the full context need."""
+    """Engine keyword arguments for a KV-cache memory budget: as many blocks as fit, but no more than
+    `max_num_seqs` sequences of the full context need."""
     per_block = ModelRunner.bytes_per_block(model, block_size)
     per_sequence = -(-model.config.language.max_position_embeddings // block_size)
     num_blocks = min(kv_cache_mib * 2**20 // per_block, max_num_seqs * per_sequence) + 1  # + the null block
@@ -44,15 +45,17 @@ def engine_settings(model: VisionLanguageModel, kv_cache_mib: int, block_size: i
 
 
 class Engine:
-    def __init__(self, model: VisionLanguageModel, processor: ChatProcessor | CheckpointProcessor | None = None, *,
-                 num_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 64,
-                 max_batch_tokens: int = 512, attention: str = "auto", cuda_graphs: bool | None = None,
+    def __init__(self, model: VisionLanguageModel,
+                 processor: ChatProcessor | CheckpointProcessor | None = None, *, num_blocks: int = 256,
+                 block_size: int = 16, max_num_seqs: int = 64, max_batch_tokens: int = 512,
+                 attention: str = "auto", cuda_graphs: bool | None = None,
                  admission_batch: int | None = None) -> None:
-        """`processor` turns text prompts and PIL images into model inputs (data/chat_processors.py); a tokenizer is
-        taken as tinyvlm's ChatML with it. Without one, requests give token ids and pixels. `attention` and
-        `cuda_graphs`: see serving/runner.py (by default the Triton kernel and CUDA graphs on a GPU).
-        `admission_batch`: seats that must be free before waiting requests join running decodes (serving/scheduler.py;
-        default: max_num_seqs / 8 with CUDA graphs, else 1)."""
+        """`processor` turns text prompts and PIL images into model inputs (data/chat_processors.py); a
+        tokenizer is taken as tinyvlm's ChatML with it. Without one, requests give token ids and pixels.
+        `attention` and `cuda_graphs`: see serving/runner.py (by default the Triton kernel and CUDA graphs on
+        a GPU).
+        `admission_batch`: seats that must be free before waiting requests join running decodes
+        (serving/scheduler.py; default: max_num_seqs / 8 with CUDA graphs, else 1)."""
         if processor is not None and not isinstance(processor, (ChatProcessor, CheckpointProcessor)):
             processor = ChatProcessor.from_config(model.config, processor)
         self.model, self.processor = model.eval(), processor
@@ -67,9 +70,11 @@ class Engine:
         self._arrivals = itertools.count()
         self.prompt_tokens = self.generation_tokens = 0  # of the requests accepted, and the tokens sampled
         vocab = model.language.head.out_features  # the logits' width, which the grammars' masks must match
-        self.grammars = None if self.tokenizer is None else Grammars(self.tokenizer, vocab, model.config.stop_ids)
+        self.grammars = (
+            None if self.tokenizer is None else Grammars(self.tokenizer, vocab, model.config.stop_ids)
+        )
 
-    # -- requests ------------------------------------------------------------------------------------------------
+    # -- requests --------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> str:
         """Queue a request; returns its id. Raises RequestError for one that could never be served."""
         return self.enqueue(self.prepare(request))
@@ -83,8 +88,8 @@ class Engine:
         return group.request_id
 
     def prepare(self, request: Request) -> RequestState:
-        """The request checked and encoded, ready for `enqueue`; changes no engine state, so a server can call it
-        from its own threads and answer a bad request at once. Raises RequestError."""
+        """The request checked and encoded, ready for `enqueue`; changes no engine state, so a server can call
+        it from its own threads and answer a bad request at once. Raises RequestError."""
         request_id = request.request_id or f"req-{next(self._arrivals)}"
         prompt, images = self._encode(request)
         params, config = request.params, self.model.config
@@ -92,8 +97,8 @@ class Engine:
         if params.max_tokens is None:  # as many as fit the context after the prompt, and the KV cache
             params = dataclasses.replace(params, max_tokens=self._room(len(prompt), params.n, context))
         if len(prompt) + params.max_tokens > context:
-            raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                               f"of {context} tokens")
+            raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                               f"the context of {context} tokens")
         worst = self._blocks_needed(len(prompt), params.max_tokens, params.n)
         if worst > self.blocks.num_usable:
             raise RequestError(f"the request needs up to {worst} KV-cache blocks, more than the "
@@ -109,35 +114,46 @@ class Engine:
             if self.grammars is None:
                 raise RequestError("structured output needs the engine's tokenizer")
             grammar = self.grammars.compile(params.structure)
-        placeholders = np.flatnonzero(np.asarray(prompt) == config.image_token_id) if images is not None else []
-        group = RequestState(request_id, prompt, images, np.asarray(placeholders, np.int64), params, frozenset(stop),
-                      len(prompt) + params.max_tokens, next(self._arrivals), generator=generator, grammar=grammar)
-        group.sequences = [Sequence(group, 0, list(prompt), token_keys(prompt, images, config.image_token_id))]
+        placeholders = (
+            np.flatnonzero(np.asarray(prompt) == config.image_token_id) if images is not None else []
+        )
+        group = RequestState(request_id, prompt, images, np.asarray(placeholders, np.int64), params,
+                             frozenset(stop),
+                      len(prompt) + params.max_tokens, next(self._arrivals), generator=generator,
+                             grammar=grammar)
+        group.sequences = [Sequence(group, 0, list(prompt),
+                                    token_keys(prompt, images, config.image_token_id))]
         return group
 
     def _blocks_needed(self, prompt: int, max_tokens: int, n: int) -> int:
-        """KV blocks a request may hold at worst: its prompt's, then each sample's own (one more for copy-on-write)."""
+        """KV blocks a request may hold at worst: its prompt's, then each sample's own (one more for
+        copy-on-write)."""
         blocks = self.blocks
-        return blocks.blocks_for(prompt) + n * (blocks.blocks_for(prompt + max_tokens) - blocks.blocks_for(prompt) + 1)
+        return blocks.blocks_for(prompt) + n * (
+            blocks.blocks_for(prompt + max_tokens) - blocks.blocks_for(prompt) + 1
+        )
 
     def _room(self, prompt: int, n: int, context: int) -> int:
-        """The most new tokens a request of `prompt` tokens and n samples can be given: what fits the context after
-        the prompt and the KV cache at worst (at least 1: a prompt that leaves no room is refused by the checks
-        that follow)."""
+        """The most new tokens a request of `prompt` tokens and n samples can be given: what fits the context
+        after the prompt and the KV cache at worst (at least 1: a prompt that leaves no room is refused by the
+        checks that follow)."""
         blocks = self.blocks
         prompt_blocks = blocks.blocks_for(prompt)
-        # the most blocks one sample's tokens may span: prompt_blocks + n * (span - prompt_blocks + 1) <= usable
+        # the most blocks one sample's tokens may span:
+        # prompt_blocks + n * (span - prompt_blocks + 1) <= usable
         span = prompt_blocks + (blocks.num_usable - prompt_blocks) // n - 1
         return max(min(context - prompt, span * blocks.block_size - prompt), 1)
 
     def _encode(self, request: Request) -> tuple[list[int], Tensor | None]:
-        images, conversation = request.images, isinstance(request.prompt, list) and request.prompt and isinstance(
-            request.prompt[0], Message)
+        images = request.images
+        turns = request.prompt if isinstance(request.prompt, list) else []
+        conversation = bool(turns) and isinstance(turns[0], Message)
         if isinstance(request.prompt, str) or conversation:
             if self.processor is None:
                 raise RequestError("a text prompt needs the engine's processor (or tokenizer)")
             if isinstance(images, Tensor):
-                raise RequestError("a text prompt takes PIL images (the processor makes their pixels), not pixels")
+                raise RequestError("a text prompt takes PIL images (the processor makes their pixels), not "
+                                   "pixels")
             try:
                 if conversation:
                     prompt, images = self.processor.encode_chat(request.prompt, images or [])
@@ -147,7 +163,9 @@ class Engine:
                 raise RequestError(str(e)) from None
         else:
             if images is not None and not isinstance(images, Tensor):
-                raise RequestError("a prompt of token ids takes processed pixels [N, C, H, W], not PIL images")
+                raise RequestError(
+                    "a prompt of token ids takes processed pixels [N, C, H, W], not PIL images"
+                )
             prompt = list(request.prompt)
             vocab = self.model.language.head.out_features
             if prompt and not all(0 <= token < vocab for token in prompt):
@@ -157,11 +175,13 @@ class Engine:
         num_image_tokens = sum(token == self.model.config.image_token_id for token in prompt)
         expected = 0 if images is None else len(images) * self.model.config.tokens_per_image
         if num_image_tokens != expected:
-            raise RequestError(f"the prompt holds {num_image_tokens} image tokens but the images need {expected}")
+            raise RequestError(f"the prompt holds {num_image_tokens} image tokens but the images need "
+                               f"{expected}")
         return prompt, images
 
     def abort(self, request_id: str) -> None:
-        """Drop a request (a client that went away) and free its blocks; unknown or finished ids are ignored."""
+        """Drop a request (a client that went away) and free its blocks; unknown or finished ids are
+        ignored."""
         group = self.groups.pop(request_id, None)
         if group is not None:
             self.runner.release(group.sequences)
@@ -170,7 +190,7 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.groups)
 
-    # -- stepping ------------------------------------------------------------------------------------------------
+    # -- stepping --------------------------------------------------------------------------------------------
     def step(self) -> list[Output]:
         """Run one step over the scheduled work; return the new tokens of every request that got some."""
         planned = self.scheduler.schedule()
@@ -178,7 +198,8 @@ class Engine:
         self.runner.admit(planned.admitted)
         if planned.empty:
             if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError("no request can be admitted with an empty KV cache: the admission check is wrong")
+                raise RuntimeError("no request can be admitted with an empty KV cache: the admission check "
+                                   "is wrong")
             return []
         self.runner.copy_blocks(planned.copies)
         logits = self.runner.forward(planned.decodes, planned.prefills)
@@ -209,7 +230,8 @@ class Engine:
                                                          sequence.num_computed, sequence.num_registered)
 
     def _first_samples(self, group: RequestState) -> list[Sequence]:
-        """The prompt is done: its n samples start here (each from the prompt's logits), sharing its blocks."""
+        """The prompt is done: its n samples start here (each from the prompt's logits), sharing its
+        blocks."""
         self.runner.admit(self.scheduler.fork(group))
         return group.sequences
 
@@ -229,7 +251,9 @@ class Engine:
             output.new_tokens[sequence.index].append(token)
             if output.logprobs is not None:
                 output.logprobs[sequence.index].append(logprobs[i])
-            if token in group.stop_ids or (sequence.matcher is not None and not accepted(sequence.matcher, token)):
+            if token in group.stop_ids or (
+                sequence.matcher is not None and not accepted(sequence.matcher, token)
+            ):
                 sequence.finish_reason = "stop"
             elif len(sequence.tokens) >= group.max_length:
                 sequence.finish_reason = "length"
@@ -246,9 +270,10 @@ class Engine:
                 del self.groups[group.request_id]
         return list(outputs.values())
 
-    # -- offline -------------------------------------------------------------------------------------------------
+    # -- offline ---------------------------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request], progress=None) -> list[Result]:
-        """Serve every request to the end; results in the order given. `progress(done)` is called as requests end."""
+        """Serve every request to the end; results in the order given. `progress(done)` is called as requests
+        end."""
         order, prompts = [], {}
         for request in requests:
             request_id = self.add_request(request)
@@ -269,15 +294,19 @@ class Engine:
                     if progress:
                         progress(len(reasons))
         return [Result(request_id, tokens[request_id], [self.decode(t) for t in tokens[request_id]],
-                       reasons[request_id], prompts[request_id].num_prompt, prompts[request_id].num_cached or 0,
-                       logprobs.get(request_id)) for request_id in order]
+                       reasons[request_id], prompts[request_id].num_prompt,
+                       prompts[request_id].num_cached or 0, logprobs.get(request_id)) for request_id in order]
 
     def decode(self, token_ids: list[int]) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True).strip()
+        return (
+            ""
+            if self.tokenizer is None
+            else self.tokenizer.decode(token_ids, skip_special_tokens=True).strip()
+        )
 
     def stats(self) -> dict[str, float]:
-        """Running and waiting requests, KV blocks in use, prefix-cache lookups and hits (full prompt blocks) and hit
-        rate, and so far: preemptions, prompt tokens accepted, tokens generated."""
+        """Running and waiting requests, KV blocks in use, prefix-cache lookups and hits (full prompt blocks)
+        and hit rate, and so far: preemptions, prompt tokens accepted, tokens generated."""
         blocks = self.blocks
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "kv_blocks_used": blocks.num_usable - blocks.num_free, "kv_blocks_total": blocks.num_usable,

@@ -1,12 +1,13 @@
-"""The runner's inputs: one persistent row per seated sequence, and pinned staging buffers that each step's inputs are
-packed into and sent to the device with non-blocking copies.
+"""The runner's inputs: one persistent row per seated sequence, and pinned staging buffers that each step's
+inputs are packed into and sent to the device with non-blocking copies.
 
-As vLLM's persistent input batch and nano-vllm's flat tensors: a row (block table, sampling settings) is written whole
-when a sequence takes its seat (admission, a forked sample) and handed back when it leaves (finished, aborted,
-preempted). The block tables live on the device too: a row goes there once when it is taken, and a decode step then
-sends one entry per sequence (its last block, which may be new or a copy-on-write copy) and reads the rows it needs by
-seat on the device. The host's work per step is a few Python attribute reads per sequence and a fixed number of numpy
-calls; the number of tensor operations does not depend on the batch.
+As vLLM's persistent input batch and nano-vllm's flat tensors: a row (block table, sampling settings) is
+written whole when a sequence takes its seat (admission, a forked sample) and handed back when it leaves
+(finished, aborted, preempted). The block tables live on the device too: a row goes there once when it is
+taken, and a decode step then sends one entry per sequence (its last block, which may be new or a
+copy-on-write copy) and reads the rows it needs by seat on the device. The host's work per step is a few
+Python attribute reads per sequence and a fixed number of numpy calls; the number of tensor operations does
+not depend on the batch.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ ALIGN = 16  # packed parts start at multiples of 16 elements: Triton specializes
 
 
 class Staging:
-    """A pinned host buffer, its numpy view, and where its contents go on the device (the same tensor on a CPU).
-    Write the host side through `open()`, which first waits for the buffer's previous copy to the device."""
+    """A pinned host buffer, its numpy view, and where its contents go on the device (the same tensor on a
+    CPU). Write the host side through `open()`, which first waits for the buffer's previous copy to the
+    device."""
 
     def __init__(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
         cuda = device.type == "cuda"
@@ -36,7 +38,8 @@ class Staging:
 
     def open(self) -> np.ndarray:
         if self.copied is not None:
-            self.copied.synchronize()  # an event wait: no stall in practice, and not a sync of any tensor operation
+            # an event wait: no stall in practice, and not a sync of any tensor operation
+            self.copied.synchronize()
         return self.array
 
     def upload(self, begin: int, end: int) -> Tensor:
@@ -60,7 +63,8 @@ class StepInputs:
     max_query_len: int
     last: Tensor | None = None  # [S] each sequence's last token in the N (prefill; a decode's is its own)
     image_slots: Tensor | None = None  # [K] the image placeholders among the N (prefill)
-    image_chunks: list[tuple[Sequence, int, int]] = dataclasses.field(default_factory=list)  # image features [lo, hi)
+    # image features [lo, hi)
+    image_chunks: list[tuple[Sequence, int, int]] = dataclasses.field(default_factory=list)
 
 
 class InputBuffers:
@@ -82,11 +86,12 @@ class InputBuffers:
         self.top_p = np.ones(max_rows, np.float32)
         self.logprobs = np.full(max_rows, -1, np.int64)  # top log-probabilities asked for, -1 for none
         self.free_rows = list(range(max_rows - 1, -1, -1))
-        # decode: tokens | positions | slots | context lengths | seats | each seat's last block's column | that block,
-        # at fixed offsets: the CUDA graphs' static inputs are views of the device buffer
+        # decode: tokens | positions | slots | context lengths | seats | each seat's last block's column |
+        # that block, at fixed offsets: the CUDA graphs' static inputs are views of the device buffer
         self.decode = Staging(7 * max_rows, torch.int64, device)
         array = self.decode.open()
-        array[3 * max_rows : 4 * max_rows] = 1  # until a step writes them, rows read one slot of the null block
+        # until a step writes them, rows read one slot of the null block
+        array[3 * max_rows : 4 * max_rows] = 1
         array[4 * max_rows : 5 * max_rows] = self.null_seat
         self.decode.upload(0, 7 * max_rows)
         self.decode_query_start = torch.arange(max_rows + 1, device=device)
@@ -96,7 +101,7 @@ class InputBuffers:
         self.indices = Staging(16 * max_rows + 4 * ALIGN, torch.int64, device)  # a ring of small index lists
         self.indices_at = 0
 
-    # -- rows ----------------------------------------------------------------------------------------------------
+    # -- rows ------------------------------------------------------------------------------------------------
     def take(self, sequence: Sequence) -> None:
         """Seat `sequence` in a free row: its whole block table and its request's sampling settings."""
         row = sequence.row = self.free_rows.pop()
@@ -115,11 +120,12 @@ class InputBuffers:
             self.free_rows.append(sequence.row)
             sequence.row = None
 
-    # -- a step's inputs -----------------------------------------------------------------------------------------
+    # -- a step's inputs -------------------------------------------------------------------------------------
     def decode_inputs(self, sequences: list[Sequence], rows: int | None = None) -> StepInputs:
-        """One token per sequence at position num_computed. With `rows` (a CUDA-graph bucket >= len(sequences)) the
-        batch is padded to that many rows, which read and write only the null block, and the block table keeps its
-        full width (the graph's static shape); without, it is cut to the longest table."""
+        """One token per sequence at position num_computed. With `rows` (a CUDA-graph
+        bucket >= len(sequences)) the batch is padded to that many rows, which read and write only the null
+        block, and the block table keeps its full width (the graph's static shape); without, it is cut to the
+        longest table."""
         self._send_rows()
         n = len(sequences)
         size = self.block_size
@@ -149,20 +155,24 @@ class InputBuffers:
         buffer[4 * stride : 4 * stride + n] = seat
         buffer[5 * stride : 5 * stride + n] = length - 1
         buffer[6 * stride : 6 * stride + n] = last_blocks
-        for region, pad in enumerate((0, 0, 0, 1, self.null_seat, 0, 0)):  # padded rows: the null row and block
+        # padded rows: the null row and block
+        for region, pad in enumerate((0, 0, 0, 1, self.null_seat, 0, 0)):
             buffer[region * stride + n : region * stride + padded] = pad
         self.decode.upload(0, 7 * stride)
         return self.decode_views(padded, self.max_blocks if rows else int(length.max()))
 
     def decode_views(self, rows: int, columns: int) -> StepInputs:
-        """The decode inputs of the first `rows` rows, read from the device buffer (fixed addresses): each seat's last
-        block entered into the device's block tables, then the rows' tables gathered by seat."""
+        """The decode inputs of the first `rows` rows, read from the device buffer (fixed addresses): each
+        seat's last block entered into the device's block tables, then the rows' tables gathered by seat."""
         device, stride = self.decode.device, self.max_rows
         seats = device[4 * stride : 4 * stride + rows]
-        self.tables_device[seats, device[5 * stride : 5 * stride + rows]] = device[6 * stride : 6 * stride + rows]
-        return StepInputs(device[:rows], device[stride : stride + rows], device[2 * stride : 2 * stride + rows],
-                          self.decode_query_start[: rows + 1], device[3 * stride : 3 * stride + rows],
-                          self.tables_device[:, :columns][seats], max_query_len=1)
+        self.tables_device[seats, device[5 * stride : 5 * stride + rows]] = device[
+            6 * stride : 6 * stride + rows
+        ]
+        return StepInputs(device[:rows], device[stride : stride + rows],
+                          device[2 * stride : 2 * stride + rows], self.decode_query_start[: rows + 1],
+                          device[3 * stride : 3 * stride + rows], self.tables_device[:, :columns][seats],
+                          max_query_len=1)
 
     def prefill_inputs(self, chunks: list[tuple[Sequence, int]]) -> StepInputs:
         """The prompt chunks (sequence, count) packed into one row: each sequence computes `count` tokens from
@@ -204,7 +214,8 @@ class InputBuffers:
                           image_chunks=image_chunks)
 
     def sampling_settings(self, sequences: list[Sequence]) -> RowSettings | None:
-        """Each sequence's settings on the device, or None when every one is greedy (an argmax is all it takes)."""
+        """Each sequence's settings on the device, or None when every one is greedy (an argmax is all it
+        takes)."""
         seat = np.array([sequence.row for sequence in sequences])
         greedy = self.greedy[seat]
         if greedy.all():
@@ -223,13 +234,14 @@ class InputBuffers:
                            top_p=device[stride : stride + n, None] if (top_p < 1).any() else 1.0)
 
     def index(self, values: list[int]) -> Tensor:
-        """`values` as a device index tensor through pinned memory (a plain torch.tensor(..., device=cuda) copies from
-        pageable memory, which waits for the device)."""
+        """`values` as a device index tensor through pinned memory (a plain torch.tensor(..., device=cuda)
+        copies from pageable memory, which waits for the device)."""
         size = -(-max(len(values), 1) // ALIGN) * ALIGN
         if self.indices_at + size > len(self.indices.array):
             self.indices_at = 0
         begin, self.indices_at = self.indices_at, self.indices_at + size
-        array = self.indices.open() if begin == 0 else self.indices.array  # a lap done: wait for its last copy
+        # a lap done: wait for its last copy
+        array = self.indices.open() if begin == 0 else self.indices.array
         array[begin : begin + len(values)] = values
         return self.indices.upload(begin, begin + len(values))[begin : begin + len(values)]
 
@@ -245,8 +257,8 @@ class InputBuffers:
 
     @staticmethod
     def _pack(staging: Staging, parts: list) -> list[Tensor]:
-        """`parts` (lists or numpy arrays) laid end to end in `staging`, each at an aligned offset, sent at once;
-        their flat device views."""
+        """`parts` (lists or numpy arrays) laid end to end in `staging`, each at an aligned offset, sent at
+        once; their flat device views."""
         array = staging.open()
         bounds = []
         offset = 0

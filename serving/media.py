@@ -1,13 +1,14 @@
-"""The images a request names: base64 data URLs, local files (only under an allowed directory), and http(s) URLs
-(fetched within a time limit, a byte limit and a redirect limit, and never from a loopback, private or link-local
-address unless allowed). Anything refused is a one-line RequestError raised before the refused bytes are read.
+"""The images a request names: base64 data URLs, local files (only under an allowed directory), and http(s)
+URLs (fetched within a time limit, a byte limit and a redirect limit, and never from a loopback, private or
+link-local address unless allowed). Anything refused is a one-line RequestError raised before the refused
+bytes are read.
 
-As vLLM's `--allowed-local-media-path`. A fetch connects to the very address it checked (the URL's host is resolved
-once, the connection goes to that address with the host name kept for the Host header and TLS), so a name that
-resolves to a public address for the check and to a private one for the connection gets nowhere; responses are asked
-for and read unencoded (httpcore, which decodes nothing), so no compression can inflate them past the byte limit; and
-every socket read and write gets only the time left before the fetch's deadline, so no server answering one byte at a
-time can hold a request longer.
+As vLLM's `--allowed-local-media-path`. A fetch connects to the very address it checked (the URL's host is
+resolved once, the connection goes to that address with the host name kept for the Host header and TLS), so a
+name that resolves to a public address for the check and to a private one for the connection gets nowhere;
+responses are asked for and read unencoded (httpcore, which decodes nothing), so no compression can inflate
+them past the byte limit; and every socket read and write gets only the time left before the fetch's deadline,
+so no server answering one byte at a time can hold a request longer.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class MediaPolicy:
 
 
 def open_image(url: str, index: int, policy: MediaPolicy) -> Image.Image:
-    """The RGB image `url` names (a data URL, a path or file:// URL, an http(s) URL); RequestError otherwise."""
+    """The RGB image `url` names (a data URL, a path or file:// URL, an http(s) URL); RequestError
+    otherwise."""
     name = f"image {index}"
     try:
         if url.startswith("data:"):
@@ -63,8 +65,10 @@ def open_image(url: str, index: int, policy: MediaPolicy) -> Image.Image:
         elif "://" not in url:
             data = _read_local(Path(url), name, policy)
         else:
-            raise RequestError(f"{name}: unsupported URL scheme (send a data URL, an http(s) URL or a local path)")
-    except (httpx.InvalidURL, UnicodeError, ValueError) as e:  # malformed URLs and host names, NUL bytes in paths
+            raise RequestError(f"{name}: unsupported URL scheme (send a data URL, an http(s) URL or a local "
+                               "path)")
+    # malformed URLs and host names, NUL bytes in paths
+    except (httpx.InvalidURL, UnicodeError, ValueError) as e:
         if isinstance(e, RequestError):
             raise
         raise RequestError(f"{name}: invalid URL ({type(e).__name__})") from None
@@ -89,13 +93,14 @@ def _data_url(url: str, name: str, policy: MediaPolicy) -> bytes:
 
 
 def _read_local(path: Path, name: str, policy: MediaPolicy) -> bytes:
-    """A regular file whose real path (every symlink followed) lies under the allowed directory, read with a limit.
-    Missing and outside files get the same answer (no oracle of what exists elsewhere); devices, pipes and
-    directories are refused before they are opened, and the opened file's own path is checked again."""
+    """A regular file whose real path (every symlink followed) lies under the allowed directory, read with a
+    limit. Missing and outside files get the same answer (no oracle of what exists elsewhere); devices, pipes
+    and directories are refused before they are opened, and the opened file's own path is checked again."""
     if policy.allowed_local_path is None:
         raise RequestError(f"{name}: local image paths are not served (the server takes them only under "
                            f"--allowed-local-media-path DIR)")
-    root, unavailable = policy.allowed_local_path.resolve(), f"{name}: no such file under the allowed media directory"
+    root = policy.allowed_local_path.resolve()
+    unavailable = f"{name}: no such file under the allowed media directory"
     real = path.resolve()
     if not real.is_relative_to(root):
         raise RequestError(unavailable)
@@ -138,7 +143,8 @@ class DeadlineStream(httpcore.NetworkStream):
 
     def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
                   timeout: float | None = None) -> httpcore.NetworkStream:
-        return DeadlineStream(self.stream.start_tls(ssl_context, server_hostname, self._left(timeout)), self.deadline)
+        return DeadlineStream(self.stream.start_tls(ssl_context, server_hostname, self._left(timeout)),
+                              self.deadline)
 
     def get_extra_info(self, info: str):
         return self.stream.get_extra_info(info)
@@ -148,19 +154,19 @@ class DeadlineBackend(httpcore.SyncBackend):
     def __init__(self, deadline: float) -> None:
         self.deadline = deadline
 
-    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
-                    socket_options=None) -> httpcore.NetworkStream:
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None,
+                    local_address: str | None = None, socket_options=None) -> httpcore.NetworkStream:
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise httpcore.ConnectTimeout("the fetch's deadline passed")
-        stream = super().connect_tcp(host, port, left if timeout is None else min(timeout, left), local_address,
-                                     socket_options)
+        stream = super().connect_tcp(host, port, left if timeout is None else min(timeout, left),
+                                     local_address, socket_options)
         return DeadlineStream(stream, self.deadline)
 
 
 def _fetch(url: str, name: str, policy: MediaPolicy) -> bytes:
-    """GET `url` through at most max_redirects redirects, each hop's address checked and pinned, the whole of it
-    within policy.timeout."""
+    """GET `url` through at most max_redirects redirects, each hop's address checked and pinned, the whole of
+    it within policy.timeout."""
     deadline = time.monotonic() + policy.timeout
     with httpcore.ConnectionPool(network_backend=DeadlineBackend(deadline), retries=0) as pool:
         for _ in range(policy.max_redirects + 1):
@@ -168,7 +174,8 @@ def _fetch(url: str, name: str, policy: MediaPolicy) -> bytes:
             if target.scheme not in ("http", "https") or not target.host:
                 raise RequestError(f"{name}: redirected to {url}, not an http(s) URL")
             host = target.raw_host.decode("ascii")  # the IDNA-encoded name, as the Host header has it
-            address = _checked_address(host, target.port or (443 if target.scheme == "https" else 80), name, policy)
+            address = _checked_address(host, target.port or (443 if target.scheme == "https" else 80), name,
+                                       policy)
             headers = [(b"Host", target.netloc), (b"Accept-Encoding", b"identity"), (b"Connection", b"close")]
             try:
                 with pool.stream("GET", str(target.copy_with(host=address)), headers=headers,
@@ -184,9 +191,13 @@ def _fetch(url: str, name: str, policy: MediaPolicy) -> bytes:
             except httpcore.TimeoutException:
                 raise RequestError(f"{name}: the fetch took longer than {policy.timeout:g} s") from None
             except httpcore.NetworkError as e:
-                raise RequestError(f"{name}: cannot fetch the image from {host} ({type(e).__name__})") from None
+                raise RequestError(
+                    f"{name}: cannot fetch the image from {host} ({type(e).__name__})"
+                ) from None
             except httpcore.ProtocolError as e:
-                raise RequestError(f"{name}: {host} answered with a broken response ({type(e).__name__})") from None
+                raise RequestError(
+                    f"{name}: {host} answered with a broken response ({type(e).__name__})"
+                ) from None
     raise RequestError(f"{name}: more than {policy.max_redirects} redirects")
 
 
@@ -206,8 +217,8 @@ def _checked_address(host: str, port: int, name: str, policy: MediaPolicy) -> st
 
 
 def _public(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    """A global unicast address; an IPv6 one also outside the ranges that embed an IPv4 address (6to4, Teredo),
-    whose IPv4 part must then be public too."""
+    """A global unicast address; an IPv6 one also outside the ranges that embed an IPv4 address (6to4,
+    Teredo), whose IPv4 part must then be public too."""
     if isinstance(address, ipaddress.IPv4Address):
         return address.is_global and not address.is_multicast
     if address not in GLOBAL_IPV6 or not address.is_global:
@@ -216,7 +227,8 @@ def _public(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
     return all(v4 is None or _public(v4) for v4 in embedded)
 
 
-def _read_limited(response: httpcore.Response, fields: dict[str, str], name: str, policy: MediaPolicy) -> bytes:
+def _read_limited(response: httpcore.Response, fields: dict[str, str], name: str,
+                  policy: MediaPolicy) -> bytes:
     encoding = fields.get("content-encoding", "identity").strip().lower()
     if encoding != "identity":
         raise RequestError(f"{name}: the server sent a {encoding}-encoded response (asked for none)")

@@ -1,8 +1,9 @@
-"""The OpenAI chat-completions request (the fields tinyvlm serves), checked, and turned into an engine Request.
+"""The OpenAI chat-completions request (the fields tinyvlm serves), checked, and turned into an engine
+Request.
 
-Every field is either honoured or refused: OpenAI fields this server cannot honour are accepted only at the value that
-changes nothing (`tools: []`, `frequency_penalty: 0`, ...) and are otherwise a 400 naming the field,
-as is any field the API does not have; `user` and `metadata` label a request and change nothing.
+Every field is either honoured or refused: OpenAI fields this server cannot honour are accepted only at the
+value that changes nothing (`tools: []`, `frequency_penalty: 0`, ...) and are otherwise a 400 naming the
+field, as is any field the API does not have; `user` and `metadata` label a request and change nothing.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ LABELS = {"user", "metadata"}  # they name a request and change nothing
 NEUTRAL = {  # fields the server cannot honour, with the values that ask for nothing it lacks
     "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
     "logit_bias": (None, {}), "tools": (None, []),
-    "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False), "functions": (None, []),
-    "function_call": (None, "none", "auto"), "modalities": (None, ["text"]), "store": (None, False),
-    "service_tier": (None, "auto", "default"),
+    "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
+    "functions": (None, []), "function_call": (None, "none", "auto"), "modalities": (None, ["text"]),
+    "store": (None, False), "service_tier": (None, "auto", "default"),
 }
 
 
@@ -96,7 +97,8 @@ class GenerationRequest(BaseModel):
         return None
 
     def structure(self) -> Structure | None:
-        """The structured output asked for: `response_format` JSON (a schema, or any object) or `guided_choice`."""
+        """The structured output asked for: `response_format` JSON (a schema, or any object) or
+        `guided_choice`."""
         kind = self.response_format.type if self.response_format else "text"
         if kind != "text" and self.guided_choice:
             raise RequestError("give response_format or guided_choice, not both")
@@ -135,8 +137,8 @@ class CompletionRequest(GenerationRequest):
     max_tokens: StrictInt | None = Field(default=16, ge=1)  # the API's default
 
     def prompt_ids(self, tokenizer, max_chars: int) -> list[int]:
-        """The prompt's token ids (the tokenizer's own special tokens added, as transformers' `encode` does); the
-        engine checks token ids against the model's vocabulary."""
+        """The prompt's token ids (the tokenizer's own special tokens added, as transformers' `encode` does);
+        the engine checks token ids against the model's vocabulary."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -156,21 +158,22 @@ class RequestLimits:
     max_body_bytes: int = 16 * 2**20  # checked before the body is read
     max_prompt_chars: int = 100_000  # checked before tokenizing
     max_images: int = 4
-    max_preparing: int = 32  # requests read, parsed, fetched or tokenized at once (others wait, unread): bounds memory
+    # requests read, parsed, fetched or tokenized at once (others wait, unread): bounds memory
+    max_preparing: int = 32
 
     @property
     def max_json_containers(self) -> int:
-        """Objects and arrays a body may hold, counted from its `{` and `[` bytes before parsing (parsing runs under
-        Python's lock, so a body of millions of `{}` would stall the server): a prompt's own brackets count, so the
-        bound is the prompt limit plus room for the request's structure."""
+        """Objects and arrays a body may hold, counted from its `{` and `[` bytes before parsing (parsing runs
+        under Python's lock, so a body of millions of `{}` would stall the server): a prompt's own brackets
+        count, so the bound is the prompt limit plus room for the request's structure."""
         return self.max_prompt_chars + 10_000
 
 
-def to_engine_request(chat: ChatRequest, default_max_tokens: int | None, limits: RequestLimits, media: MediaPolicy,
-                      request_id: str) -> Request:
+def to_engine_request(chat: ChatRequest, default_max_tokens: int | None, limits: RequestLimits,
+                      media: MediaPolicy, request_id: str) -> Request:
     """The conversation (system / developer, user and assistant messages, images in any user message) and its
-    images in order, with the sampling settings; RequestError otherwise. The last message is the user's to answer; if
-    it holds images and no text, it asks for a caption (generate.py's caption prompt)."""
+    images in order, with the sampling settings; RequestError otherwise. The last message is the user's to
+    answer; if it holds images and no text, it asks for a caption (generate.py's caption prompt)."""
     if refused := chat.refused_field():
         raise RequestError(refused)
     if chat.top_logprobs and not chat.logprobs:
@@ -202,12 +205,14 @@ def to_engine_request(chat: ChatRequest, default_max_tokens: int | None, limits:
             raise RequestError("the last message has no text and no image")
         messages[-1] = dataclasses.replace(last, text=CAPTION_PROMPT)
     if (chars := sum(len(message.text) for message in messages)) > limits.max_prompt_chars:
-        raise RequestError(f"the messages hold {chars} characters; at most {limits.max_prompt_chars} are accepted")
+        raise RequestError(f"the messages hold {chars} characters; at most {limits.max_prompt_chars} are "
+                           "accepted")
     if len(urls) > limits.max_images:
         raise RequestError(f"{len(urls)} images in one request; at most {limits.max_images} are accepted")
     params = chat.params(chat.max_completion_tokens or chat.max_tokens or default_max_tokens,
                          (chat.top_logprobs or 0) if chat.logprobs else None)
-    return Request(messages, [open_image(url, i, media) for i, url in enumerate(urls)] or None, params, request_id)
+    return Request(messages, [open_image(url, i, media) for i, url in enumerate(urls)] or None, params,
+                   request_id)
 
 
 def completion_to_engine_request(completion: CompletionRequest, tokenizer, limits: RequestLimits,

@@ -18,7 +18,8 @@ STRUCTURES = ("json_schema", "json_object", "choice")
 
 
 class RequestError(TinyVLMError, ValueError):
-    """A request the engine cannot serve: longer than the context, larger than the whole KV cache, bad settings."""
+    """A request the engine cannot serve: longer than the context, larger than the whole KV cache, bad
+    settings."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,31 +39,35 @@ class Structure:
 
 @dataclasses.dataclass
 class RequestParams(SamplingParams):
-    """Per-request settings (as vLLM's SamplingParams): sampling, `n` samples sharing one prefill, `max_tokens` (None:
-    as many as fit the context after the prompt, and the KV cache), a `seed` for reproducible sampling, extra
-    `stop_token_ids` (the model's own stop tokens always apply, unless `ignore_eos`, which benchmarks use to fix output
-    lengths), `logprobs` (the log-softmax of the model's logits at each sampled token, and at the top k), `structure`
-    (structured output)."""
+    """Per-request settings (as vLLM's SamplingParams): sampling, `n` samples sharing one prefill,
+    `max_tokens` (None: as many as fit the context after the prompt, and the KV cache), a `seed` for
+    reproducible sampling, extra `stop_token_ids` (the model's own stop tokens always apply, unless
+    `ignore_eos`, which benchmarks use to fix output lengths), `logprobs` (the log-softmax of the model's
+    logits at each sampled token, and at the top k), `structure` (structured output)."""
 
     n: int = 1
     max_tokens: int | None = 64
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: int | None = None  # None: none; k: each sampled token's log-probability and the k most likely tokens'
-    structure: Structure | None = None  # hold the answer to a JSON schema, any JSON object or a list of choices
+    # None: none; k: each sampled token's log-probability and the k most likely tokens'
+    logprobs: int | None = None
+    # hold the answer to a JSON schema, any JSON object or a list of choices
+    structure: Structure | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check(self.n >= 1, f"n must be >= 1, got {self.n}")
         check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
               f"logprobs must lie in 0..{MAX_LOGPROBS}, got {self.logprobs}")
-        check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+        check(self.max_tokens is None or self.max_tokens >= 1,
+              f"max_tokens must be >= 1, got {self.max_tokens}")
 
 
 @dataclasses.dataclass
 class TokenLogprobs:
-    """A sampled token's log-probability under the model (the log-softmax of its logits) and the top k tokens'."""
+    """A sampled token's log-probability under the model (the log-softmax of its logits) and the top k
+    tokens'."""
 
     logprob: float
     top: list[tuple[int, float]]
@@ -70,9 +75,9 @@ class TokenLogprobs:
 
 @dataclasses.dataclass
 class Request:
-    """A prompt (text: one user turn; a conversation: data.Message's, each user message with its number of images;
-    or token ids with image placeholders already in place) with its images (PIL images, in order, or processed
-    pixels [N, C, H, W] for token ids) and settings."""
+    """A prompt (text: one user turn; a conversation: data.Message's, each user message with its number of
+    images; or token ids with image placeholders already in place) with its images (PIL images, in order, or
+    processed pixels [N, C, H, W] for token ids) and settings."""
 
     prompt: str | list[Message] | list[int]
     images: list[Image.Image] | Tensor | None = None
@@ -82,9 +87,9 @@ class Request:
 
 @dataclasses.dataclass
 class Output:
-    """What a step produced for one request: each sample's new tokens (and their log-probabilities, if asked for),
-    and, once finished, each sample's reason ("stop": a stop token, included in its tokens; "length": max_tokens or
-    the context)."""
+    """What a step produced for one request: each sample's new tokens (and their log-probabilities, if asked
+    for), and, once finished, each sample's reason ("stop": a stop token, included in its tokens; "length":
+    max_tokens or the context)."""
 
     request_id: str
     new_tokens: list[list[int]]

@@ -1,11 +1,11 @@
-"""One engine step on the device: the decode rows (one token each; on a GPU, a CUDA graph per batch bucket), the
-prompt chunks (packed into one row, no padding), then one sampling call for every row that needs a token and the
-step's one device-to-host copy (the sampled ids).
+"""One engine step on the device: the decode rows (one token each; on a GPU, a CUDA graph per batch bucket),
+the prompt chunks (packed into one row, no padding), then one sampling call for every row that needs a token
+and the step's one device-to-host copy (the sampled ids).
 
-The pool holds, per layer, keys and values [num_blocks, block_size, kv_heads, head_dim]; the model's own blocks run
-every forward with a paged layout (models/kv_cache.py) built from the persistent input rows (serving/input_buffers.py).
-Attention reads the pool through the block tables: gathered + SDPA ("gather": exact, the CPU path) or in place with a
-Triton kernel ("triton": GPUs; the default there).
+The pool holds, per layer, keys and values [num_blocks, block_size, kv_heads, head_dim]; the model's own
+blocks run every forward with a paged layout (models/kv_cache.py) built from the persistent input rows
+(serving/input_buffers.py). Attention reads the pool through the block tables: gathered + SDPA ("gather":
+exact, the CPU path) or in place with a Triton kernel ("triton": GPUs; the default there).
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ def triton_usable(device: torch.device) -> bool:
 
 class ModelRunner:
     def __init__(self, model: VisionLanguageModel, num_blocks: int, block_size: int, max_num_seqs: int = 64,
-                 max_batch_tokens: int = 512, attention: str = "auto", cuda_graphs: bool | None = None) -> None:
-        """`attention`: "gather", "triton", or "auto" (triton on a GPU, gather on a CPU). `cuda_graphs`: capture the
-        decode step per batch bucket (default: on a GPU)."""
+                 max_batch_tokens: int = 512, attention: str = "auto",
+                 cuda_graphs: bool | None = None) -> None:
+        """`attention`: "gather", "triton", or "auto" (triton on a GPU, gather on a CPU). `cuda_graphs`:
+        capture the decode step per batch bucket (default: on a GPU)."""
         config, weight = model.config.language, model.language.token_embedding.weight
         self.model = model
         self.block_size = block_size
@@ -54,8 +55,8 @@ class ModelRunner:
                       for _ in range(config.num_layers)]
         max_blocks = -(-config.max_position_embeddings // block_size)
         self.inputs = InputBuffers(max_num_seqs, max_blocks, max_batch_tokens, block_size, self.device)
-        # the sampled ids (and any log-probabilities) come back through here: room for max_num_seqs rows of the most
-        # a row packs (2 + 2 x MAX_LOGPROBS float64s)
+        # the sampled ids (and any log-probabilities) come back through here: room for max_num_seqs rows of
+        # the most a row packs (2 + 2 x MAX_LOGPROBS float64s)
         self.sampled = torch.zeros(max_num_seqs * (2 + 2 * MAX_LOGPROBS), dtype=torch.float64,
                                    pin_memory=self.device.type == "cuda")
         self.sampled_ready = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -72,9 +73,11 @@ class ModelRunner:
     @staticmethod
     def bytes_per_block(model: VisionLanguageModel, block_size: int) -> int:
         config, weight = model.config.language, model.language.token_embedding.weight
-        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * weight.element_size()
+        return (
+            2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * weight.element_size()
+        )
 
-    # -- seats ---------------------------------------------------------------------------------------------------
+    # -- seats -----------------------------------------------------------------------------------------------
     def admit(self, sequences: list[Sequence]) -> None:
         for sequence in sequences:
             self.inputs.take(sequence)
@@ -90,10 +93,11 @@ class ModelRunner:
                 for tensor in pool.values():
                     tensor[destination] = tensor[source]
 
-    # -- the step ------------------------------------------------------------------------------------------------
+    # -- the step --------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> Tensor:
-        """Logits [len(decodes) + len(prefills), vocab]: each decode's, then each prompt chunk's last token's."""
+        """Logits [len(decodes) + len(prefills), vocab]: each decode's, then each prompt chunk's last
+        token's."""
         hidden = []
         if decodes:
             if self.graphs is not None:
@@ -105,7 +109,9 @@ class ModelRunner:
             inputs = self.inputs.prefill_inputs(prefills)
             features = None
             if inputs.image_chunks:
-                features = torch.cat([self._features(sequence)[lo:hi] for sequence, lo, hi in inputs.image_chunks])
+                features = torch.cat(
+                    [self._features(sequence)[lo:hi] for sequence, lo, hi in inputs.image_chunks]
+                )
             embeddings = self.model.embed(inputs.tokens[None], features=features, slots=inputs.image_slots)
             hidden.append(self._blocks(embeddings, inputs)[inputs.last])
         return self.model.language.head(hidden[0] if len(hidden) == 1 else torch.cat(hidden))
@@ -113,16 +119,18 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, logits: Tensor, sequences: list[Sequence], rows: list[int] | None = None
                ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
-        """A token for each of `sequences` from its row of `logits` (row rows[i], or i), each with its request's
-        settings (and structured-output mask), in one call, and, if any of them asks, the log-probabilities (the
-        log-softmax of the model's logits, before any mask) of the sampled tokens and of the top k: all in the step's
-        one device-to-host copy."""
+        """A token for each of `sequences` from its row of `logits` (row rows[i], or i), each with its
+        request's settings (and structured-output mask), in one call, and, if any of them asks, the
+        log-probabilities (the log-softmax of the model's logits, before any mask) of the sampled tokens and
+        of the top k: all in the step's one device-to-host copy."""
         if rows is not None:
             logits = logits[self.inputs.index(rows)]
         asked = self.inputs.logprobs[[sequence.row for sequence in sequences]]
-        logprobs = logits.float().log_softmax(-1) if asked.max() >= 0 else None  # the model's, before any mask
+        # the model's, before any mask
+        logprobs = logits.float().log_softmax(-1) if asked.max() >= 0 else None
         if any(sequence.group.grammar is not None for sequence in sequences):
-            apply_masks(logits, [self._matcher(sequence) for sequence in sequences], self._bitmask(logits.shape[-1]))
+            apply_masks(logits, [self._matcher(sequence) for sequence in sequences],
+                        self._bitmask(logits.shape[-1]))
         settings = self.inputs.sampling_settings(sequences)
         if settings is None:
             tokens = logits.argmax(-1)
@@ -131,7 +139,8 @@ class ModelRunner:
         if logprobs is None:
             return self._to_host(tokens), None
         top = logprobs.topk(int(asked.max()), dim=-1)
-        # one copy back: ids (exact in float64), the sampled tokens' log-probabilities, the top k's ids and values
+        # one copy back: ids (exact in float64), the sampled tokens' log-probabilities, the top k's ids and
+        # values
         parts = [tokens[:, None], logprobs.gather(1, tokens[:, None]), top.indices, top.values]
         host = self._to_host(torch.cat([part.double() for part in parts], 1))
         k = len(top.indices[0]) if len(top.indices) else 0
@@ -141,9 +150,9 @@ class ModelRunner:
         return [int(row[0]) for row in host], results
 
     def _noise(self, logits: Tensor, sequences: list[Sequence]) -> Tensor:
-        """Exponential noise for the sampling race: one draw for the batch, and rows of seeded requests from their own
-        generator, [n, vocab] at a time for a request's n samples, as generate(num_samples=n) draws it, so that seeded
-        results agree."""
+        """Exponential noise for the sampling race: one draw for the batch, and rows of seeded requests from
+        their own generator, [n, vocab] at a time for a request's n samples, as generate(num_samples=n) draws
+        it, so that seeded results agree."""
         noise = torch.empty(logits.shape, device=logits.device).exponential_(1)
         seeded: dict = {}
         for row, sequence in enumerate(sequences):
@@ -164,7 +173,8 @@ class ModelRunner:
         return noise
 
     def _matcher(self, sequence: Sequence):
-        """The sequence's grammar state (made at its first token), or None when its request is unconstrained."""
+        """The sequence's grammar state (made at its first token), or None when its request is
+        unconstrained."""
         if sequence.group.grammar is not None and sequence.matcher is None:
             sequence.matcher = matcher(sequence.group.grammar)
         return sequence.matcher
@@ -177,8 +187,8 @@ class ModelRunner:
         return self.bitmask
 
     def _to_host(self, sampled: Tensor) -> list:
-        """`sampled` on the host: a non-blocking copy into pinned memory, then a wait for that copy's event (the only
-        place a step waits for the device)."""
+        """`sampled` on the host: a non-blocking copy into pinned memory, then a wait for that copy's event
+        (the only place a step waits for the device)."""
         if self.sampled_ready is None:
             return sampled.tolist()
         host = self.sampled.view(sampled.dtype)[: sampled.numel()].view(sampled.shape)
@@ -197,7 +207,9 @@ class ModelRunner:
         """The language model's final hidden states [N, hidden] of one packed row of tokens."""
         layout = Paged(inputs.block_table, inputs.slot_mapping, inputs.positions, inputs.query_start,
                        inputs.context_lens, inputs.max_query_len, self.attention)
-        hidden, _ = self.model.language(embeddings, kv_cache=[{**pool, "layout": layout} for pool in self.pools])
+        hidden, _ = self.model.language(
+            embeddings, kv_cache=[{**pool, "layout": layout} for pool in self.pools]
+        )
         return hidden[0]
 
     def _features(self, sequence: Sequence) -> Tensor:

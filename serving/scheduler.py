@@ -1,18 +1,19 @@
 """Continuous batching: which sequences run in the next step, and how many of their tokens.
 
-Requests join and leave the running batch at every step (Orca, Yu et al. OSDI 2022; vLLM). Each step first gives
-every decoding sequence its one token, then fills the rest of the token budget with prompt chunks (chunked prefill:
-a long prompt is computed over several steps, so running decodes never stall behind it), oldest request first. When
-the KV cache has no block for a decode, the newest running request is preempted: its blocks are freed and it waits at
-the front of the queue, to be recomputed (prompt and tokens so far) when blocks free up.
+Requests join and leave the running batch at every step (Orca, Yu et al. OSDI 2022; vLLM). Each step first
+gives every decoding sequence its one token, then fills the rest of the token budget with prompt chunks
+(chunked prefill: a long prompt is computed over several steps, so running decodes never stall behind it),
+oldest request first. When the KV cache has no block for a decode, the newest running request is preempted:
+its blocks are freed and it waits at the front of the queue, to be recomputed (prompt and tokens so far) when
+blocks free up.
 
-A request holds a seat per sample (`max_num_seqs` in all) from admission to its end; the step says which sequences
-were admitted and preempted, so the runner can give them input rows or take those back.
+A request holds a seat per sample (`max_num_seqs` in all) from admission to its end; the step says which
+sequences were admitted and preempted, so the runner can give them input rows or take those back.
 
-With CUDA graphs a decode-only step replays a graph, but a step with prompt chunks runs them eagerly, ~4x its cost: a
-full batch admitting each request as a seat frees would keep nearly every step eager. So while sequences decode,
-waiting requests join in batches of `admission_batch` seats (or what the queue's head wants, if less), or after
-MAX_HELD_STEPS steps held back (as TGI's max_waiting_tokens).
+With CUDA graphs a decode-only step replays a graph, but a step with prompt chunks runs them eagerly, ~4x its
+cost: a full batch admitting each request as a seat frees would keep nearly every step eager. So while
+sequences decode, waiting requests join in batches of `admission_batch` seats (or what the queue's head wants,
+if less), or after MAX_HELD_STEPS steps held back (as TGI's max_waiting_tokens).
 """
 
 from __future__ import annotations
@@ -45,13 +46,15 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batch_tokens: int, admission_batch: int = 1
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batch_tokens: int,
+                 admission_batch: int = 1
                  ) -> None:
         if max_batch_tokens < max_num_seqs:
-            raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_num_seqs ({max_num_seqs}): "
-                             f"every running sequence decodes a token each step")
+            raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_num_seqs "
+                             f"({max_num_seqs}): every running sequence decodes a token each step")
         if not 1 <= admission_batch <= max_num_seqs:
-            raise ValueError(f"admission_batch must be in 1..max_num_seqs ({max_num_seqs}), got {admission_batch}")
+            raise ValueError(f"admission_batch must be in 1..max_num_seqs ({max_num_seqs}), got "
+                             f"{admission_batch}")
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
@@ -60,7 +63,8 @@ class Scheduler:
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []  # oldest first
         self.num_preemptions = 0
-        self.seats = 0  # sequences the running requests hold (n for a request whose samples have not forked yet)
+        # sequences the running requests hold (n for a request whose samples have not forked yet)
+        self.seats = 0
 
     def add(self, group: RequestState) -> None:
         self.waiting.append(group)
@@ -124,12 +128,12 @@ class Scheduler:
         return step
 
     def fork(self, group: RequestState) -> list[Sequence]:
-        """The prompt is done: the request's other n - 1 samples start here, sharing its blocks (their seats were
-        held since admission)."""
+        """The prompt is done: the request's other n - 1 samples start here, sharing its blocks (their seats
+        were held since admission)."""
         parent = group.sequences[0]
-        children = [Sequence(group, index, list(parent.tokens), list(parent.keys), table=self.blocks.fork(parent.table),
-                             hashes=list(parent.hashes), num_computed=parent.num_computed,
-                             num_registered=parent.num_registered)
+        children = [Sequence(group, index, list(parent.tokens), list(parent.keys),
+                             table=self.blocks.fork(parent.table), hashes=list(parent.hashes),
+                             num_computed=parent.num_computed, num_registered=parent.num_registered)
                     for index in range(1, group.params.n)]
         group.sequences += children
         group.forked = True
@@ -175,7 +179,8 @@ class Scheduler:
         return False
 
     def _admit(self, group: RequestState, step: ScheduledStep) -> bool:
-        """Give each live sequence of `group` blocks for all its tokens (cached prefix blocks reused), or nothing."""
+        """Give each live sequence of `group` blocks for all its tokens (cached prefix blocks reused), or
+        nothing."""
         seats = self._seats(group)
         if self.seats + seats > self.max_num_seqs:
             return False

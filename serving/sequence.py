@@ -1,4 +1,5 @@
-"""What the engine tracks per request: its samples (sequences), their state and their place in the KV cache."""
+"""What the engine tracks per request: its samples (sequences), their state and their place in the KV
+cache."""
 
 from __future__ import annotations
 
@@ -15,14 +16,16 @@ from serving.requests import RequestParams
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"  # not yet admitted, or preempted: its blocks are free, its tokens recomputed on admission
+    # not yet admitted, or preempted: its blocks are free, its tokens recomputed on admission
+    WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
 
 
 @dataclasses.dataclass(eq=False)
 class Sequence:
-    """One sample of a request: prompt + generated tokens, how many of them are in the KV cache, its block table."""
+    """One sample of a request: prompt + generated tokens, how many of them are in the KV cache, its block
+    table."""
 
     group: RequestState
     index: int  # which of the request's n samples
@@ -32,8 +35,10 @@ class Sequence:
     hashes: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_registered: int = 0  # leading full blocks registered in the prefix cache (serving/block_manager.py)
-    matcher: object | None = None  # its structured-output grammar's state (serving/structured.py), if constrained
-    row: int | None = None  # its row of the runner's input buffers while it holds a seat (serving/input_buffers.py)
+    # its structured-output grammar's state (serving/structured.py), if constrained
+    matcher: object | None = None
+    # its row of the runner's input buffers while it holds a seat (serving/input_buffers.py)
+    row: int | None = None
     finish_reason: str | None = None
 
     @property
@@ -47,7 +52,8 @@ class Sequence:
 
     @property
     def decoding(self) -> bool:
-        """Its one pending token is a generated one (a prompt's tokens, placeholders included, run as a chunk)."""
+        """Its one pending token is a generated one (a prompt's tokens, placeholders included, run as a
+        chunk)."""
         return self.num_computed >= self.group.num_prompt and len(self.tokens) - self.num_computed == 1
 
     def append(self, token: int) -> None:
@@ -58,7 +64,8 @@ class Sequence:
 @dataclasses.dataclass(eq=False)
 class RequestState:
     """A request as the engine holds it: its prompt (token ids with image placeholders), images, settings and
-    samples. Its prompt is prefilled once; the n samples then fork from it and share its blocks (copy-on-write)."""
+    samples. Its prompt is prefilled once; the n samples then fork from it and share its blocks
+    (copy-on-write)."""
 
     request_id: str
     prompt: list[int]
@@ -90,8 +97,8 @@ class RequestState:
 
 
 def token_keys(prompt: list[int], images: Tensor | None, image_token_id: int | None) -> list[TokenKey]:
-    """Prefix-cache keys of a prompt: token ids, and (digest of the image's pixels, index) for image tokens, so that
-    two different images (or one image processed two ways) never share cached blocks."""
+    """Prefix-cache keys of a prompt: token ids, and (digest of the image's pixels, index) for image tokens,
+    so that two different images (or one image processed two ways) never share cached blocks."""
     digests = [] if images is None else [hashlib.sha256(image.float().cpu().numpy().tobytes()).hexdigest()
                                          for image in images]
     keys, seen = [], 0

@@ -9,19 +9,20 @@
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}]}])
 
 Endpoints: POST /v1/chat/completions (a conversation: system, user and assistant messages, images in any user
-message; `n`, `max_tokens` (default: the rest of the context), `temperature`, `top_p`, `top_k`, `seed`, `stop`,
-`ignore_eos`, `logprobs` / `top_logprobs`, `response_format` json_object / json_schema, `guided_choice`, streaming
-as server-sent events with `stream_options.include_usage`), POST /v1/completions (a plain text prompt or token ids,
-the same settings but log-probabilities), GET /v1/models, /health and /metrics (Prometheus' text format: running and
-waiting requests, KV-cache blocks, prefix-cache hits, preemptions, tokens in and out, time to first token and
-between tokens, end to end). A client that disconnects aborts its request; bad requests get a 4xx JSON error in
-OpenAI's shape, and a full server answers 429.
+message; `n`, `max_tokens` (default: the rest of the context), `temperature`, `top_p`, `top_k`, `seed`,
+`stop`, `ignore_eos`, `logprobs` / `top_logprobs`, `response_format` json_object / json_schema,
+`guided_choice`, streaming as server-sent events with `stream_options.include_usage`), POST /v1/completions (a
+plain text prompt or token ids, the same settings but log-probabilities), GET /v1/models, /health and /metrics
+(Prometheus' text format: running and waiting requests, KV-cache blocks, prefix-cache hits, preemptions,
+tokens in and out, time to first token and between tokens, end to end). A client that disconnects aborts its
+request; bad requests get a 4xx JSON error in OpenAI's shape, and a full server answers 429.
 
-Safe to expose: with --api-key (or TINYVLM_API_KEY) every /v1 route wants `Authorization: Bearer KEY` (401 without);
-images come as data URLs, as http(s) URLs fetched with limits from public addresses only (--allow-private-image-urls
-lifts that), or as local files under --allowed-local-media-path only (none by default); the body's size is checked
-before it is read and the prompt's length before it is tokenized; a request is parsed, its images fetched and decoded
-and its prompt tokenized off the event loop, so /health and the other streams keep answering.
+Safe to expose: with --api-key (or TINYVLM_API_KEY) every /v1 route wants `Authorization: Bearer KEY` (401
+without); images come as data URLs, as http(s) URLs fetched with limits from public addresses only
+(--allow-private-image-urls lifts that), or as local files under --allowed-local-media-path only (none by
+default); the body's size is checked before it is read and the prompt's length before it is tokenized; a
+request is parsed, its images fetched and decoded and its prompt tokenized off the event loop, so /health and
+the other streams keep answering.
 """
 
 from __future__ import annotations
@@ -66,11 +67,12 @@ from serving.sequence import RequestState
 
 CHAT_PAGE = (Path(__file__).parent / "static" / "chat.html").read_text()
 # the page's own inline script and style, and its images as data URLs; nothing from anywhere else
-PAGE_POLICY = ("default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src 'self' data: blob:; "
-               "connect-src 'self'")
+PAGE_POLICY = ("default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src 'self' "
+               "data: blob:; connect-src 'self'")
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
+def error(status: int, message: str, kind: str = "invalid_request_error",
+          code: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
 
 
@@ -83,8 +85,8 @@ class Refused(Exception):
 
 
 class Completion:
-    """One request's samples as text: incremental detokenization, stop strings, finish reasons, and each token's
-    log-probabilities in OpenAI's shape when the request asked for them."""
+    """One request's samples as text: incremental detokenization, stop strings, finish reasons, and each
+    token's log-probabilities in OpenAI's shape when the request asked for them."""
 
     def __init__(self, tokenizer, n: int, stop_strings: list[str], logprobs: bool = False) -> None:
         self.tokenizer, self.stop_strings = tokenizer, stop_strings
@@ -95,7 +97,8 @@ class Completion:
         self.logprobs: list[list[dict]] | None = [[] for _ in range(n)] if logprobs else None
 
     def update(self, output: Output) -> list[str]:
-        """Each sample's new text from `output` (held back while it might end in a cut character or a stop string)."""
+        """Each sample's new text from `output` (held back while it might end in a cut character or a stop
+        string)."""
         deltas = []
         for i, new in enumerate(output.new_tokens):
             if self.finish_reasons[i]:
@@ -104,7 +107,9 @@ class Completion:
             detokenizer, reason = self.detokenizers[i], output.finish_reasons[i]
             detokenizer.add(new)
             if self.logprobs is not None:
-                self.logprobs[i] += [self._logprob(token, entry) for token, entry in zip(new, output.logprobs[i])]
+                self.logprobs[i] += [
+                    self._logprob(token, entry) for token, entry in zip(new, output.logprobs[i])
+                ]
             if reason is not None:
                 detokenizer.finish()
             text = detokenizer.text
@@ -114,8 +119,10 @@ class Completion:
                 if (at := text.find(stop, start)) >= 0:
                     text, reason = text[:at], "stop"
             if reason is None:  # hold back what could be the start of a stop string
-                held = max((k for stop in self.stop_strings for k in range(1, len(stop)) if text.endswith(stop[:k])),
-                           default=0)
+                held = max(
+                    (k for stop in self.stop_strings for k in range(1, len(stop)) if text.endswith(stop[:k])),
+                    default=0,
+                )
                 text = text[: len(text) - held]
             self.finish_reasons[i] = reason
             deltas.append(text[len(self.texts[i]) :])
@@ -137,8 +144,8 @@ class Completion:
 
 
 def base_app(server_metrics: ServerMetrics, documented: bool) -> FastAPI:
-    """The app with OpenAI's error replies and the open routes; its documentation pages only when `documented` (a
-    server with an API key shows none)."""
+    """The app with OpenAI's error replies and the open routes; its documentation pages only when `documented`
+    (a server with an API key shows none)."""
     docs = {} if documented else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="tinyvlm", **docs)
     for kind, handler in ((HTTPException, http_error), (Refused, refused), (Exception, internal_error)):
@@ -161,7 +168,8 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
 
     @v1.get("/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "tinyvlm"}]}
+        return {"object": "list",
+                "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "tinyvlm"}]}
 
     async def serve(http: Request, chat: bool):
         arrival = time.monotonic()
@@ -171,8 +179,9 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
         async with preparing:
             body = await read_body(http, limits.max_body_bytes)
             try:
-                parsed, group = await asyncio.get_running_loop().run_in_executor(workers, prepare, body, request_id,
-                                                                                 chat)
+                parsed, group = await asyncio.get_running_loop().run_in_executor(
+                    workers, prepare, body, request_id, chat
+                )
                 stream = engine.submit(group)
             except QueueFull as e:
                 raise Refused(429, str(e), "rate_limit_exceeded") from None
@@ -180,8 +189,8 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
                 raise Refused(400, str(e)) from None
         completion = Completion(tokenizer, parsed.n, parsed.stop_strings, chat and parsed.logprobs)
         reply = Reply(engine, stream, completion, request_id,
-                      {"id": request_id, "created": int(time.time()), "model": model_name}, group, server_metrics,
-                      arrival, chat)
+                      {"id": request_id, "created": int(time.time()), "model": model_name}, group,
+                      server_metrics, arrival, chat)
         if parsed.stream:
             usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
             return StreamingResponse(reply.events(usage), media_type="text/event-stream")
@@ -217,23 +226,27 @@ def add_open_routes(app: FastAPI, server_metrics: ServerMetrics) -> None:
 
 
 def bearer_check(api_key: str | None):
-    """The /v1 routes' dependency: with an API key set, a request must send `Authorization: Bearer KEY` (401)."""
+    """The /v1 routes' dependency: with an API key set, a request must send `Authorization: Bearer KEY`
+    (401)."""
 
     async def authorize(http: Request) -> None:
         scheme, _, token = (http.headers.get("authorization") or "").partition(" ")
-        if api_key and not (scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), api_key.encode())):
+        if api_key and not (
+            scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), api_key.encode())
+        ):
             raise Refused(401, "invalid or missing API key (send the header Authorization: Bearer KEY)",
                           "invalid_api_key")
 
     return authorize
 
 
-def prepare_request(body: bytes, request_id: str, chat: bool, *, engine: AsyncEngine, tokenizer, model_name: str,
-                    default_max_tokens: int | None, limits: RequestLimits,
+def prepare_request(body: bytes, request_id: str, chat: bool, *, engine: AsyncEngine, tokenizer,
+                    model_name: str, default_max_tokens: int | None, limits: RequestLimits,
                     media: MediaPolicy) -> tuple[GenerationRequest, RequestState]:
     """Parse and check the request, fetch and decode its images, tokenize its prompt (in a worker thread)."""
     if body.count(b"{") + body.count(b"[") > limits.max_json_containers:
-        raise Refused(400, f"the request holds more than {limits.max_json_containers} JSON objects and arrays")
+        raise Refused(400,
+                      f"the request holds more than {limits.max_json_containers} JSON objects and arrays")
     try:
         parsed = (ChatRequest if chat else CompletionRequest).model_validate_json(body)
     except ValidationError as e:
@@ -313,12 +326,13 @@ class Reply:
             logprobs = None if completion.logprobs is None else {"content": completion.logprobs[i]}
             content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
             choices.append({"index": i, **content, "finish_reason": reason, "logprobs": logprobs})
-        return {**self.head, "object": "chat.completion" if self.chat else "text_completion", "choices": choices,
-                "usage": self.usage()}
+        return {**self.head, "object": "chat.completion" if self.chat else "text_completion",
+                "choices": choices, "usage": self.usage()}
 
     async def events(self, include_usage: bool) -> AsyncIterator[str]:
         if self.chat:
-            yield self.event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            yield self.event([{"index": i, "delta": {"role": "assistant", "content": ""},
+                               "finish_reason": None}
                               for i in range(len(self.completion.texts))])
         sent = [0] * len(self.completion.texts)  # log-probability entries sent, per sample
         async for item in self.outputs(None):
@@ -328,7 +342,8 @@ class Reply:
             deltas, reasons = item
             choices = []
             for i, (delta, reason) in enumerate(zip(deltas, reasons)):
-                if delta or reason:  # log-probabilities of tokens whose text was held back go out with the next text
+                # log-probabilities of tokens whose text was held back go out with the next text
+                if delta or reason:
                     content = ({"delta": {"content": delta} if delta else {}} if self.chat
                                else {"text": delta, "logprobs": None})
                     choice = {"index": i, **content, "finish_reason": reason}
@@ -353,8 +368,9 @@ class Reply:
                 "prompt_tokens_details": {"cached_tokens": self.group.num_cached or 0}}
 
     async def outputs(self, http: Request | None):
-        """Each step's (deltas, newly final reasons) until every sample is done; a request whose client goes away
-        (`http` polled while nothing arrives) or whose samples all hit stop strings is aborted, freeing its blocks."""
+        """Each step's (deltas, newly final reasons) until every sample is done; a request whose client goes
+        away (`http` polled while nothing arrives) or whose samples all hit stop strings is aborted, freeing
+        its blocks."""
         completion = self.completion
         finished = False
         last = None
@@ -371,7 +387,9 @@ class Reply:
                     yield item
                     return
                 now = time.monotonic()
-                latency = self.metrics.time_to_first_token if last is None else self.metrics.inter_token_latency
+                latency = (
+                    self.metrics.time_to_first_token if last is None else self.metrics.inter_token_latency
+                )
                 latency.observe(now - (self.arrival if last is None else last))
                 last = now
                 before = list(completion.finish_reasons)
@@ -386,29 +404,35 @@ class Reply:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", help="run or checkpoint directory, or a hub id (default: newest under runs/)")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint",
+                        help="run or checkpoint directory, or a hub id (default: newest under runs/)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--model-name", help="the model id clients use (default: the checkpoint's directory name)")
+    parser.add_argument("--model-name",
+                        help="the model id clients use (default: the checkpoint's directory name)")
     parser.add_argument("--kv-cache-mib", type=int, default=1024, help="KV-cache memory (MiB)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together")
     parser.add_argument("--max-in-flight", type=int, default=256, help="requests admitted at once (then 429)")
     parser.add_argument("--attention", choices=["auto", "gather", "triton"], default="auto",
                         help="paged attention: gather + SDPA, or the Triton kernel over the pool in place "
                              "(auto: Triton on a GPU)")
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the decode step (as vLLM's)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs for the decode step (as vLLM's)")
     parser.add_argument("--api-key", default=os.environ.get("TINYVLM_API_KEY"),
-                        help="require `Authorization: Bearer KEY` on every /v1 route (default: $TINYVLM_API_KEY)")
+                        help="require `Authorization: Bearer KEY` on every /v1 route (default: "
+                             "$TINYVLM_API_KEY)")
     parser.add_argument("--allowed-local-media-path", type=Path,
-                        help="serve local image files named by a request, but only under this directory (default: "
-                             "none)")
+                        help="serve local image files named by a request, but only under this directory "
+                             "(default: none)")
     parser.add_argument("--allow-private-image-urls", action="store_true",
                         help="fetch image URLs from loopback, private and link-local addresses too")
     parser.add_argument("--max-request-mib", type=float, default=16, help="request body limit (MiB)")
     parser.add_argument("--max-image-mib", type=float, default=10, help="an image's encoded size limit (MiB)")
-    parser.add_argument("--max-prompt-chars", type=int, default=100_000, help="prompt length limit (characters)")
+    parser.add_argument("--max-prompt-chars", type=int, default=100_000,
+                        help="prompt length limit (characters)")
     parser.add_argument("--max-images", type=int, default=4, help="images per request")
     args = parser.parse_args(argv)
     try:
@@ -422,15 +446,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.allowed_local_media_path and not args.allowed_local_media_path.is_dir():
-        print(f"error: --allowed-local-media-path {args.allowed_local_media_path}: no such directory", file=sys.stderr)
+        print(f"error: --allowed-local-media-path {args.allowed_local_media_path}: no such directory",
+              file=sys.stderr)
         return 2
-    engine = Engine(model, processor, **engine_settings(model, args.kv_cache_mib, max_num_seqs=args.max_num_seqs),
+    engine = Engine(model, processor,
+                    **engine_settings(model, args.kv_cache_mib, max_num_seqs=args.max_num_seqs),
                     attention=args.attention, cuda_graphs=False if args.enforce_eager else None)
     name = args.model_name or (Path(args.checkpoint).name if args.checkpoint else "tinyvlm")
-    async_engine = AsyncEngine(engine, args.max_in_flight, log=lambda line: print(line, file=sys.stderr, flush=True))
+    async_engine = AsyncEngine(engine, args.max_in_flight,
+                               log=lambda line: print(line, file=sys.stderr, flush=True))
     limits = RequestLimits(int(args.max_request_mib * 2**20), args.max_prompt_chars, args.max_images)
-    media = MediaPolicy(args.allowed_local_media_path, args.allow_private_image_urls, int(args.max_image_mib * 2**20))
-    app = create_app(async_engine, processor.tokenizer, name, limits=limits, media=media, api_key=args.api_key)
+    media = MediaPolicy(args.allowed_local_media_path, args.allow_private_image_urls,
+                        int(args.max_image_mib * 2**20))
+    app = create_app(async_engine, processor.tokenizer, name, limits=limits, media=media,
+                     api_key=args.api_key)
     uvicorn.run(app, host=args.host, port=args.port)
     async_engine.shutdown()
     return 0

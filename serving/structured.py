@@ -1,12 +1,13 @@
-"""Structured output (vLLM's guided decoding) through xgrammar: an answer held to JSON that validates against a
-schema, to any JSON object, or to one of a list of strings, by masking at each step the tokens that would leave the
-grammar. The masks of a step's constrained rows are filled on the host (a few microseconds a row), sent in one copy
-and applied to every row's logits in one call inside the batched sampler, so constrained and free requests share a
-step (free rows get a mask that allows everything).
+"""Structured output (vLLM's guided decoding) through xgrammar: an answer held to JSON that validates against
+a schema, to any JSON object, or to one of a list of strings, by masking at each step the tokens that would
+leave the grammar. The masks of a step's constrained rows are filled on the host (a few microseconds a row),
+sent in one copy and applied to every row's logits in one call inside the batched sampler, so constrained and
+free requests share a step (free rows get a mask that allows everything).
 
-JSON gets no free whitespace (xgrammar's `any_whitespace=False`): a model cannot pad an answer with spaces forever.
-Chosen over llguidance (both well kept, both used by vLLM) by measurement on SmolLM2's tokenizer (49,152 tokens): a
-JSON-schema mask and accept took 13 us a token with xgrammar, 177 us with llguidance; both compile a schema in ~2 ms.
+JSON gets no free whitespace (xgrammar's `any_whitespace=False`): a model cannot pad an answer with spaces
+forever. Chosen over llguidance (both well kept, both used by vLLM) by measurement on SmolLM2's tokenizer
+(49,152 tokens): a JSON-schema mask and accept took 13 us a token with xgrammar, 177 us with llguidance; both
+compile a schema in ~2 ms.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ CACHE_BYTES = 64 * 2**20  # compiled grammars kept for requests that repeat a st
 
 
 class Grammars:
-    """Compiles each request's Structure once (cached) for the engine's tokenizer; any thread may call `compile`."""
+    """Compiles each request's Structure once (cached) for the engine's tokenizer; any thread may call
+    `compile`."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]) -> None:
         self.tokenizer = tokenizer
@@ -52,7 +54,9 @@ class Grammars:
             schema = structure.spec if structure.kind == "json_schema" else '{"type": "object"}'
             return compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))
         except (RuntimeError, ValueError) as e:
-            raise RequestError(f"the {structure.kind.replace('_', ' ')} cannot be compiled ({str(e)[:200]})") from None
+            raise RequestError(
+                f"the {structure.kind.replace('_', ' ')} cannot be compiled ({str(e)[:200]})"
+            ) from None
 
 
 def matcher(grammar):
@@ -63,8 +67,9 @@ def matcher(grammar):
 
 
 def apply_masks(logits: Tensor, matchers: list, bitmask: Tensor) -> None:
-    """Mask, in place, each row's tokens that its matcher (None: unconstrained) does not allow next; `bitmask` is a
-    pinned [rows >= len(matchers), ceil(vocab / 32)] int32 buffer the masks are filled into, then sent in one copy."""
+    """Mask, in place, each row's tokens that its matcher (None: unconstrained) does not allow next; `bitmask`
+    is a pinned [rows >= len(matchers), ceil(vocab / 32)] int32 buffer the masks are filled into, then sent in
+    one copy."""
     import xgrammar
 
     rows = bitmask[: len(matchers)]
@@ -77,5 +82,6 @@ def apply_masks(logits: Tensor, matchers: list, bitmask: Tensor) -> None:
 
 
 def accepted(state, token: int) -> bool:
-    """Advance a matcher by the sampled token; False once the structure is complete (the answer ends there)."""
+    """Advance a matcher by the sampled token; False once the structure is complete (the answer ends
+    there)."""
     return state.accept_token(token) and not state.is_terminated()

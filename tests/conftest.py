@@ -10,7 +10,8 @@ os.environ.setdefault("WANDB_MODE", "offline")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-if not torch.cuda.is_available():  # Triton kernels then run on CPU tensors in Triton's interpreter (read at its import)
+# Triton kernels then run on CPU tensors in Triton's interpreter (read at its import)
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 

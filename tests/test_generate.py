@@ -1,4 +1,5 @@
-"""generate.py's normal output against the model it loads: streamed text, captions, samples, compile, stop tokens."""
+"""generate.py's normal output against the model it loads: streamed text, captions, samples, compile, stop
+tokens."""
 
 import json
 import os
@@ -67,15 +68,15 @@ def _expected(directory, image, prompt, **settings) -> list[str]:
     tokenizer = PreTrainedTokenizerFast.from_pretrained(directory)
     ids = torch.tensor([encode_prompt(tokenizer, prompt, 1, model.config.tokens_per_image)])
     pixels = ImageProcessor.from_config(model.config.vision)(Image.open(image))[None]
-    tokens = model.generate(ids, pixels, eos_token_id=model.config.stop_ids, pad_token_id=tokenizer.pad_token_id,
-                            **settings)
+    tokens = model.generate(ids, pixels, eos_token_id=model.config.stop_ids,
+                            pad_token_id=tokenizer.pad_token_id, **settings)
     return [tokenizer.decode(row, skip_special_tokens=True).strip() for row in tokens.tolist()]
 
 
 @pytest.mark.parametrize("prompt", ["what colour is the sky?", None, "<|image|> " * 20])
 def test_streamed_answer_equals_the_models_greedy_answer(random_checkpoint, image, capsys, prompt):
-    """Streaming prints what the model generates (the default with no prompt is a caption; typed placeholders are
-    text, so the answer is the one for that text, not an image splice error)."""
+    """Streaming prints what the model generates (the default with no prompt is a caption; typed placeholders
+    are text, so the answer is the one for that text, not an image splice error)."""
     argv = ["--checkpoint", random_checkpoint, "--image", image, "--max-new-tokens", 12]
     code, out, err = _run(capsys, *argv, *(["--prompt", prompt] if prompt else []))
     expected = _expected(random_checkpoint, image, prompt or CAPTION_PROMPT, max_new_tokens=12, greedy=True)
@@ -86,13 +87,14 @@ def test_streamed_answer_equals_the_models_greedy_answer(random_checkpoint, imag
 def test_num_samples_prints_each_sample_from_one_prefill(random_checkpoint, image, capsys, monkeypatch):
     prefills = []
     embed = VisionLanguageModel.embed
-    monkeypatch.setattr(VisionLanguageModel, "embed", lambda self, *args: prefills.append(1) or embed(self, *args))
+    monkeypatch.setattr(VisionLanguageModel, "embed",
+                        lambda self, *args: prefills.append(1) or embed(self, *args))
     code, out, err = _run(capsys, "--checkpoint", random_checkpoint, "--image", image, "--prompt", "the sky",
                           "--num-samples", 3, "--temperature", 1.5, "--seed", 7, "--max-new-tokens", 10)
     assert code == 0, err and len(prefills) == 1
     monkeypatch.undo()
-    expected = _expected(random_checkpoint, image, "the sky", max_new_tokens=10, temperature=1.5, num_samples=3,
-                         generator=torch.Generator().manual_seed(7))
+    expected = _expected(random_checkpoint, image, "the sky", max_new_tokens=10, temperature=1.5,
+                         num_samples=3, generator=torch.Generator().manual_seed(7))
     assert out.strip().splitlines() == [f"[{i + 1}] {text}" for i, text in enumerate(expected)]
     assert len(set(expected)) > 1  # the samples differ, so each row is printed from its own tokens
 
@@ -105,13 +107,13 @@ def test_compile_prints_the_same_greedy_answer(random_checkpoint, image, capsys)
 
 
 def successor_model(tokenizer, successor: dict[int, int], default: int) -> VisionLanguageModel:
-    """A VLM whose next token depends only on the current one: `successor[t]`, else `default`. One-hot embeddings,
-    blocks whose output projections are zero (each block passes its input through), and a head that maps each
-    one-hot to its successor, so what greedy decoding says is known in advance."""
+    """A VLM whose next token depends only on the current one: `successor[t]`, else `default`. One-hot
+    embeddings, blocks whose output projections are zero (each block passes its input through), and a head
+    that maps each one-hot to its successor, so what greedy decoding says is known in advance."""
     vocab = len(tokenizer)
     hidden = -(-vocab // 8) * 8
-    model = VisionLanguageModel(_config(tokenizer, hidden_size=hidden, num_heads=4, num_kv_heads=2, num_layers=1,
-                                        tie_word_embeddings=False))
+    model = VisionLanguageModel(_config(tokenizer, hidden_size=hidden, num_heads=4, num_kv_heads=2,
+                                        num_layers=1, tie_word_embeddings=False))
     with torch.no_grad():
         model.language.token_embedding.weight.copy_(torch.eye(vocab, hidden))
         for block in model.language.blocks:
@@ -125,16 +127,20 @@ def successor_model(tokenizer, successor: dict[int, int], default: int) -> Visio
     return model.eval()
 
 
-def test_answers_stop_at_the_end_of_turn_when_the_eos_is_another_token(base_tokenizer, image, capsys, tmp_path):
-    """Regression: training ends answers with <|im_end|>, but generate.py stopped only at the tokenizer's EOS; with a
-    base tokenizer (EOS `</s>`) every answer ran on to max_new_tokens."""
+def test_answers_stop_at_the_end_of_turn_when_the_eos_is_another_token(
+    base_tokenizer, image, capsys, tmp_path
+):
+    """Regression: training ends answers with <|im_end|>, but generate.py stopped only at the tokenizer's EOS;
+    with a base tokenizer (EOS `</s>`) every answer ran on to max_new_tokens."""
     prompt = encode_prompt(base_tokenizer, "what colour is the sky?", 1, tiny_vlm_config().tokens_per_image)
     answer, after = encode_text(base_tokenizer, "blue"), encode_text(base_tokenizer, " the sky")
     chain = [prompt[-1], *answer, token_id(base_tokenizer, IM_END), *after]
     assert len(set(chain)) == len(chain)
     model = successor_model(base_tokenizer, dict(zip(chain, chain[1:])), default=after[-1])
     checkpoint = _save(model, base_tokenizer, tmp_path / "chain")
-    code, out, err = _run(capsys, "--checkpoint", checkpoint, "--image", image, "--prompt", "what colour is the sky?")
+    code, out, err = _run(
+        capsys, "--checkpoint", checkpoint, "--image", image, "--prompt", "what colour is the sky?"
+    )
     assert code == 0, err
     assert out.strip() == "blue"
 
@@ -180,7 +186,9 @@ def test_batch_lines_may_be_conversations(random_checkpoint, image, tmp_path, ca
     messages = [{"role": "system", "content": "Answer briefly."},
                 {"role": "user", "content": "what colour is it?", "images": [str(image)]},
                 {"role": "assistant", "content": "blue"}, {"role": "user", "content": "and the sea?"}]
-    batch.write_text(json.dumps({"messages": messages}) + "\n" + json.dumps({"messages": messages[:2]}) + "\n")
+    batch.write_text(
+        json.dumps({"messages": messages}) + "\n" + json.dumps({"messages": messages[:2]}) + "\n"
+    )
     output = tmp_path / "answers.jsonl"
     code, _, err = _run(capsys, "--checkpoint", random_checkpoint, "--batch", batch, "--output", output,
                         "--max-new-tokens", 10)
@@ -194,12 +202,14 @@ def test_batch_lines_may_be_conversations(random_checkpoint, image, tmp_path, ca
 
 
 def test_chat_in_a_terminal_answers_each_turn_and_reuses_the_earlier_ones(random_checkpoint, image):
-    """generate.py --chat driven through a pseudo-terminal: an image, then two questions; each answer is the model's
-    to the conversation so far, and the second turn found the first one's tokens in the prefix cache."""
+    """generate.py --chat driven through a pseudo-terminal: an image, then two questions; each answer is the
+    model's to the conversation so far, and the second turn found the first one's tokens in the prefix
+    cache."""
     master, terminal = pty.openpty()
-    process = subprocess.Popen([sys.executable, "generate.py", "--chat", "--checkpoint", str(random_checkpoint),
-                                "--max-new-tokens", "8", "--kv-cache-mib", "16"], stdin=terminal, stdout=terminal,
-                               stderr=terminal, cwd=Path(generate.__file__).parent, close_fds=True)
+    process = subprocess.Popen([sys.executable, "generate.py", "--chat", "--checkpoint",
+                                str(random_checkpoint), "--max-new-tokens", "8", "--kv-cache-mib", "16"],
+                               stdin=terminal, stdout=terminal, stderr=terminal,
+                               cwd=Path(generate.__file__).parent, close_fds=True)
     os.close(terminal)
     screen = b""
 
@@ -225,10 +235,18 @@ def test_chat_in_a_terminal_answers_each_turn_and_reuses_the_earlier_ones(random
     finally:
         process.kill()
         os.close(master)
-    first = _conversation_answer(random_checkpoint, [Message("user", "what colour is it?", 1)], [Image.open(image)], 8)
-    second = _conversation_answer(random_checkpoint, [Message("user", "what colour is it?", 1),
-                                                      Message("assistant", first), Message("user", "and the sky?")],
-                                  [Image.open(image)], 8)
+    first = _conversation_answer(random_checkpoint, [Message("user", "what colour is it?", 1)],
+                                 [Image.open(image)], 8)
+    second = _conversation_answer(
+        random_checkpoint,
+        [
+            Message("user", "what colour is it?", 1),
+            Message("assistant", first),
+            Message("user", "and the sky?"),
+        ],
+        [Image.open(image)],
+        8,
+    )
     assert first.strip() and second.strip()
     assert first.strip() in replies[0] and second.strip() in replies[1]
     reused = [re.search(r"\((\d+) of the prompt's (\d+) tokens reused", reply).groups() for reply in replies]
@@ -241,10 +259,14 @@ def test_chat_in_a_terminal_answers_each_turn_and_reuses_the_earlier_ones(random
     ('["a list"]\n', "requests.jsonl:1: expected"),
     ('{"messages": [{"role": "assistant", "content": "hi"}]}\n', "ending with a user message"),
 ])
-def test_bad_batch_files_are_one_line_errors_before_any_work(random_checkpoint, tmp_path, capsys, content, message):
+def test_bad_batch_files_are_one_line_errors_before_any_work(
+    random_checkpoint, tmp_path, capsys, content, message
+):
     batch = tmp_path / "requests.jsonl"
     batch.write_text(content)
-    code, _, err = _run(capsys, "--checkpoint", random_checkpoint, "--batch", batch, "--output", tmp_path / "out.jsonl")
+    code, _, err = _run(
+        capsys, "--checkpoint", random_checkpoint, "--batch", batch, "--output", tmp_path / "out.jsonl"
+    )
     assert code == 2 and message in err.strip().splitlines()[-1], err
     assert not (tmp_path / "out.jsonl").exists()
 
@@ -263,16 +285,16 @@ def test_inference_imports_nothing_from_training():
 
 
 def test_answering_imports_no_module_it_does_not_use(random_checkpoint, image):
-    """Regression: generate.py imported torchvision (used by image splitting only), torch._dynamo (compile=True
-    only) and FSDP2 / torch.distributed.checkpoint (sharded training only), ~3 s of a ~10 s call on 2 cores. A whole
-    answer, in a fresh process, loads none of them."""
+    """Regression: generate.py imported torchvision (used by image splitting only), torch._dynamo
+    (compile=True only) and FSDP2 / torch.distributed.checkpoint (sharded training only), ~3 s of a ~10 s call
+    on 2 cores. A whole answer, in a fresh process, loads none of them."""
     import subprocess
     import sys
 
     heavy = ["torchvision", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp"]
     code = (f"import sys, generate; code = generate.main(sys.argv[1:]); "
             f"print(code, [m for m in {heavy!r} if m in sys.modules], file=sys.stderr)")
-    result = subprocess.run([sys.executable, "-c", code, "--checkpoint", str(random_checkpoint), "--image", str(image),
-                             "--prompt", "What colour is it?", "--max-new-tokens", "3"],
+    result = subprocess.run([sys.executable, "-c", code, "--checkpoint", str(random_checkpoint), "--image",
+                             str(image), "--prompt", "What colour is it?", "--max-new-tokens", "3"],
                             capture_output=True, text=True, timeout=120)
     assert result.stderr.strip().splitlines()[-1] == "0 []", result.stderr[-2000:]

@@ -1,5 +1,6 @@
-"""The import graph of the repository's own modules, read from their source (imports inside functions included, those
-under `if TYPE_CHECKING:` left out: they never run): no circle anywhere, and data flows one way between packages."""
+"""The import graph of the repository's own modules, read from their source (imports inside functions
+included, those under `if TYPE_CHECKING:` left out: they never run): no circle anywhere, and data flows one
+way between packages."""
 
 import ast
 from pathlib import Path
@@ -42,8 +43,8 @@ def _runtime_nodes(tree: ast.AST):
 
 
 def imports(name: str) -> set[str]:
-    """The repository modules `name` imports: `from package import thing` counts as the submodule where `thing` is
-    one, else as the package's __init__."""
+    """The repository modules `name` imports: `from package import thing` counts as the submodule where
+    `thing` is one, else as the package's __init__."""
     found = set()
     for node in _runtime_nodes(ast.parse(MODULES[name].read_text())):
         if isinstance(node, ast.Import):

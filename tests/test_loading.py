@@ -19,8 +19,8 @@ def _checkpoint(run, step: int, mtime: float):
 
 
 def test_a_copied_run_answers_from_its_highest_step(tmp_path):
-    """Regression: the newest checkpoint was picked by file time alone, and `cp -r` gives a copied run's files times
-    in copy order, so a copy could resume or answer from an older step."""
+    """Regression: the newest checkpoint was picked by file time alone, and `cp -r` gives a copied run's files
+    times in copy order, so a copy could resume or answer from an older step."""
     old = tmp_path / "runs" / "old"
     _checkpoint(old, 100, mtime=1_000)
     _checkpoint(old, 200, mtime=2_000)
@@ -54,7 +54,8 @@ def test_models_imports_nothing_from_the_rest_of_the_repo():
 
     code = ("import sys, pkgutil, importlib, models; "
             "[importlib.import_module(f'models.{m.name}') for m in pkgutil.iter_modules(models.__path__)]; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'data', 'training', 'serving', 'generate'}))")
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'data', 'training', 'serving', "
+            "'generate'}))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

@@ -1,9 +1,11 @@
-"""The README is executable: every code block after the set-up commands carries a marker, and each block marked to run
-does, as written, in a copy of the repository holding a tiny trained run at runs/tiny (offline, bounded in time).
+"""The README is executable: every code block after the set-up commands carries a marker, and each block
+marked to run does, as written, in a copy of the repository holding a tiny trained run at runs/tiny (offline,
+bounded in time).
 
 Markers, an HTML comment on the line before a block:
-- `<!-- readme: run -->`: a bash block runs with `bash -euo pipefail`, a python block with `python`; exit code 0.
-  `| expect: "TEXT"` asks for TEXT in its output; `| train-args: ARGS` adds ARGS to each `python train.py` that starts
+- `<!-- readme: run -->`: a bash block runs with `bash -euo pipefail`, a python block with `python`; exit code
+  0. `| expect: "TEXT"` asks for TEXT in its output; `| train-args: ARGS` adds ARGS to each `python train.py`
+     that starts
   a run (not a --resume), so that training stops after a few steps.
 - `<!-- readme: hub -->`: commands that need the Hugging Face hub: offline, each stops with one `error:` line.
 - `<!-- readme: not run (WHY) -->`: GPUs, many machines.
@@ -62,8 +64,8 @@ def test_every_block_after_the_set_up_is_marked():
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> tuple[Path, dict[str, str]]:
-    """A copy of the repository's tracked files with a tiny run trained into runs/tiny, and the environment to run
-    commands in (this interpreter's `python` first on PATH, the hub offline)."""
+    """A copy of the repository's tracked files with a tiny run trained into runs/tiny, and the environment to
+    run commands in (this interpreter's `python` first on PATH, the hub offline)."""
     copy = tmp_path_factory.mktemp("readme") / "tinyvlm"
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     for name in filter(None, tracked.decode().split("\0")):
@@ -72,10 +74,11 @@ def workspace(tmp_path_factory) -> tuple[Path, dict[str, str]]:
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, target)
     train(load_run_config(copy / "configs" / "tiny.yaml", {
-        **SMALL, "train.max_steps": "4", "train.save_every": "4", "train.eval_every": "4", "train.eval_questions": "4",
-        "train.output_dir": str(copy / "runs" / "tiny")}))
+        **SMALL, "train.max_steps": "4", "train.save_every": "4", "train.eval_every": "4",
+        "train.eval_questions": "4", "train.output_dir": str(copy / "runs" / "tiny")}))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(copy)}
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
+           "PYTHONPATH": str(copy)}
     return copy, env
 
 
@@ -98,7 +101,9 @@ def test_a_runnable_block_runs_as_written(workspace, index, options, language, c
         assert language == "bash", language
         command = ["bash", "-euo", "pipefail", "-c", code]
     done = subprocess.run(command, cwd=directory, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    assert done.returncode == 0, f"{code}\n--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, (
+        f"{code}\n--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}"
+    )
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     if "expect" in options:
         assert options["expect"] in done.stdout, done.stdout[-3000:]

@@ -1,22 +1,23 @@
-"""Label-free pre-training of a from-scratch ViT on the training records' own questions and answers, for any source.
+"""Label-free pre-training of a from-scratch ViT on the training records' own questions and answers, for any
+source.
 
-A throwaway one-layer reader stands in for the language model: the question, as a bag of words, queries the ViT's
-tokens with multi-head attention (so each token must hold what its place shows, and in a form a question can find),
-and the pooled reading plus the question predict the answer's words (a bag of words: the softmax cross-entropy
-against the answer's token distribution). It is the caption objective of CapPa / LocCa (Tschannen et al. 2023,
-"Image Captioners Are Scalable Vision Learners Too") cut down to one decoder layer and a bag of words, and needs no
-labels beyond the records' own texts. Contrasting images with their texts (SigLIP's sigmoid loss) was tried first:
-with one-attribute texts ("What colour is it? pink"), most in-batch negatives are true of the image too, and a
-zero-shot reading of the learned features was near chance for shape. Only the ViT is kept: with `train.lr_vision: 0`
-it is then frozen while the projector and the LM learn to read it, as with the synthetic data's supervised objective
-(training/vision_pretraining.py). Given the VLM's projector, the reader reads the image tokens the LM will see (the
-projector held fixed), so what the ViT learns survives the projector's map: with the tiny default's frozen random
-projector (9 tokens from 36 patches, 512 -> 128 wide), a ViT trained for its own tokens lost most of the shape on the
-way (issue 19).
+A throwaway one-layer reader stands in for the language model: the question, as a bag of words, queries the
+ViT's tokens with multi-head attention (so each token must hold what its place shows, and in a form a question
+can find), and the pooled reading plus the question predict the answer's words (a bag of words: the softmax
+cross-entropy against the answer's token distribution). It is the caption objective of CapPa / LocCa
+(Tschannen et al. 2023, "Image Captioners Are Scalable Vision Learners Too") cut down to one decoder layer and
+a bag of words, and needs no labels beyond the records' own texts. Contrasting images with their texts
+(SigLIP's sigmoid loss) was tried first: with one-attribute texts ("What colour is it? pink"), most in-batch
+negatives are true of the image too, and a zero-shot reading of the learned features was near chance for
+shape. Only the ViT is kept: with `train.lr_vision: 0` it is then frozen while the projector and the LM learn
+to read it, as with the synthetic data's supervised objective (training/vision_pretraining.py). Given the
+VLM's projector, the reader reads the image tokens the LM will see (the projector held fixed), so what the ViT
+learns survives the projector's map: with the tiny default's frozen random projector (9 tokens from 36
+patches, 512 -> 128 wide), a ViT trained for its own tokens lost most of the shape on the way (issue 19).
 
 Where the records carry a `question_type`, the types are drawn in proportion to their running loss squared
-(`LossProportionalTypes`), so a type the ViT cannot read yet (shape, a fifth of the records) gets most of the steps
-until it catches up; without the field, records are drawn uniformly.
+(`LossProportionalTypes`), so a type the ViT cannot read yet (shape, a fifth of the records) gets most of the
+steps until it catches up; without the field, records are drawn uniformly.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class AnswerReader(nn.Module):
         self.out = nn.Sequential(nn.Linear(2 * hidden_size, 2 * hidden_size), nn.GELU(),
                                  nn.Linear(2 * hidden_size, vocab_size))
 
-    def forward(self, tokens: torch.Tensor, question_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, question_ids: torch.Tensor,
+                offsets: torch.Tensor) -> torch.Tensor:
         query = self.question(question_ids, offsets)  # [B, D]
         tokens = self.norm(tokens)
         read = self.attend(query[:, None], tokens, tokens, need_weights=False)[0][:, 0]
@@ -68,7 +70,8 @@ def answer_losses(logits: torch.Tensor, answers: Sequence[Sequence[int]]) -> tor
     """Each row's cross-entropy against its answer's token distribution (its words, equally), [B]."""
     rows = torch.tensor([row for row, ids in enumerate(answers) for _ in ids], device=logits.device)
     words = torch.tensor([i for ids in answers for i in ids], device=logits.device)
-    shares = torch.tensor([1 / len(ids) for ids in answers for _ in ids], device=logits.device, dtype=logits.dtype)
+    shares = torch.tensor([1 / len(ids) for ids in answers for _ in ids], device=logits.device,
+                          dtype=logits.dtype)
     # accumulate: a word the answer repeats counts twice
     targets = torch.zeros_like(logits).index_put_((rows, words), shares, accumulate=True)
     return -(targets * logits.log_softmax(-1)).sum(-1)
@@ -76,11 +79,12 @@ def answer_losses(logits: torch.Tensor, answers: Sequence[Sequence[int]]) -> tor
 
 class LossProportionalTypes:
     """Draws records by question type, each type with probability proportional to its running loss squared (an
-    exponential moving average of its rows' answer losses; every type starts equal), then a record of that type
-    uniformly; with no types given, every record uniformly. The squared loss gives a type the ViT reads worst most of
-    the draws while it lags (a fifth of the records asking about shape is otherwise too little signal in the time).
-    The weighting is per type, whatever its number of records. A type that gives no usable turn in its first
-    MAX_FAILED_DRAWS draws (its records all bad or without an image) is dropped: its loss would never fall."""
+    exponential moving average of its rows' answer losses; every type starts equal), then a record of that
+    type uniformly; with no types given, every record uniformly. The squared loss gives a type the ViT reads
+    worst most of the draws while it lags (a fifth of the records asking about shape is otherwise too little
+    signal in the time). The weighting is per type, whatever its number of records. A type that gives no
+    usable turn in its first MAX_FAILED_DRAWS draws (its records all bad or without an image) is dropped: its
+    loss would never fall."""
 
     def __init__(self, num_records: int, question_types: Sequence[str | None] | None, rng: random.Random):
         if question_types is not None and len(question_types) != num_records:
@@ -90,7 +94,8 @@ class LossProportionalTypes:
         for index, kind in enumerate(question_types or ()):
             self.groups.setdefault(kind, []).append(index)
         self.running_loss = dict.fromkeys(self.groups, 1.0)
-        self._failed = dict.fromkeys(self.groups, 0)  # draws without a usable turn, until the type's first success
+        # draws without a usable turn, until the type's first success
+        self._failed = dict.fromkeys(self.groups, 0)
 
     def draw(self) -> tuple[int, str | None]:
         """A record's index and its type (None without types)."""
@@ -125,18 +130,19 @@ def read_question_types(dataset: Sequence[dict]) -> list[str] | None:
     return list(dataset.with_format(None)["question_type"])
 
 
-def pretrain_vision_on_answers(vision: VisionTransformer, processor: ImageProcessor, records: Sequence[dict | None],
-                               encode: Callable[[str], Sequence[int]], vocab_size: int, steps: int, batch_size: int,
-                               lr: float, seed: int, device: torch.device,
-                               question_types: Sequence[str | None] | None = None,
+def pretrain_vision_on_answers(vision: VisionTransformer, processor: ImageProcessor,
+                               records: Sequence[dict | None], encode: Callable[[str], Sequence[int]],
+                               vocab_size: int, steps: int, batch_size: int, lr: float, seed: int,
+                               device: torch.device, question_types: Sequence[str | None] | None = None,
                                projector: ModalityProjector | None = None,
                                report: Callable[[str], None] = print) -> tuple[AnswerReader, list[float]]:
-    """Train `vision` in place for `steps` AdamW steps (constant `lr`) to answer the records' questions through an
-    `AnswerReader`; `encode` turns a text into token ids. Records are drawn at random (seeded) from `records` (the
-    training split: a CheckedRecords, where a bad record reads as None), one turn each; records without an image, and
-    bad ones, are passed over; `question_types` (one per record) draws them as `LossProportionalTypes` does. Returns
-    the reader and the losses; training needs only the ViT afterwards. With a `projector` (ViT tokens -> image
-    tokens of `projector.proj.out_features`), the reader reads its tokens; a copy of it, never trained here."""
+    """Train `vision` in place for `steps` AdamW steps (constant `lr`) to answer the records' questions
+    through an `AnswerReader`; `encode` turns a text into token ids. Records are drawn at random (seeded) from
+    `records` (the training split: a CheckedRecords, where a bad record reads as None), one turn each; records
+    without an image, and bad ones, are passed over; `question_types` (one per record) draws them as
+    `LossProportionalTypes` does. Returns the reader and the losses; training needs only the ViT afterwards.
+    With a `projector` (ViT tokens -> image tokens of `projector.proj.out_features`), the reader reads its
+    tokens; a copy of it, never trained here."""
     width = vision.config.hidden_size if projector is None else projector.proj.out_features
     reader = AnswerReader(width, vocab_size).to(device)
     fixed = nn.Identity() if projector is None else copy.deepcopy(projector).requires_grad_(False)
@@ -156,8 +162,9 @@ def pretrain_vision_on_answers(vision: VisionTransformer, processor: ImageProces
 def _batch(records: Sequence[dict | None], processor: ImageProcessor, encode: Callable[[str], Sequence[int]],
            batch_size: int, drawing: LossProportionalTypes
            ) -> tuple[torch.Tensor, list[list[int]], list[list[int]], list[str | None]]:
-    """`batch_size` records with an image, as `drawing` draws them, one turn of each: first images [B, 3, H, W],
-    questions' and answers' token ids (a turn whose question or answer encodes to nothing is passed over), types."""
+    """`batch_size` records with an image, as `drawing` draws them, one turn of each: first images [B, 3, H,
+    W], questions' and answers' token ids (a turn whose question or answer encodes to nothing is passed over),
+    types."""
     pixels = []
     questions = []
     answers = []
@@ -179,4 +186,5 @@ def _batch(records: Sequence[dict | None], processor: ImageProcessor, encode: Ca
             if len(answers) == batch_size:
                 return torch.stack(pixels), questions, answers, kinds
     raise ConfigError(f"vision pre-training found {len(answers)} records with an image and a question in "
-                      f"{100 * batch_size} draws; set train.vision_pretrain_steps to 0 for data without images")
+                      f"{100 * batch_size} draws; set train.vision_pretrain_steps to 0 for data without "
+                      "images")

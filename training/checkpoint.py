@@ -1,9 +1,9 @@
-"""Resumable checkpoints: the `save_pretrained` layout, the tokenizer (or a checkpoint's whole processor), the run
-config and the training state.
+"""Resumable checkpoints: the `save_pretrained` layout, the tokenizer (or a checkpoint's whole processor), the
+run config and the training state.
 
-Each checkpoint is written into a staging directory, fsynced, then renamed to `step_NNNNNN`; old ones are renamed away
-before they are deleted. A crash at any moment leaves the previous checkpoints intact and no half-written or
-half-deleted `step_*` directory. Optimizer tensors and RNG states go to
+Each checkpoint is written into a staging directory, fsynced, then renamed to `step_NNNNNN`; old ones are
+renamed away before they are deleted. A crash at any moment leaves the previous checkpoints intact and no
+half-written or half-deleted `step_*` directory. Optimizer tensors and RNG states go to
 safetensors, everything else to JSON: nothing is ever unpickled.
 """
 
@@ -62,13 +62,14 @@ def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> 
 
 def save_checkpoint(run_dir: Path, step: int, model, processor, optimizer: torch.optim.Optimizer, run_config,
                     keep: int, extra: dict[str, Any] | None = None, ranks: Ranks = Ranks()) -> Path:
-    """Write `run_dir/step_NNNNNN` atomically; keep the newest `keep` checkpoints. Every rank calls it: under FSDP2
-    each rank writes its shards; rank 0 writes everything else and renames the checkpoint into place. `processor` is
-    the tokenizer or the run's chat processor: whatever its `save_pretrained` writes is what inference needs besides
-    the model (a SmolVLM / Idefics3 start: the processor files, so the checkpoint is asked with its chat template).
+    """Write `run_dir/step_NNNNNN` atomically; keep the newest `keep` checkpoints. Every rank calls it: under
+    FSDP2 each rank writes its shards; rank 0 writes everything else and renames the checkpoint into place.
+    `processor` is the tokenizer or the run's chat processor: whatever its `save_pretrained` writes is what
+    inference needs besides the model (a SmolVLM / Idefics3 start: the processor files, so the checkpoint is
+    asked with its chat template).
 
-    A failed write (disk full, quota, permissions) removes the staging directory and raises CheckpointError; the
-    checkpoints already there are untouched.
+    A failed write (disk full, quota, permissions) removes the staging directory and raises CheckpointError;
+    the checkpoints already there are untouched.
     """
     final, staging = run_dir / f"step_{step:06d}", run_dir / f".staging_step_{step:06d}"
     if ranks.is_main:
@@ -91,7 +92,8 @@ def save_checkpoint(run_dir: Path, step: int, model, processor, optimizer: torch
                 else "no earlier checkpoint exists")
         raise CheckpointError(f"could not write checkpoint {final} ({one_line(e)}); {kept}") from None
     if ranks.is_main:
-        # Old checkpoints leave by rename before they are deleted, so a step_* directory is never half deleted.
+        # Old checkpoints leave by rename before they are deleted, so a step_* directory is never half
+        # deleted.
         retired = [_retire(final)] if final.exists() else []  # the same step written again (after a resume)
         os.replace(staging, final)
         retired += [_retire(old) for old in checkpoints(run_dir)[:-keep]]
@@ -107,12 +109,13 @@ def _retire(checkpoint: Path) -> Path:
 
 
 def _write(staging: Path, step: int, model, processor, optimizer, run_config, extra: dict[str, Any]) -> None:
-    """Every file of a checkpoint into `staging`, each fsynced, and the directories themselves. A sharded model's
-    weights and optimizer state are already in `staging/sharded`; here it gets just its config."""
+    """Every file of a checkpoint into `staging`, each fsynced, and the directories themselves. A sharded
+    model's weights and optimizer state are already in `staging/sharded`; here it gets just its config."""
     sharded = extra["sharded_world_size"] > 0
     if sharded:
         atomic_write(staging / "config.json", model.config.save_json)
-    elif has_adapters(model):  # the adapter alone, pointing at the model it adapts (found when the run started)
+    # the adapter alone, pointing at the model it adapts (found when the run started)
+    elif has_adapters(model):
         save_adapter(model, staging, base=model.lora_base)
     else:
         model.save_pretrained(staging)
@@ -131,12 +134,14 @@ def _write(staging: Path, step: int, model, processor, optimizer, run_config, ex
 
 def load_training_state(directory: Path, model, optimizer: torch.optim.Optimizer,
                         ranks: Ranks = Ranks()) -> dict[str, Any]:
-    """Restore optimizer and RNG from a checkpoint (and, for a sharded one, the model's shards); return its JSON state
-    (step, samples seen, ...). Ordinary checkpoints resume at any world size, sharded ones at their own. The learning
-    rate schedule is not restored: it follows the (possibly changed) config from the step (`build_scheduler`)."""
+    """Restore optimizer and RNG from a checkpoint (and, for a sharded one, the model's shards); return its
+    JSON state (step, samples seen, ...). Ordinary checkpoints resume at any world size, sharded ones at their
+    own. The learning rate schedule is not restored: it follows the (possibly changed) config from the step
+    (`build_scheduler`)."""
     state_file, tensor_file = directory / STATE_JSON, directory / STATE_TENSORS
     if not state_file.is_file() or not tensor_file.is_file():
-        raise CheckpointError(f"{directory}: not a resumable checkpoint (missing {STATE_JSON} or {STATE_TENSORS})")
+        raise CheckpointError(f"{directory}: not a resumable checkpoint (missing {STATE_JSON} or "
+                              f"{STATE_TENSORS})")
     try:
         state, tensors = json.loads(state_file.read_text()), load_file(tensor_file)
     except Exception as e:

@@ -1,9 +1,10 @@
-"""`python train.py --check-data`: every training and validation record read and encoded as training would (the same
-processor, the same checks), and a report of what training would meet, before it trains a step.
+"""`python train.py --check-data`: every training and validation record read and encoded as training would
+(the same processor, the same checks), and a report of what training would meet, before it trains a step.
 
     python train.py --data.source jsonl --data.path mine.jsonl --check-data
 
-A JSONL file's records are named by their line; other sources' by their index in the training or validation split.
+A JSONL file's records are named by their line; other sources' by their index in the training or validation
+split.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class SourceReport:
 
     name: str
     records: int = 0
-    bad: dict[str, list[str]] = dataclasses.field(default_factory=lambda: defaultdict(list))  # cause -> records
+    # cause -> records
+    bad: dict[str, list[str]] = dataclasses.field(default_factory=lambda: defaultdict(list))
     lengths: list[int] = dataclasses.field(default_factory=list)  # tokens per good record
     answer_tokens: list[int] = dataclasses.field(default_factory=list)
     image_tokens: list[int] = dataclasses.field(default_factory=list)
@@ -53,8 +55,8 @@ class SourceReport:
             lost = sum(self.answer_tokens[i] for i in too_long)
             lines.append(f"  tokens per record: {_spread(self.lengths)}; answer tokens in all: "
                          f"{sum(self.answer_tokens):,}")
-            lines.append(f"  longer than train.max_length ({max_length}): {len(too_long):,} records (training skips "
-                         f"them, never truncates), {lost:,} answer tokens lost")
+            lines.append(f"  longer than train.max_length ({max_length}): {len(too_long):,} records "
+                         f"(training skips them, never truncates), {lost:,} answer tokens lost")
         if self.image_sides:
             lines.append(f"  image sides in pixels: {_spread(self.image_sides)}; image tokens per record: "
                          f"{_spread(self.image_tokens)}")
@@ -64,7 +66,9 @@ class SourceReport:
 def _spread(values: list[int]) -> str:
     ordered = sorted(values)
     p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-    return f"min {ordered[0]:,} / median {statistics.median(ordered):,.0f} / p99 {p99:,} / max {ordered[-1]:,}"
+    return (
+        f"min {ordered[0]:,} / median {statistics.median(ordered):,.0f} / p99 {p99:,} / max {ordered[-1]:,}"
+    )
 
 
 def cause(error: Exception) -> str:
@@ -90,7 +94,8 @@ def check_source(report: SourceReport, dataset, processor: ConversationEncoder, 
             record = checked_record(dataset[index])
             processor.check_texts(record["texts"])
             ids, targets, _ = processor.encode_conversation(record["texts"], record["images"])
-        except Exception as error:  # noqa: BLE001 -- whatever training would meet reading or encoding this record
+        # whatever training would meet reading or encoding this record
+        except Exception as error:  # noqa: BLE001
             where, message = locate(index), one_line(error, 200)
             report.bad[cause(error)].append(message if message.startswith(where) else f"{where}: {message}")
             continue
@@ -116,11 +121,12 @@ def _sources(config: RunConfig) -> list[tuple[str, Any, Callable[[int], str]]]:
 
 
 def check_data(config: RunConfig) -> int:
-    """Print the report of every source; the exit code: 0, or 1 where training would stop on the data (a bad record
-    under data.on_bad_record=fail, or more than MAX_BAD_SHARE of the records bad)."""
+    """Print the report of every source; the exit code: 0, or 1 where training would stop on the data (a bad
+    record under data.on_bad_record=fail, or more than MAX_BAD_SHARE of the records bad)."""
     check_fresh_start(config)
     sources = _sources(config)
-    # the tokenizer as training builds it, on the training split's texts (read past bad lines: all are reported)
+    # the tokenizer as training builds it, on the training split's texts (read past bad lines: all are
+    # reported)
     skipping = dataclasses.replace(config.data, on_bad_record="skip")
     train_data = sources[0][1] if config.data.source != "jsonl" else build_datasets(skipping)[0]
     model, processor = model_and_processor(config, None, train_data)
@@ -133,12 +139,14 @@ def check_data(config: RunConfig) -> int:
         print("\n".join(report.lines(max_length)), flush=True)
     bad, records = sum(r.num_bad for r in reports), sum(r.records for r in reports)
     if bad and config.data.on_bad_record == "fail":
-        print(f"data check failed: {bad:,} bad records, and data.on_bad_record=fail stops training at the first")
+        print(f"data check failed: {bad:,} bad records, and data.on_bad_record=fail stops training at the "
+              "first")
         return 1
     for report in reports:  # training stops on a split (train or validation) that is mostly bad
         if report.num_bad > MAX_BAD_SHARE * report.records:
-            print(f"data check failed: {report.num_bad:,} of {report.records:,} records of {report.name} are bad, "
-                  f"more than training accepts ({MAX_BAD_SHARE:.0%}): the data or its format is likely wrong")
+            print(f"data check failed: {report.num_bad:,} of {report.records:,} records of {report.name} are "
+                  f"bad, more than training accepts ({MAX_BAD_SHARE:.0%}): the data or its format is likely "
+                  "wrong")
             return 1
     too_long = sum(length > max_length for r in reports for length in r.lengths)
     print(f"data check passed: {records - bad - too_long:,} of {records:,} records train"

@@ -1,10 +1,11 @@
-"""Running under torchrun: the process group, DDP or FSDP2 wrapping, reductions across ranks, and sharded state.
+"""Running under torchrun: the process group, DDP or FSDP2 wrapping, reductions across ranks, and sharded
+state.
 
-One process per device; `torchrun` sets RANK, WORLD_SIZE and LOCAL_RANK. Without them everything here is a no-op
-and train.py runs as a single process. NCCL on GPU, gloo on CPU; every collective times out after
+One process per device; `torchrun` sets RANK, WORLD_SIZE and LOCAL_RANK. Without them everything here is a
+no-op and train.py runs as a single process. NCCL on GPU, gloo on CPU; every collective times out after
 `train.dist_timeout` seconds, so a rank that dies never leaves the others waiting forever.
-FSDP2, DTensor and torch.distributed.checkpoint are imported where they are used: importing them takes ~1 s, which
-every single-process start (train.py, generate.py's checkpoint loading) would pay.
+FSDP2, DTensor and torch.distributed.checkpoint are imported where they are used: importing them takes ~1 s,
+which every single-process start (train.py, generate.py's checkpoint loading) would pay.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from loading import pick_device
 
 
 class ShardError(RuntimeError):
-    """A sharded checkpoint could not be written or read (torch.distributed.checkpoint's CheckpointException)."""
+    """A sharded checkpoint could not be written or read (torch.distributed.checkpoint's
+    CheckpointException)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +53,8 @@ class Ranks:
 
 
 def init(device_name: str, timeout_s: float) -> tuple[Ranks, torch.device]:
-    """Join the job torchrun started (if any); return this process's ranks and device (cuda:LOCAL_RANK on GPU)."""
+    """Join the job torchrun started (if any); return this process's ranks and device (cuda:LOCAL_RANK on
+    GPU)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     device = pick_device(device_name)
     if world_size == 1:
@@ -74,16 +77,18 @@ def _silent(*args, **kwargs) -> None:
 
 
 def shutdown() -> None:
-    """Leave the job. A run's FSDP2 modules, device mesh and DTensors outlive it in reference cycles that hold the
-    process group: collect them first, so they are not freed during interpreter teardown, after the group is gone."""
+    """Leave the job. A run's FSDP2 modules, device mesh and DTensors outlive it in reference cycles that hold
+    the process group: collect them first, so they are not freed during interpreter teardown, after the group
+    is gone."""
     if dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
 
 
 def wrap(model: nn.Module, strategy: str, ranks: Ranks, device: torch.device) -> nn.Module:
-    """DDP (a full replica per rank, gradients all-reduced) or FSDP2 (parameters, gradients and optimizer state
-    sharded; each transformer block gathered just in time). FSDP2 shards `model` in place and returns it."""
+    """DDP (a full replica per rank, gradients all-reduced) or FSDP2 (parameters, gradients and optimizer
+    state sharded; each transformer block gathered just in time). FSDP2 shards `model` in place and returns
+    it."""
     if not ranks.distributed:
         return model
     if strategy == "ddp":
@@ -114,7 +119,8 @@ def _is_instance(value: object, module: str, name: str) -> bool:
 
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
-    """Skip the gradient all-reduce (DDP `no_sync`) or reduce-scatter (FSDP2) on all but the last micro-batch."""
+    """Skip the gradient all-reduce (DDP `no_sync`) or reduce-scatter (FSDP2) on all but the last
+    micro-batch."""
     if isinstance(model, DistributedDataParallel) and not enabled:
         with model.no_sync():
             yield
@@ -147,13 +153,17 @@ def union(values: set[int]) -> set[int]:
 
 
 def lost_contact(error: BaseException) -> bool:
-    """Whether `error` means that this rank lost contact with the others: a torch.distributed error, or gloo's transport
-    giving up (a timeout, a closed connection), which gloo raises as a plain RuntimeError naming its source file."""
-    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo/transport/" in str(error))
+    """Whether `error` means that this rank lost contact with the others: a torch.distributed error, or gloo's
+    transport giving up (a timeout, a closed connection), which gloo raises as a plain RuntimeError naming its
+    source file."""
+    return isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError) and "gloo/transport/" in str(error)
+    )
 
 
 def broadcast_parameters(module: nn.Module) -> None:
-    """Every rank takes rank 0's weights: for weights set before `wrap` on each rank, which FSDP2 does not sync."""
+    """Every rank takes rank 0's weights: for weights set before `wrap` on each rank, which FSDP2 does not
+    sync."""
     if dist.is_initialized():
         for p in module.parameters():
             dist.broadcast(p.data, src=0)
@@ -177,9 +187,9 @@ def barrier() -> None:
 
 @contextlib.contextmanager
 def _shard_errors() -> Iterator[None]:
-    """torch.distributed.checkpoint's errors as ShardError, each failed rank's exception on one line (its own message
-    holds every rank's whole traceback). Its warnings, which it logs with tracebacks to the root logger while it tries
-    one metadata file after another, are dropped: the error names what each try met."""
+    """torch.distributed.checkpoint's errors as ShardError, each failed rank's exception on one line (its own
+    message holds every rank's whole traceback). Its warnings, which it logs with tracebacks to the root
+    logger while it tries one metadata file after another, are dropped: the error names what each try met."""
     import torch.distributed.checkpoint as dcp
 
     root = logging.getLogger()
@@ -187,7 +197,9 @@ def _shard_errors() -> Iterator[None]:
     try:
         yield
     except dcp.CheckpointException as e:
-        causes = "; ".join(f"rank {rank}: {type(error).__name__}: {error}" for rank, (error, _) in e.failures.items())
+        causes = "; ".join(
+            f"rank {rank}: {type(error).__name__}: {error}" for rank, (error, _) in e.failures.items()
+        )
         raise ShardError(causes or str(e)) from e
     finally:
         root.removeFilter(_not_from_distributed_checkpoint)
@@ -198,7 +210,8 @@ def _not_from_distributed_checkpoint(record: logging.LogRecord) -> bool:
 
 
 def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    """Every rank writes its shards of the model and optimizer state into `directory` (torch.distributed.checkpoint)."""
+    """Every rank writes its shards of the model and optimizer state into `directory`
+    (torch.distributed.checkpoint)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 

@@ -1,4 +1,5 @@
-"""Held-out evaluation: validation loss, exact-match answers per question type, and the plots a run leaves behind."""
+"""Held-out evaluation: validation loss, exact-match answers per question type, and the plots a run leaves
+behind."""
 
 from __future__ import annotations
 
@@ -40,13 +41,15 @@ def validation_loss(model: VisionLanguageModel, batches: Iterable[dict], device:
     return total / (weight or 1)
 
 
-def answer(model: VisionLanguageModel, tokenizer, processor: ConversationEncoder | ImageProcessor | ImageInputs,
-           records: list[dict], device: torch.device, max_new_tokens: int = 64, batch_size: int = 64,
+def answer(model: VisionLanguageModel, tokenizer,
+           processor: ConversationEncoder | ImageProcessor | ImageInputs, records: list[dict],
+           device: torch.device, max_new_tokens: int = 64, batch_size: int = 64,
            stopped: Callable[[], bool] | None = None) -> list[str]:
-    """Greedy answers to the first question of each record, in batches of left-padded prompts asked the way the model
-    was trained: `processor` is the run's chat processor (data/chat_processors.py: its `encode` builds each prompt),
-    or an ImageProcessor (one square per image) / ImageInputs (split when the model's config says so) for tinyvlm's
-    ChatML with the model's image position. Once `stopped()` is true, no further batch is asked (fewer answers)."""
+    """Greedy answers to the first question of each record, in batches of left-padded prompts asked the way
+    the model was trained: `processor` is the run's chat processor (data/chat_processors.py: its `encode`
+    builds each prompt), or an ImageProcessor (one square per image) / ImageInputs (split when the model's
+    config says so) for tinyvlm's ChatML with the model's image position. Once `stopped()` is true, no further
+    batch is asked (fewer answers)."""
     model.eval()
     answers = []
     if not hasattr(processor, "encode"):
@@ -61,8 +64,9 @@ def answer(model: VisionLanguageModel, tokenizer, processor: ConversationEncoder
         pixels = [p for _, p in encoded if p is not None]
         images = torch.cat(pixels).to(device) if pixels else None
         room = model.config.language.max_position_embeddings - ids.shape[1]
-        tokens = model.generate(ids.to(device), images, mask.to(device), max_new_tokens=min(max_new_tokens, room),
-                                greedy=True, eos_token_id=model.config.stop_ids, pad_token_id=tokenizer.pad_token_id)
+        tokens = model.generate(ids.to(device), images, mask.to(device),
+                                max_new_tokens=min(max_new_tokens, room), greedy=True,
+                                eos_token_id=model.config.stop_ids, pad_token_id=tokenizer.pad_token_id)
         answers += tokenizer.batch_decode(tokens.tolist(), skip_special_tokens=True)
     return answers
 
@@ -99,8 +103,8 @@ def save_loss_curve(train: list[tuple[int, float]], validation: list[tuple[int, 
 
 
 def save_prediction_grid(records: list[dict], predictions: list[str], path: Path, columns: int = 4) -> None:
-    """Held-out images with question, expected answer and prediction (green when right, red when wrong). Titles are
-    wrapped to their column, and each row of the figure is as tall as its longest title needs."""
+    """Held-out images with question, expected answer and prediction (green when right, red when wrong).
+    Titles are wrapped to their column, and each row of the figure is as tall as its longest title needs."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -108,11 +112,21 @@ def save_prediction_grid(records: list[dict], predictions: list[str], path: Path
 
     titles = [_title(record["texts"][0], prediction) for record, prediction in zip(records, predictions)]
     rows = (len(titles) + columns - 1) // columns
-    heights = [CELL_INCHES + TITLE_LINE_INCHES * max(t.count("\n") + 1 for t in titles[r * columns : (r + 1) * columns])
-               for r in range(rows)]
-    figure, axes = plt.subplots(rows, columns, figsize=(CELL_INCHES * columns, sum(heights)), dpi=110, squeeze=False,
-                                gridspec_kw={"height_ratios": heights})
-    figure.set_layout_engine("constrained", h_pad=0.1)  # room for every title above its own image, none overlapping
+    heights = [
+        CELL_INCHES
+        + TITLE_LINE_INCHES * max(t.count("\n") + 1 for t in titles[r * columns : (r + 1) * columns])
+        for r in range(rows)
+    ]
+    figure, axes = plt.subplots(
+        rows,
+        columns,
+        figsize=(CELL_INCHES * columns, sum(heights)),
+        dpi=110,
+        squeeze=False,
+        gridspec_kw={"height_ratios": heights},
+    )
+    # room for every title above its own image, none overlapping
+    figure.set_layout_engine("constrained", h_pad=0.1)
     for ax in axes.flat:
         ax.axis("off")
     for ax, record, prediction, title in zip(axes.flat, records, predictions, titles):

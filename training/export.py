@@ -1,11 +1,11 @@
-"""Export checkpoints: a sharded (FSDP2) one into the ordinary `save_pretrained` layout (one process, no GPU needed),
-a LoRA one (an adapter and the model it adapts) merged into a plain checkpoint, or any tinyvlm model as a transformers
-Idefics3 checkpoint, which transformers, vLLM and SGLang load.
+"""Export checkpoints: a sharded (FSDP2) one into the ordinary `save_pretrained` layout (one process, no GPU
+needed), a LoRA one (an adapter and the model it adapts) merged into a plain checkpoint, or any tinyvlm model
+as a transformers Idefics3 checkpoint, which transformers, vLLM and SGLang load.
 
     python -m training.export runs/big/step_001000            # adds model.safetensors next to the shards
     python -m training.export runs/big/step_001000 --out exported/
     python -m training.export --merge runs/lora merged/        # base + adapter -> one plain checkpoint
-    python -m training.export --format idefics3 runs/tiny/step_002000 exported-idefics3/   # (adapters merged first)
+    python -m training.export --format idefics3 runs/tiny/step_002000 exported-idefics3/  # adapters merged
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typed_config import one_line
 
 
 def export(checkpoint: Path, out: Path | None = None) -> Path:
-    """Write config.json + model.safetensors (and the processor or tokenizer files) of a sharded checkpoint into
-    `out`."""
+    """Write config.json + model.safetensors (and the processor or tokenizer files) of a sharded checkpoint
+    into `out`."""
     if not (checkpoint / SHARDED).is_dir():
         raise CheckpointError(f"{checkpoint}: not a sharded checkpoint (no {SHARDED}/ directory)")
     out = out or checkpoint
@@ -38,8 +38,8 @@ def export(checkpoint: Path, out: Path | None = None) -> Path:
 
 
 def export_merged(checkpoint: Path, out: Path) -> Path:
-    """Write a LoRA checkpoint's base model with the adapter merged in, as a plain checkpoint (and its processor or
-    tokenizer files) into `out`."""
+    """Write a LoRA checkpoint's base model with the adapter merged in, as a plain checkpoint (and its
+    processor or tokenizer files) into `out`."""
     checkpoint = find_checkpoint(checkpoint)
     if adapter_base(checkpoint) is None:
         raise CheckpointError(f"{checkpoint}: not a LoRA checkpoint (no {ADAPTER_CONFIG}): nothing to merge")
@@ -62,8 +62,9 @@ CHAT_TEMPLATE = (
 
 
 def export_idefics3(checkpoint: Path, out: Path) -> Path:
-    """Write the tinyvlm checkpoint as a transformers Idefics3 one, with its processor (a SmolVLM fine-tune's) or its
-    tokenizer; a tokenizer of tinyvlm's gets the chat template of tinyvlm's prompts, content parts included."""
+    """Write the tinyvlm checkpoint as a transformers Idefics3 one, with its processor (a SmolVLM fine-tune's)
+    or its tokenizer; a tokenizer of tinyvlm's gets the chat template of tinyvlm's prompts, content parts
+    included."""
     from models.idefics3 import export_idefics3 as write_idefics3
 
     checkpoint = find_checkpoint(checkpoint)
@@ -77,10 +78,10 @@ def export_idefics3(checkpoint: Path, out: Path) -> Path:
 
 
 def copy_processor(checkpoint: Path, out: Path, config: VLMConfig | None = None) -> None:
-    """What inference needs besides the weights: the checkpoint's whole transformers processor where it has one (a
-    SmolVLM fine-tune: image splitting settings and chat template too), else its tokenizer files, if any: with
-    `config` (an Idefics3 export) a tokenizer of tinyvlm's own gets CHAT_TEMPLATE, which transformers' Idefics3
-    processor cannot replace (it writes Idefics3's own image tokens)."""
+    """What inference needs besides the weights: the checkpoint's whole transformers processor where it has
+    one (a SmolVLM fine-tune: image splitting settings and chat template too), else its tokenizer files, if
+    any: with `config` (an Idefics3 export) a tokenizer of tinyvlm's own gets CHAT_TEMPLATE, which
+    transformers' Idefics3 processor cannot replace (it writes Idefics3's own image tokens)."""
     if any((checkpoint / name).is_file() for name in PROCESSOR_FILES):
         from transformers import AutoProcessor
 
@@ -100,14 +101,18 @@ def copy_processor(checkpoint: Path, out: Path, config: VLMConfig | None = None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path, help="a step_NNNNNN directory (sharded, or any for idefics3)")
-    parser.add_argument("out", type=Path, nargs="?", help="where to write (default: into the sharded checkpoint)")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path,
+                        help="a step_NNNNNN directory (sharded, or any for idefics3)")
+    parser.add_argument("out", type=Path, nargs="?",
+                        help="where to write (default: into the sharded checkpoint)")
     parser.add_argument("--out", type=Path, dest="out_option", help="the same as the OUT argument")
-    parser.add_argument("--merge", action="store_true", help="merge a LoRA checkpoint's adapter into its base model")
+    parser.add_argument("--merge", action="store_true",
+                        help="merge a LoRA checkpoint's adapter into its base model")
     parser.add_argument("--format", choices=["tinyvlm", "idefics3"], default="tinyvlm",
-                        help="tinyvlm: a sharded checkpoint's weights as model.safetensors; idefics3: a transformers "
-                             "Idefics3 checkpoint")
+                        help="tinyvlm: a sharded checkpoint's weights as model.safetensors; idefics3: a "
+                             "transformers Idefics3 checkpoint")
     args = parser.parse_args(argv)
     out = args.out or args.out_option
     try:

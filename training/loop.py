@@ -1,4 +1,5 @@
-"""The training loop: optimizer steps with progress, validation and checkpoints, until max_steps or a stop signal."""
+"""The training loop: optimizer steps with progress, validation and checkpoints, until max_steps or a stop
+signal."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ class TrainState:
 
     @classmethod
     def resumed(cls, saved: dict[str, Any], config: TrainConfig) -> TrainState:
-        """The state a checkpoint saved; checkpoints from before multi-GPU training counted batches, not samples."""
+        """The state a checkpoint saved; checkpoints from before multi-GPU training counted batches, not
+        samples."""
         batches_to_samples = config.batch_size * config.grad_accum_steps
         samples_seen = saved.get("samples_seen", saved.get("data_position", 0) * batches_to_samples)
         return cls(saved["step"], samples_seen, saved["history"], saved.get("validation", []),
@@ -53,8 +55,8 @@ class TrainState:
                    set(saved.get("too_long_record_indices", [])))
 
     def summary(self) -> dict[str, Any]:
-        """The run's metrics so far: step, last train and validation losses, skipped steps, and how many distinct
-        training records were bad or too long (each counted once, however often it was read)."""
+        """The run's metrics so far: step, last train and validation losses, skipped steps, and how many
+        distinct training records were bad or too long (each counted once, however often it was read)."""
         return {"step": self.step, "train_loss": self.history[-1][1] if self.history else None,
                 "validation_loss": self.validation[-1][1] if self.validation else None,
                 "skipped_steps": self.skipped_steps, "bad_records": len(self.bad_records),
@@ -62,16 +64,17 @@ class TrainState:
 
     def saved(self) -> dict[str, Any]:
         """What a checkpoint keeps besides its step (which `save_checkpoint` writes)."""
-        return {"samples_seen": self.samples_seen, "history": self.history, "skipped_steps": self.skipped_steps,
-                "validation": self.validation, "bad_records": len(self.bad_records),
-                "bad_record_indices": sorted(self.bad_records), "too_long_records": len(self.too_long_records),
+        return {"samples_seen": self.samples_seen, "history": self.history,
+                "skipped_steps": self.skipped_steps, "validation": self.validation,
+                "bad_records": len(self.bad_records), "bad_record_indices": sorted(self.bad_records),
+                "too_long_records": len(self.too_long_records),
                 "too_long_record_indices": sorted(self.too_long_records)}
 
 
 @dataclasses.dataclass
 class Trainer:
-    """What the loop trains with, fixed for the run (`TrainState` holds what changes). A step needs the first six
-    fields; the loop the rest."""
+    """What the loop trains with, fixed for the run (`TrainState` holds what changes). A step needs the first
+    six fields; the loop the rest."""
 
     config: RunConfig
     model: nn.Module  # wrapped for DDP / FSDP2 when distributed
@@ -80,7 +83,8 @@ class Trainer:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     device: torch.device
     autocast: contextlib.AbstractContextManager = contextlib.nullcontext()
-    processor: Any = None  # the chat processor (data/chat_processors.py): its tokenizer and conversation format
+    # the chat processor (data/chat_processors.py): its tokenizer and conversation format
+    processor: Any = None
     batches: Iterator[dict[str, Any]] | None = None  # from `data.batches.training_batches`
     validation_batches: list[dict[str, torch.Tensor]] = dataclasses.field(default_factory=list)
     ranks: Ranks = dataclasses.field(default_factory=Ranks)
@@ -92,10 +96,10 @@ class Trainer:
 
 
 def train_step(trainer: Trainer, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, int, bool]:
-    """One optimizer step over `micro_batches` (train.grad_accum_steps of them) on every rank; returns (loss, tokens,
-    finite), both summed over ranks. The loss is the weighted mean (`target_weights`) over every answer token of the
-    step, whichever rank and micro-batch it fell in, so N ranks x batch b train exactly like 1 rank x batch N*b. A
-    non-finite step changes no weight."""
+    """One optimizer step over `micro_batches` (train.grad_accum_steps of them) on every rank; returns (loss,
+    tokens, finite), both summed over ranks. The loss is the weighted mean (`target_weights`) over every
+    answer token of the step, whichever rank and micro-batch it fell in, so N ranks x batch b train exactly
+    like 1 rank x batch N*b. A non-finite step changes no weight."""
     train_config = trainer.config.train
     model = trainer.model
     device = trainer.device
@@ -111,7 +115,8 @@ def train_step(trainer: Trainer, micro_batches: list[dict[str, torch.Tensor]]) -
         with gradient_sync(model, enabled=i == len(micro_batches) - 1), trainer.autocast:
             _, losses = trainer.forward(**batch, reduction="none")
         loss = (losses * weight.to(device)).sum()
-        # DDP and FSDP2 average gradients over ranks: scale by world_size so the step's gradient is the global mean.
+        # DDP and FSDP2 average gradients over ranks: scale by world_size so the step's gradient is the global
+        # mean.
         (loss * world_size / (total_weight or 1)).backward()
         loss_sum += loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), train_config.grad_clip or float("inf"))
@@ -126,8 +131,8 @@ def train_step(trainer: Trainer, micro_batches: list[dict[str, torch.Tensor]]) -
 
 
 def peak_memory_mib(device: torch.device) -> float:
-    """The most memory the run has held so far: the GPU's allocated tensors on CUDA, else the process's resident
-    set (the CPU's figure includes the interpreter and the data)."""
+    """The most memory the run has held so far: the GPU's allocated tensors on CUDA, else the process's
+    resident set (the CPU's figure includes the interpreter and the data)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
@@ -135,14 +140,15 @@ def peak_memory_mib(device: torch.device) -> float:
 
 
 def run(trainer: Trainer, state: TrainState) -> str | None:
-    """Train from `state.step` to train.max_steps, updating `state`; log, validate and save on the way. Returns the
-    name of the signal that stopped the run early (after a checkpoint), or None at max_steps."""
+    """Train from `state.step` to train.max_steps, updating `state`; log, validate and save on the way.
+    Returns the name of the signal that stopped the run early (after a checkpoint), or None at max_steps."""
     train_config, ranks = trainer.config.train, trainer.ranks
     say, report = distributed.main_rank_only(ranks, print), distributed.main_rank_only(ranks, tqdm.write)
-    # A progress bar on a terminal; plain lines where the output goes to a file (a bar would fill it with '\r').
+    # A progress bar on a terminal; plain lines where the output goes to a file (a bar would fill it with
+    # '\r').
     bar = ranks.is_main and sys.stdout.isatty() and sys.stderr.isatty()
-    progress = tqdm(range(state.step, train_config.max_steps), initial=state.step, total=train_config.max_steps,
-                    desc="train", dynamic_ncols=True, disable=not bar)
+    progress = tqdm(range(state.step, train_config.max_steps), initial=state.step,
+                    total=train_config.max_steps, desc="train", dynamic_ncols=True, disable=not bar)
     started = time.perf_counter()
     tokens_seen = 0
     batches = _counted(trainer.batches, state)
@@ -162,17 +168,18 @@ def run(trainer: Trainer, state: TrainState) -> str | None:
                 peak = peak_memory_mib(trainer.device)
                 progress.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{rate:,.0f}", peak_mib=f"{peak:,.0f}")
                 if not bar:
-                    say(f"step {state.step}/{train_config.max_steps}: loss {step_loss:.4f}, {rate:,.0f} tokens/s, "
-                        f"peak memory {peak:,.0f} MiB", flush=True)
+                    say(f"step {state.step}/{train_config.max_steps}: loss {step_loss:.4f}, {rate:,.0f} "
+                        f"tokens/s, peak memory {peak:,.0f} MiB", flush=True)
                 _log(trainer, state.step, {"train/loss": step_loss, "train/tokens_per_s": rate,
                                            "lr": trainer.scheduler.get_last_lr()[-1]})
             if state.step % train_config.eval_every == 0 or done:
-                val_loss = validation_loss(trainer.model, trainer.validation_batches, trainer.device, trainer.autocast,
-                                           train_config.loss_weight)
+                val_loss = validation_loss(trainer.model, trainer.validation_batches, trainer.device,
+                                           trainer.autocast, train_config.loss_weight)
                 state.validation.append([state.step, val_loss])
                 report(f"step {state.step}: train loss {step_loss:.4f}, validation loss {val_loss:.4f}")
                 _log(trainer, state.step, {"val/loss": val_loss})
-            stop_requested = all_reduce([float(stop.requested is not None)], op="max", device=trainer.device)[0] > 0
+            stop_requested = all_reduce([float(stop.requested is not None)], op="max",
+                                        device=trainer.device)[0] > 0
             if state.step % train_config.save_every == 0 or done or stop_requested:
                 state.bad_records = distributed.union(state.bad_records)
                 state.too_long_records = distributed.union(state.too_long_records)
@@ -191,8 +198,8 @@ def _skipped(trainer: Trainer, state: TrainState, report: Callable[[str], None])
     (train.on_nonfinite=stop)."""
     state.skipped_steps += 1
     if trainer.config.train.on_nonfinite == "stop":
-        raise TrainingError(f"non-finite loss or gradient at step {state.step}: stopped (train.on_nonfinite=stop); "
-                            f"the checkpoints in {trainer.output_dir} are intact")
+        raise TrainingError(f"non-finite loss or gradient at step {state.step}: stopped "
+                            f"(train.on_nonfinite=stop); the checkpoints in {trainer.output_dir} are intact")
     report(f"step {state.step}: non-finite loss or gradient, step skipped ({state.skipped_steps} so far)")
 
 
@@ -214,6 +221,6 @@ def _save(trainer: Trainer, state: TrainState) -> Path:
     if not distributed.all_finite(trainer.model):
         raise TrainingError(f"the weights hold NaN/inf at step {state.step}: not saved; the checkpoints in "
                             f"{trainer.output_dir} are intact")
-    return save_checkpoint(trainer.output_dir, state.step, trainer.model, trainer.processor, trainer.optimizer,
-                           trainer.config, trainer.config.train.keep_checkpoints, extra=state.saved(),
-                           ranks=trainer.ranks)
+    return save_checkpoint(trainer.output_dir, state.step, trainer.model, trainer.processor,
+                           trainer.optimizer, trainer.config, trainer.config.train.keep_checkpoints,
+                           extra=state.saved(), ranks=trainer.ranks)

@@ -13,10 +13,11 @@ _EXPONENT = {"token": 0.0, "square": 0.5, "sample": 1.0}
 
 
 def target_weights(targets: torch.Tensor, sequences: torch.Tensor, per: LossWeight) -> torch.Tensor:
-    """Each position's weight in the loss, [B, T], 0 where there is no target. `sequences` is the batch's attention
-    mask: which sample of its row each position belongs to (1, 2, ... in packed rows; 0 for padding). For a sample
-    with n answer tokens: token: 1 per token (a 40-token caption weighs 40 one-word answers); sample: 1/n (each
-    sample weighs alike); square: 1/sqrt(n) (in between; InternVL 2.5's "square averaging")."""
+    """Each position's weight in the loss, [B, T], 0 where there is no target. `sequences` is the batch's
+    attention mask: which sample of its row each position belongs to (1, 2, ... in packed rows; 0 for
+    padding). For a sample with n answer tokens: token: 1 per token (a 40-token caption weighs 40 one-word
+    answers); sample: 1/n (each sample weighs alike); square: 1/sqrt(n) (in between; InternVL 2.5's "square
+    averaging")."""
     weights = (targets != IGNORE_INDEX).float()
     sequences = sequences.long()
     per_sample = torch.zeros(sequences.shape[0], sequences.shape[1] + 1,

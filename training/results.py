@@ -1,5 +1,5 @@
-"""What a finished run leaves in its output directory: exact-match scores and metrics.json, the loss curve, the
-prediction grid and one held-out image for the demo."""
+"""What a finished run leaves in its output directory: exact-match scores and metrics.json, the loss curve,
+the prediction grid and one held-out image for the demo."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ GRID_EXAMPLES = 16
 
 def write_results(model: VisionLanguageModel, trainer: Trainer, state: TrainState,
                   validation_records: CheckedRecords, stop: GracefulStop) -> dict:
-    """Score `model` (the trained model, unwrapped) on held-out questions asked through the run's chat processor,
-    write the artifacts; return the metrics. A stop signal (`stop`) ends the scoring after its batch: metrics.json
-    is then written without held-out scores, saying so."""
+    """Score `model` (the trained model, unwrapped) on held-out questions asked through the run's chat
+    processor, write the artifacts; return the metrics. A stop signal (`stop`) ends the scoring after its
+    batch: metrics.json is then written without held-out scores, saying so."""
     train_config, output_dir = trainer.config.train, trainer.output_dir
     metrics = {**state.summary(), "peak_memory_mib": round(peak_memory_mib(trainer.device)),
                "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}
@@ -35,7 +35,8 @@ def write_results(model: VisionLanguageModel, trainer: Trainer, state: TrainStat
               f"(step_{state.step:06d}), metrics.json has no held-out scores", file=sys.stderr, flush=True)
     elif records:
         metrics.update(exact_match(records, predictions))
-        save_prediction_grid(records[:GRID_EXAMPLES], predictions[:GRID_EXAMPLES], output_dir / "predictions.png")
+        save_prediction_grid(records[:GRID_EXAMPLES], predictions[:GRID_EXAMPLES],
+                             output_dir / "predictions.png")
         with_image = [r for r in records if r["images"]]
         circles = [r for r in with_image if "circle" in json.dumps(r["texts"])]
         example = (circles or with_image or [None])[0]

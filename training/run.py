@@ -1,4 +1,5 @@
-"""One training run from start to finish: data, model, optimizer, the loop (training/loop.py), and the results."""
+"""One training run from start to finish: data, model, optimizer, the loop (training/loop.py), and the
+results."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from typed_config import ConfigError, check, one_line
 
 
 def train(config: RunConfig, resume: Path | None = None) -> dict:
-    """Run training to `train.max_steps` (as one rank of the job when started by torchrun); return the final metrics."""
+    """Run training to `train.max_steps` (as one rank of the job when started by torchrun); return the final
+    metrics."""
     ranks, device = distributed.init(config.train.device, config.train.dist_timeout)
     try:
         return _train(config, resume, ranks, device)
@@ -61,23 +63,27 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     _prepare_parts(model, train_config, device)
     model = distributed.wrap(model.to(device), train_config.parallel, ranks, device)
     optimizer = build_optimizer(distributed.unwrap(model), train_config, device)
-    state = loop.TrainState.resumed(load_training_state(resume, model, optimizer, ranks), train_config) if resume \
+    state = loop.TrainState.resumed(load_training_state(resume, model, optimizer, ranks),
+                                    train_config) if resume \
         else loop.TrainState()
-    # Records encoded the way the model is asked: tinyvlm's ChatML, or a checkpoint's own chat template and images.
+    # Records encoded the way the model is asked: tinyvlm's ChatML, or a checkpoint's own chat template and
+    # images.
     collator = VQACollator.for_encoder(processor, train_config.max_length, ensure_image=ranks.distributed,
                                        pack=train_config.packing)
-    validation_records = CheckedRecords(validation_data, config.data.on_bad_record, "validation", report=report,
-                                        check_texts=processor.check_texts)
+    validation_records = CheckedRecords(validation_data, config.data.on_bad_record, "validation",
+                                        report=report, check_texts=processor.check_texts)
     lengths = text_lengths(train_data) if train_config.group_by_length else None
-    sampler = ResumableBatchSampler(len(train_records), train_config.batch_size, train_config.seed, state.samples_seen,
-                                    ranks.rank, ranks.world_size, lengths)
+    sampler = ResumableBatchSampler(len(train_records), train_config.batch_size, train_config.seed,
+                                    state.samples_seen, ranks.rank, ranks.world_size, lengths)
     validation_batches = _validation_batches(collator, validation_records, train_config)
-    say(_description(config, distributed.unwrap(model), train_data, validation_data, device, ranks), flush=True)
-    with training_batches(train_records, sampler, collator, train_config.num_workers, train_config.prefetch_factor,
-                          pin_memory=device.type == "cuda") as batches:
-        trainer = loop.Trainer(config, model, torch.compile(model) if train_config.compile else model, optimizer,
-                               build_scheduler(optimizer, train_config, state.step), device, autocast, processor,
-                               batches, validation_batches, ranks, _wandb_run(config, ranks))
+    say(_description(config, distributed.unwrap(model), train_data, validation_data, device, ranks),
+        flush=True)
+    with training_batches(train_records, sampler, collator, train_config.num_workers,
+                          train_config.prefetch_factor, pin_memory=device.type == "cuda") as batches:
+        trainer = loop.Trainer(config, model, torch.compile(model) if train_config.compile else model,
+                               optimizer, build_scheduler(optimizer, train_config, state.step), device,
+                               autocast, processor, batches, validation_batches, ranks,
+                               _wandb_run(config, ranks))
         stopped_by = loop.run(trainer, state)
     if stopped_by:
         return {"step": state.step, "stopped_by": stopped_by}
@@ -91,8 +97,8 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
 
 
 def _prepare_parts(model: VisionLanguageModel, train_config, device: torch.device) -> None:
-    """The parts at learning rate 0 frozen, LoRA's adapters (and QLoRA's 4-bit base) in place, activation checkpointing
-    as the config says."""
+    """The parts at learning rate 0 frozen, LoRA's adapters (and QLoRA's 4-bit base) in place, activation
+    checkpointing as the config says."""
     freeze_parts(model, train_config)
     _adapt(model, train_config, device)
     for part in (model.language, model.vision):
@@ -103,30 +109,36 @@ def _validation_batches(collator: VQACollator, records: CheckedRecords, train_co
     """The first train.eval_batches batches of the validation records, collated once for the whole run."""
     size = train_config.batch_size
     shown = min(len(records), train_config.eval_batches * size)
-    return [collator([records[i] for i in range(start, min(start + size, shown))]) for start in range(0, shown, size)]
+    return [
+        collator([records[i] for i in range(start, min(start + size, shown))])
+        for start in range(0, shown, size)
+    ]
 
 
-def _description(config: RunConfig, model: VisionLanguageModel, train_data, validation_data, device: torch.device,
-                 ranks: distributed.Ranks) -> str:
+def _description(config: RunConfig, model: VisionLanguageModel, train_data, validation_data,
+                 device: torch.device, ranks: distributed.Ranks) -> str:
     """The run's first line: the model's size, the data's, where it trains."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return (f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters ({trainable / 1e6:.2f}M "
-            f"trained), {config.model.tokens_per_image} tokens per image, vocabulary "
-            f"{config.model.language.vocab_size}; data: {len(train_data)} train / {len(validation_data)} validation "
-            f"samples; device {device}"
+    return (f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters "
+            f"({trainable / 1e6:.2f}M trained), {config.model.tokens_per_image} tokens per image, vocabulary "
+            f"{config.model.language.vocab_size}; data: {len(train_data)} train / {len(validation_data)} "
+            f"validation samples; device {device}"
             + (f"; {ranks.world_size} ranks ({config.train.parallel})" if ranks.distributed else ""))
 
 
 def _adapt(model: VisionLanguageModel, train_config, device: torch.device) -> None:
-    """train.lora on the model: its frozen base quantized (QLoRA), then its adapters (a resumed LoRA run's checkpoint
-    brought them: they only need to train again)."""
+    """train.lora on the model: its frozen base quantized (QLoRA), then its adapters (a resumed LoRA run's
+    checkpoint brought them: they only need to train again)."""
     if train_config.lora.quantize_base:
-        check(device.type == "cuda", f"train.lora.quantize_base: a 4-bit base (QLoRA, bitsandbytes) trains on a CUDA "
+        check(device.type == "cuda",
+              f"train.lora.quantize_base: a 4-bit base (QLoRA, bitsandbytes) trains on a CUDA "
               f"GPU; this run's device is {device.type}")
         try:
             import bitsandbytes  # noqa: F401
         except ImportError:
-            raise ConfigError("train.lora.quantize_base needs bitsandbytes: pip install bitsandbytes") from None
+            raise ConfigError(
+                "train.lora.quantize_base needs bitsandbytes: pip install bitsandbytes"
+            ) from None
         quantize_frozen(model, device)
     if has_adapters(model):
         train_only_adapters(model)
@@ -135,12 +147,13 @@ def _adapt(model: VisionLanguageModel, train_config, device: torch.device) -> No
 
 
 def _add_adapters(model: VisionLanguageModel, train_config) -> None:
-    """train.lora's adapters (and modules trained whole) on the model, each in a part that trains (a part at learning
-    rate 0 would leave them as they start)."""
+    """train.lora's adapters (and modules trained whole) on the model, each in a part that trains (a part at
+    learning rate 0 would leave them as they start)."""
     lora = train_config.lora
     try:
         add_adapters(model, lora.rank, lora.alpha, lora.target_modules, lora.dropout, lora.modules_to_save)
-    except ValueError as e:  # peft: no layer matches, or a match is no linear layer; a tied or misnamed module
+    # peft: no layer matches, or a match is no linear layer; a tied or misnamed module
+    except ValueError as e:
         setting = "modules_to_save" if isinstance(e, WholeModuleError) else "target_modules"
         raise ConfigError(f"train.lora.{setting} ({getattr(lora, setting)}): {one_line(e, 200)}") from None
     for part, lr in learning_rates(train_config).items():
@@ -150,33 +163,43 @@ def _add_adapters(model: VisionLanguageModel, train_config) -> None:
                               f"learning rate train.lr_{part} is 0: they would never train")
 
 
-def _pretrain_vision(config: RunConfig, model: VisionLanguageModel, chat: ChatProcessor, train_records: CheckedRecords,
-                     device: torch.device, say: Callable[..., None]) -> None:
-    """Pre-train the from-scratch ViT in place with the run's objective (see RunConfig.vision_pretrain_objective)."""
+def _pretrain_vision(config: RunConfig, model: VisionLanguageModel, chat: ChatProcessor,
+                     train_records: CheckedRecords, device: torch.device, say: Callable[..., None]) -> None:
+    """Pre-train the from-scratch ViT in place with the run's objective (see
+    RunConfig.vision_pretrain_objective)."""
     train_config = config.train
     objective = config.vision_pretrain_objective()
     steps = config.pretrain_steps()
-    field = "vision_pretrain_steps" if steps == train_config.vision_pretrain_steps else "answer_pretrain_steps"
+    field = (
+        "vision_pretrain_steps" if steps == train_config.vision_pretrain_steps else "answer_pretrain_steps"
+    )
     say(f"vision pre-training ({objective}): {steps} steps (train.{field}) of "
         f"{train_config.vision_pretrain_batch_size} images", flush=True)
     processor, vision = ImageProcessor.from_config(config.model.vision), model.vision.to(device)
-    common = dict(steps=steps, batch_size=train_config.vision_pretrain_batch_size, lr=train_config.vision_pretrain_lr,
-                  seed=train_config.seed, device=device, report=say)
+    common = dict(steps=steps, batch_size=train_config.vision_pretrain_batch_size,
+                  lr=train_config.vision_pretrain_lr, seed=train_config.seed, device=device, report=say)
     if objective == "cells":
         pretrain_vision(vision, processor, config.data.shapes, **common)
     else:
         encode = functools.partial(chat.tokenizer.encode, add_special_tokens=False)
-        pretrain_vision_on_answers(vision, processor, train_records, encode, model.config.language.vocab_size,
-                                   question_types=read_question_types(train_records.dataset),
-                                   # read through it only where the LM will read through it as it is now
-                                   projector=model.projector.to(device) if train_config.lr_projector == 0 else None,
-                                   **common)
+        pretrain_vision_on_answers(
+            vision,
+            processor,
+            train_records,
+            encode,
+            model.config.language.vocab_size,
+            question_types=read_question_types(train_records.dataset),
+            # read through it only where the LM will read through it as it is now
+            projector=model.projector.to(device) if train_config.lr_projector == 0 else None,
+            **common,
+        )
 
 
 def _check(config: RunConfig, resume: Path | None) -> None:
     """Settings that cannot work with this model or this checkpoint, refused before anything trains."""
     train_config, context = config.train, config.model.language.max_position_embeddings
-    check(train_config.max_length <= context, f"train.max_length ({train_config.max_length}) exceeds the language "
+    check(train_config.max_length <= context,
+          f"train.max_length ({train_config.max_length}) exceeds the language "
           f"model's context (model.language.max_position_embeddings = {context})")
     if resume:
         check_same_parts(RunConfig.from_json(resume / RUN_CONFIG).train, train_config)
@@ -188,5 +211,5 @@ def _wandb_run(config: RunConfig, ranks: distributed.Ranks):
         return None
     import wandb
 
-    return wandb.init(project=config.train.wandb_project, config=config.to_dict(), dir=config.train.output_dir,
-                      resume="allow")
+    return wandb.init(project=config.train.wandb_project, config=config.to_dict(),
+                      dir=config.train.output_dir, resume="allow")

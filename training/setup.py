@@ -1,5 +1,5 @@
-"""The model and chat processor (tokenizer and conversation format) a run trains: built from the config, loaded from
-the pretrained VLM it starts from (`init_from`), or read from the checkpoint it resumes."""
+"""The model and chat processor (tokenizer and conversation format) a run trains: built from the config,
+loaded from the pretrained VLM it starts from (`init_from`), or read from the checkpoint it resumes."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ from training.config import RunConfig
 
 
 def build_tokenizer(config: RunConfig, train_dataset):
-    """The configured Hugging Face tokenizer, or (none configured) a byte-level BPE trained on the training texts."""
+    """The configured Hugging Face tokenizer, or (none configured) a byte-level BPE trained on the training
+    texts."""
     if config.tokenizer is None:
         return build_shapes_tokenizer(conversation_texts(train_dataset))
     from transformers import AutoTokenizer
@@ -41,9 +42,11 @@ def build_model(config: RunConfig, tokenizer) -> VisionLanguageModel:
     """The VLM with its backbones loaded (where configured) and its vocabulary sized to the tokenizer."""
     # The image and stop tokens may be new to a pretrained LM's vocabulary: they are set once it is resized.
     settings = {"image_token_id": None, "stop_token_ids": ()}
-    prepare_tokenizer(tokenizer, marker_tokens(config.model))  # image splitting's markers: random rows in a new LM
+    # image splitting's markers: random rows in a new LM
+    prepare_tokenizer(tokenizer, marker_tokens(config.model))
     if not config.model.language.pretrained:  # a pretrained LM brings its own vocabulary and EOS
-        settings.update({"language.vocab_size": len(tokenizer), "language.eos_token_id": tokenizer.eos_token_id})
+        settings.update({"language.vocab_size": len(tokenizer),
+                         "language.eos_token_id": tokenizer.eos_token_id})
     model = VisionLanguageModel.from_backbones(config.model.replace(settings), config.train.allow_pickle)
     prepare_tokenizer(tokenizer, marker_tokens(model.config))  # a pretrained ViT may bring another tile size
     model.resize_token_embeddings(len(tokenizer), token_id(tokenizer, IMAGE_TOKEN))
@@ -61,42 +64,46 @@ def load_pretrained(config: RunConfig) -> tuple[VisionLanguageModel, Conversatio
 
 
 def adapted_checkpoint(init_from: str) -> str:
-    """Where an adapter's base model is: a local start as the absolute path of its very checkpoint (a run directory
-    goes on training: its newest checkpoint would change), a hub id as it is."""
+    """Where an adapter's base model is: a local start as the absolute path of its very checkpoint (a run
+    directory goes on training: its newest checkpoint would change), a hub id as it is."""
     path = Path(init_from).expanduser()
     return str(find_checkpoint(path).resolve()) if path.exists() else init_from
 
 
 def load_start(source: str, allow_pickle: bool = False) -> tuple[VisionLanguageModel, ConversationEncoder]:
-    """A whole VLM to train from, and its chat processor, loaded as inference loads them (`load_for_inference`):
-    tinyvlm's own checkpoint with its tokenizer, a nanoVLM one with the tokenizer it was trained with, a SmolVLM /
-    Idefics3 one with its own processor (chat template, image processor). The model keeps its vocabulary: the
-    tokenizer must fit it."""
+    """A whole VLM to train from, and its chat processor, loaded as inference loads them
+    (`load_for_inference`): tinyvlm's own checkpoint with its tokenizer, a nanoVLM one with the tokenizer it
+    was trained with, a SmolVLM / Idefics3 one with its own processor (chat template, image processor). The
+    model keeps its vocabulary: the tokenizer must fit it."""
     model, processor = load_for_inference(source, torch.device("cpu"), allow_pickle)
     model.train()
     vocab, tokens = model.config.language.vocab_size, len(processor.tokenizer)
     if tokens > vocab:
-        raise CheckpointError(f"{source}: its tokenizer has {tokens} tokens, more than the model's {vocab} embeddings")
+        raise CheckpointError(f"{source}: its tokenizer has {tokens} tokens, more than the model's {vocab} "
+                              "embeddings")
     expected = (model.config.image_token_id, model.config.tokens_per_image)
     if (processor.image_token_id, processor.tokens_per_image) != expected:
         raise CheckpointError(f"{source}: its processor writes {processor.tokens_per_image} image tokens of "
-                              f"id {processor.image_token_id} per tile, the model expects {expected[1]} of id "
-                              f"{expected[0]}")
-    # Backbones a tinyvlm checkpoint was once built from are history here: the run starts from this checkpoint.
+                              f"id {processor.image_token_id} per tile, the model expects {expected[1]} of "
+                              f"id {expected[0]}")
+    # Backbones a tinyvlm checkpoint was once built from are history here: the run starts from this
+    # checkpoint.
     settings: dict = {"vision.pretrained": None, "language.pretrained": None}
-    if not model.config.stop_token_ids and isinstance(processor, ChatProcessor):  # answers end with <|im_end|>
+    # answers end with <|im_end|>
+    if not model.config.stop_token_ids and isinstance(processor, ChatProcessor):
         settings["stop_token_ids"] = stop_token_ids(processor.tokenizer)
     model.config = model.config.replace(settings)
     return model, processor
 
 
 def load_for_resume(checkpoint: Path) -> tuple[VisionLanguageModel, ConversationEncoder]:
-    """The model and chat processor of a checkpoint to resume (its own processor files when it has them, else its
-    tokenizer with tinyvlm's ChatML); a sharded (FSDP2) one gets its weights from its shards later."""
+    """The model and chat processor of a checkpoint to resume (its own processor files when it has them, else
+    its tokenizer with tinyvlm's ChatML); a sharded (FSDP2) one gets its weights from its shards later."""
     from transformers import AutoTokenizer
 
     base = adapter_base(checkpoint)
-    if base is not None:  # a LoRA run's checkpoint: the model it adapts, loaded as the run loaded it, + its adapters
+    # a LoRA run's checkpoint: the model it adapts, loaded as the run loaded it, + its adapters
+    if base is not None:
         model, _ = load_start(base)
         load_adapter(model, checkpoint)
         model.lora_base = base
@@ -109,9 +116,11 @@ def load_for_resume(checkpoint: Path) -> tuple[VisionLanguageModel, Conversation
     return model, ChatProcessor.from_config(model.config, AutoTokenizer.from_pretrained(checkpoint))
 
 
-def unsharded(model, config: RunConfig, checkpoint: Path, ranks: distributed.Ranks) -> VisionLanguageModel | None:
-    """The trained model as one ordinary module on rank 0 (None elsewhere). An FSDP2 model is gathered from its
-    shards (every rank takes part) and also saved in the `save_pretrained` layout into the final checkpoint."""
+def unsharded(model, config: RunConfig, checkpoint: Path,
+              ranks: distributed.Ranks) -> VisionLanguageModel | None:
+    """The trained model as one ordinary module on rank 0 (None elsewhere). An FSDP2 model is gathered from
+    its shards (every rank takes part) and also saved in the `save_pretrained` layout into the final
+    checkpoint."""
     if not distributed.is_sharded(model):
         return distributed.unwrap(model) if ranks.is_main else None
     weights = distributed.full_state_dict(model)
@@ -125,12 +134,14 @@ def unsharded(model, config: RunConfig, checkpoint: Path, ranks: distributed.Ran
 
 def model_and_processor(config: RunConfig, resume: Path | None,
                         train_dataset) -> tuple[VisionLanguageModel, ConversationEncoder]:
-    """What a run trains and how it encodes records: the checkpoint it resumes, the VLM it starts from (init_from),
-    or a model built from the config with a tokenizer (trained on `train_dataset`'s texts if none is configured)."""
+    """What a run trains and how it encodes records: the checkpoint it resumes, the VLM it starts from
+    (init_from), or a model built from the config with a tokenizer (trained on `train_dataset`'s texts if none
+    is configured)."""
     if resume:
         return load_for_resume(resume)  # its own checkpoint: never init_from again
     if config.init_from:
         return load_pretrained(config)
     tokenizer = build_tokenizer(config, train_dataset)
     model = build_model(config, tokenizer)
-    return model, ChatProcessor.from_config(model.config, tokenizer)  # split if config.model.splitting says so
+    # split if config.model.splitting says so
+    return model, ChatProcessor.from_config(model.config, tokenizer)

@@ -1,4 +1,5 @@
-"""Stop signals: SIGINT / SIGTERM let the training loop finish its step and write a checkpoint before it returns."""
+"""Stop signals: SIGINT / SIGTERM let the training loop finish its step and write a checkpoint before it
+returns."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import threading
 
 
 class GracefulStop:
-    """SIGINT / SIGTERM ask the loop to finish its step, write a checkpoint and return; a second signal stops at once,
-    unless `escalate` is off: under torchrun a worker often gets the same signal twice (from the scheduler and from
-    torchrun), and stopping one rank at once would leave the others waiting in a collective."""
+    """SIGINT / SIGTERM ask the loop to finish its step, write a checkpoint and return; a second signal stops
+    at once, unless `escalate` is off: under torchrun a worker often gets the same signal twice (from the
+    scheduler and from torchrun), and stopping one rank at once would leave the others waiting in a
+    collective."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

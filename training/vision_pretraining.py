@@ -1,11 +1,13 @@
-"""Supervised pre-training of a from-scratch ViT on the synthetic shapes, before the VLM is trained on top of it.
+"""Supervised pre-training of a from-scratch ViT on the synthetic shapes, before the VLM is trained on top of
+it.
 
-Real runs start from a pretrained SigLIP; the tiny default has none to load offline. On a random frozen ViT the VLM
-learns to count but not to bind colours and shapes to places (69.6% held out); trained through the LM from the start,
-the ViT's features collapse before the LM learns to read them. This stage gives it what SigLIP would bring: a linear
-probe on every patch token learns to name the shape, colour and size in that patch's cell (labels from the scene
-generator, on fresh training-split scenes: the held-out split is never drawn), as the first ViTs were pre-trained on
-labelled images. `train.lr_vision: 0` then keeps the ViT frozen while the projector and the LM learn to read it.
+Real runs start from a pretrained SigLIP; the tiny default has none to load offline. On a random frozen ViT
+the VLM learns to count but not to bind colours and shapes to places (69.6% held out); trained through the LM
+from the start, the ViT's features collapse before the LM learns to read them. This stage gives it what SigLIP
+would bring: a linear probe on every patch token learns to name the shape, colour and size in that patch's
+cell (labels from the scene generator, on fresh training-split scenes: the held-out split is never drawn), as
+the first ViTs were pre-trained on labelled images. `train.lr_vision: 0` then keeps the ViT frozen while the
+projector and the LM learn to read it.
 """
 
 from __future__ import annotations
@@ -34,13 +36,15 @@ def patch_cells(grid_size: int) -> torch.Tensor:
     return (rows[:, None] * GRID + rows[None, :]).flatten()
 
 
-def scene_batch(shapes: ShapesConfig, processor: ImageProcessor, cells: torch.Tensor, count: int, rng: random.Random,
-                split: Split = "train") -> tuple[torch.Tensor, torch.Tensor]:
-    """`count` fresh scenes of `split`: images [count, 3, H, W] and each patch's labels [count, patches, 3]."""
+def scene_batch(shapes: ShapesConfig, processor: ImageProcessor, cells: torch.Tensor, count: int,
+                rng: random.Random, split: Split = "train") -> tuple[torch.Tensor, torch.Tensor]:
+    """`count` fresh scenes of `split`: images [count, 3, H, W] and each patch's labels [count, patches,
+    3]."""
     scenes = [sample_scene_of(split, rng, shapes.validation_fraction) for _ in range(count)]
     images = [render(scene, shapes.image_size, rng) for scene in scenes]
     if shapes.noise:
-        images = [add_noise(image, shapes.noise, np.random.default_rng(rng.getrandbits(63))) for image in images]
+        images = [add_noise(image, shapes.noise,
+                            np.random.default_rng(rng.getrandbits(63))) for image in images]
     labels = torch.tensor([cell_labels(scene) for scene in scenes])[:, cells]
     return torch.stack([processor(image) for image in images]), labels
 
@@ -48,9 +52,9 @@ def scene_batch(shapes: ShapesConfig, processor: ImageProcessor, cells: torch.Te
 def pretrain_vision(vision: VisionTransformer, processor: ImageProcessor, shapes: ShapesConfig, steps: int,
                     batch_size: int, lr: float, seed: int, device: torch.device,
                     report: Callable[[str], None] = print) -> tuple[nn.Linear, list[float]]:
-    """Train `vision` in place with a per-patch (shape, colour, size) classifier for `steps` AdamW steps (constant
-    `lr`); returns the classifier (logits for CELL_CLASSES' classes, concatenated) and the losses (the mean of the
-    three cross-entropies). Training needs only the ViT afterwards."""
+    """Train `vision` in place with a per-patch (shape, colour, size) classifier for `steps` AdamW steps
+    (constant `lr`); returns the classifier (logits for CELL_CLASSES' classes, concatenated) and the losses
+    (the mean of the three cross-entropies). Training needs only the ViT afterwards."""
     sizes = [len(classes) for classes in CELL_CLASSES.values()]
     head = nn.Linear(vision.config.hidden_size, sum(sizes)).to(device)
     nn.init.normal_(head.weight, std=0.02, generator=torch.Generator(head.weight.device).manual_seed(seed))
@@ -70,8 +74,8 @@ def pretrain_vision(vision: VisionTransformer, processor: ImageProcessor, shapes
 
 def optimize(batch_loss: Callable[[], torch.Tensor], parameters: list[nn.Parameter], steps: int, lr: float,
              report: Callable[[str], None]) -> list[float]:
-    """`steps` AdamW steps (constant `lr`, no weight decay) on `batch_loss()`, a fresh batch's loss at each call;
-    returns the losses, reported every 100 steps."""
+    """`steps` AdamW steps (constant `lr`, no weight decay) on `batch_loss()`, a fresh batch's loss at each
+    call; returns the losses, reported every 100 steps."""
     optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
     losses = []
     for step in range(steps):

@@ -25,13 +25,14 @@ def test_every_method_generates_the_reference_tokens():
 
     decode = load_benchmark()
     torch.manual_seed(0)
-    reference = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    reference = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4,
+                                             num_key_value_heads=2, max_position_embeddings=64,
                                              eos_token_id=None, bos_token_id=None)).eval()
     with tempfile.TemporaryDirectory() as directory:
         reference.save_pretrained(directory)
-        vision = VisionConfig(image_size=32, patch_size=16, hidden_size=32, intermediate_size=64, num_layers=1,
-                              num_heads=2)
+        vision = VisionConfig(image_size=32, patch_size=16, hidden_size=32, intermediate_size=64,
+                              num_layers=1, num_heads=2)
         ours = VisionLanguageModel.from_backbones(VLMConfig(vision=vision,
                                                             language=LanguageConfig(pretrained=directory))).eval()
     ids = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(1))

@@ -1,5 +1,5 @@
-"""Shared fixtures for the data tests: the shapes tokenizer (built once) and a tokenizer with no ChatML/image/pad
-tokens."""
+"""Shared fixtures for the data tests: the shapes tokenizer (built once) and a tokenizer with no
+ChatML/image/pad tokens."""
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -1,4 +1,5 @@
-"""Bad records: skipped and counted, or a BadRecordError naming the record; good records pass through unchanged."""
+"""Bad records: skipped and counted, or a BadRecordError naming the record; good records pass through
+unchanged."""
 
 import io
 import json
@@ -32,14 +33,19 @@ def test_skip_counts_bad_records_and_keeps_good_ones(dataset):
     assert [r["texts"][0]["assistant"] for r in batch if r] == ["red 0", "red 1", "red 3", "red 5"]
     assert batch[3]["images"][0].getpixel((0, 0)) == (120, 0, 0)
     assert records.num_bad == 2
-    assert len(reports) == 2 and "train record 2 is bad" in reports[0] and "corrupt or truncated image" in reports[0]
+    assert (
+        len(reports) == 2
+        and "train record 2 is bad" in reports[0]
+        and "corrupt or truncated image" in reports[0]
+    )
     assert "train record 4 is bad" in reports[1] and "not an image file" in reports[1]
 
 
 def test_fail_names_the_record_and_the_setting(dataset):
     records = CheckedRecords(dataset, "fail", name="validation")
     assert records[3]["texts"][0]["assistant"] == "red 3"
-    with pytest.raises(BadRecordError, match=r"^validation record 4 is bad \(ImageLoadError: .*not an image file.*\); "
+    with pytest.raises(BadRecordError,
+                       match=r"^validation record 4 is bad \(ImageLoadError: .*not an image file.*\); "
                                              r"set data.on_bad_record=skip"):
         records.__getitems__([3, 4])
 
@@ -56,7 +62,8 @@ def test_reports_stop_after_ten_but_counting_goes_on():
     reports, good = [], {"images": [], "texts": [{"user": "hi", "assistant": "ok"}]}
     records = CheckedRecords([{"texts": None}] * 15 + [good] * 15, "skip", report=reports.append)
     assert records.__getitems__(list(range(30))) == [None] * 15 + [good] * 15
-    assert records.num_bad == 15 and len(reports) == 10 and reports[-1].endswith("further bad records are only counted")
+    assert records.num_bad == 15 and len(reports) == 10 and reports[-1].endswith("further bad records are "
+                                                                                 "only counted")
 
 
 def test_text_that_is_not_valid_unicode_is_a_bad_record():
@@ -66,10 +73,12 @@ def test_text_that_is_not_valid_unicode_is_a_bad_record():
 
 
 def test_a_dataset_that_is_mostly_bad_stops_even_when_skipping():
-    """Every record failing the same way is a wrong dataset or format, not a few corrupt samples: no silent run."""
+    """Every record failing the same way is a wrong dataset or format, not a few corrupt samples: no silent
+    run."""
     records = CheckedRecords([{"images": [], "texts": None}] * 30, "skip", report=lambda message: None)
     with pytest.raises(BadRecordError,
-                       match=r"^20 of the 20 train records read so far are bad, the latest: train record 19 is bad"):
+                       match=r"^20 of the 20 train records read so far are bad, the latest: train record 19 "
+                             r"is bad"):
         [records[i] for i in range(30)]
 
 
@@ -88,13 +97,14 @@ def _png(image: Image.Image, **save) -> dict:
 
 @pytest.fixture
 def stored(tmp_path):
-    """the_cauldron's layout: "images" a list of datasets.Image, stored encoded. Record 1 holds two images, the first
-    with an EXIF orientation (decoding turns it upright); record 2's image data is corrupt."""
+    """the_cauldron's layout: "images" a list of datasets.Image, stored encoded. Record 1 holds two images,
+    the first with an EXIF orientation (decoding turns it upright); record 2's image data is corrupt."""
     exif = Image.Exif()
     exif[0x0112] = 6  # rotated 90 degrees: stored 16 x 8, upright 8 x 16
     tall = Image.new("RGB", (16, 8), (200, 0, 0))
     tall.putpixel((0, 0), (0, 0, 255))
-    images = [[_png(Image.new("RGB", (8, 8), (0, 90, 0)))], [_png(tall, exif=exif), _png(Image.new("RGB", (4, 4)))],
+    images = [[_png(Image.new("RGB", (8, 8), (0, 90, 0)))],
+              [_png(tall, exif=exif), _png(Image.new("RGB", (4, 4)))],
               [{"bytes": b"\x89PNG broken", "path": None}], [_png(Image.new("RGB", (8, 8), (1, 2, 3)))]]
     texts = [[{"user": "What color?", "assistant": f"answer {i}"}] for i in range(4)]
     features = datasets.Features({"images": datasets.List(datasets.Image()),
@@ -106,12 +116,13 @@ def stored(tmp_path):
 
 
 def test_stored_images_are_decoded_once_each_and_read_as_datasets_reads_them(stored, monkeypatch):
-    """`datasets` decodes the first image of each list twice; reading through CheckedRecords decodes it once, with
-    the same pixels, orientation and texts as the dataset's own reading."""
+    """`datasets` decodes the first image of each list twice; reading through CheckedRecords decodes it once,
+    with the same pixels, orientation and texts as the dataset's own reading."""
     expected = [stored[i] for i in (0, 1, 3)]
     opened = []
     open_image = Image.open
-    monkeypatch.setattr(Image, "open", lambda *args, **kwargs: opened.append(1) or open_image(*args, **kwargs))
+    monkeypatch.setattr(Image, "open",
+                        lambda *args, **kwargs: opened.append(1) or open_image(*args, **kwargs))
     records = CheckedRecords(stored, "skip", report=lambda message: None)
     batch = records.__getitems__([0, 1, 2, 3])
     assert len(opened) == 5  # one per image, the corrupt one included

@@ -1,4 +1,5 @@
-"""Batches: answer-only targets aligned with the logits, image tokens and images in order, padding, dropping."""
+"""Batches: answer-only targets aligned with the logits, image tokens and images in order, padding,
+dropping."""
 
 import pytest
 import torch
@@ -25,7 +26,8 @@ def solid(value: int) -> Image.Image:
 
 
 def records_with_images(counts: list[int]) -> list[dict]:
-    """Records holding `counts[i]` images each; every image a distinct solid colour, numbered in reading order."""
+    """Records holding `counts[i]` images each; every image a distinct solid colour, numbered in reading
+    order."""
     records, value = [], 0
     for i, count in enumerate(counts):
         images = [solid(value + k) for k in range(count)]
@@ -88,12 +90,15 @@ def test_padding_keeps_each_row_intact(shapes_tokenizer, side, image_position):
     batch = collator(records)
     pad_id, length = shapes_tokenizer.pad_token_id, batch["input_ids"].shape[1]
     for row, record in enumerate(records):
-        ids, targets = encode_conversation(shapes_tokenizer, record["texts"], len(record["images"]), TOKENS_PER_IMAGE,
-                                           image_position)
+        ids, targets = encode_conversation(
+            shapes_tokenizer, record["texts"], len(record["images"]), TOKENS_PER_IMAGE, image_position
+        )
         real = slice(0, len(ids)) if side == "right" else slice(length - len(ids), length)
         padding = torch.ones(length, dtype=torch.bool)
         padding[real] = False
-        assert batch["input_ids"][row, real].tolist() == ids and batch["targets"][row, real].tolist() == targets
+        assert (
+            batch["input_ids"][row, real].tolist() == ids and batch["targets"][row, real].tolist() == targets
+        )
         assert (batch["input_ids"][row, padding] == pad_id).all()
         assert (batch["targets"][row, padding] == IGNORE_INDEX).all()
         assert batch["attention_mask"][row].tolist() == (~padding).long().tolist()
@@ -142,7 +147,8 @@ def test_conversation_invariants(shapes_tokenizer, turns, num_images):
 
 
 def test_ensure_image_adds_a_placeholder_row_only_to_batches_without_images(shapes_tokenizer):
-    collator = VQACollator(shapes_tokenizer, ImageProcessor(16), TOKENS_PER_IMAGE, max_length=512, ensure_image=True)
+    collator = VQACollator(shapes_tokenizer, ImageProcessor(16), TOKENS_PER_IMAGE, max_length=512,
+                           ensure_image=True)
     text_only = records_with_images([0, 0])
     batch = collator(text_only)
     image_id = token_id(shapes_tokenizer, IMAGE_TOKEN)
@@ -153,21 +159,27 @@ def test_ensure_image_adds_a_placeholder_row_only_to_batches_without_images(shap
 
 
 def test_packing_keeps_every_record_whole_with_its_images(shapes_tokenizer):
-    """Packed rows hold the records' exact ids and targets, numbered 1, 2, ... in the mask, and the images follow
-    their placeholders in reading order."""
+    """Packed rows hold the records' exact ids and targets, numbered 1, 2, ... in the mask, and the images
+    follow their placeholders in reading order."""
     records = records_with_images([1, 0, 2, 0, 8, 0, 1, 0])  # the 8-image record is twice as long as most
     processor = ImageProcessor(16)
     plain = VQACollator(shapes_tokenizer, processor, TOKENS_PER_IMAGE, 512)(records)
     packed = VQACollator(shapes_tokenizer, processor, TOKENS_PER_IMAGE, 512, pack=True)(records)
-    assert packed["input_ids"].shape[0] < len(records) and packed["input_ids"].shape[1] == plain["input_ids"].shape[1]
-    encoded = [encode_conversation(shapes_tokenizer, r["texts"], len(r["images"]), TOKENS_PER_IMAGE) for r in records]
+    assert (
+        packed["input_ids"].shape[0] < len(records)
+        and packed["input_ids"].shape[1] == plain["input_ids"].shape[1]
+    )
+    encoded = [encode_conversation(shapes_tokenizer, r["texts"], len(r["images"]),
+                                   TOKENS_PER_IMAGE) for r in records]
     found, images = [], []
     rows = zip(packed["input_ids"].tolist(), packed["targets"].tolist(), packed["attention_mask"].tolist())
     for ids, targets, sequences in rows:
         count = max(sequences)
-        assert sequences == sorted(sequences, key=lambda n: n or count + 1)  # 1, 1, ..., 2, ..., then padding (0)
+        # 1, 1, ..., 2, ..., then padding (0)
+        assert sequences == sorted(sequences, key=lambda n: n or count + 1)
         for n in range(1, count + 1):
-            piece = ([i for i, s in zip(ids, sequences) if s == n], [t for t, s in zip(targets, sequences) if s == n])
+            piece = ([i for i, s in zip(ids, sequences) if s == n],
+                     [t for t, s in zip(targets, sequences) if s == n])
             record = encoded.index(piece)
             found.append(record)
             images += records[record]["images"]

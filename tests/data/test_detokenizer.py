@@ -1,4 +1,5 @@
-"""Incremental detokenization against decoding everything at once, on tokenizers whose output depends on context."""
+"""Incremental detokenization against decoding everything at once, on tokenizers whose output depends on
+context."""
 
 import random
 
@@ -12,13 +13,14 @@ TEXT = "Über café naïve 😀 — 東京 is big. Hello world!\nA second line, 
 
 
 def sentencepiece_like() -> PreTrainedTokenizerFast:
-    """A BPE with SentencePiece's "▁" word marks and byte fallback (Llama's scheme): a word's leading space exists
-    only in context, and a character outside the vocabulary is cut into byte tokens."""
+    """A BPE with SentencePiece's "▁" word marks and byte fallback (Llama's scheme): a word's leading space
+    exists only in context, and a character outside the vocabulary is cut into byte tokens."""
     bpe = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.Metaspace()
     bpe.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
     bytes_ = [f"<0x{b:02X}>" for b in range(256)]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "</s>", *bytes_], show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "</s>", *bytes_],
+                                  show_progress=False)
     bpe.train_from_iterator(["hello world, a big line again"] * 10, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="</s>", unk_token="<unk>")
 
@@ -31,7 +33,8 @@ def tokenizer(request, plain_tokenizer, shapes_tokenizer):
 
 def test_pieces_add_up_to_the_whole_decoding(tokenizer):
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
-    ids.insert(len(ids) // 2, tokenizer.eos_token_id)  # a special token mid-stream is skipped, as in a whole decoding
+    # a special token mid-stream is skipped, as in a whole decoding
+    ids.insert(len(ids) // 2, tokenizer.eos_token_id)
     expected = tokenizer.decode(ids, skip_special_tokens=True)
     rng = random.Random(0)
     for _ in range(5):  # one token at a time, and in random chunks (the engine's steps may bring several)
@@ -54,7 +57,8 @@ def test_a_cut_character_waits_and_a_dangling_one_is_kept_at_the_end(plain_token
     assert detokenizer.add(ids[-1:]) == "😀"
     truncated = IncrementalDetokenizer(plain_tokenizer)
     assert truncated.add(ids[:-1]) == ""  # "a" and a cut emoji: all of it waits
-    assert truncated.finish() == truncated.text == plain_tokenizer.decode(ids[:-1])  # as a whole decoding: "a\ufffd"
+    # as a whole decoding: "a\ufffd"
+    assert truncated.finish() == truncated.text == plain_tokenizer.decode(ids[:-1])
 
 
 def test_each_step_decodes_a_few_tokens_not_all_of_them(plain_tokenizer):

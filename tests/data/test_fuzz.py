@@ -1,6 +1,6 @@
 """Fuzzing (hypothesis) the paths user input flows through, 1,800 cases in all: image bytes → `load_image` →
-`ImageProcessor`, and text → prompts → collator → the VLM's image splice. Only the documented errors (ImageLoadError,
-PromptError) may come out: no other exception, no crash, no hang."""
+`ImageProcessor`, and text → prompts → collator → the VLM's image splice. Only the documented errors
+(ImageLoadError, PromptError) may come out: no other exception, no crash, no hang."""
 
 import io
 import signal
@@ -30,7 +30,8 @@ from models import LanguageConfig, ProjectorConfig, VisionConfig, VisionLanguage
 
 TOKENS_PER_IMAGE = 4
 SECONDS_PER_CASE = 10  # far above any real case (milliseconds): only a hang gets near it
-FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
 @contextmanager
@@ -59,12 +60,13 @@ def _seed_files() -> list[bytes]:
     rgb = Image.fromarray(rng.integers(0, 256, (12, 10, 3), dtype=np.uint8))
     frames = [Image.new("P", (6, 6), i) for i in range(3)]
     return [
-        encoded(rgb, "PNG"), encoded(rgb.convert("RGBA"), "PNG"), encoded(rgb.convert("P"), "PNG", transparency=0),
-        encoded(rgb.convert("LA"), "PNG"),
+        encoded(rgb, "PNG"), encoded(rgb.convert("RGBA"), "PNG"),
+        encoded(rgb.convert("P"), "PNG", transparency=0), encoded(rgb.convert("LA"), "PNG"),
         encoded(Image.fromarray(rng.integers(0, 65535, (5, 7), dtype=np.uint16)), "PNG"),
-        encoded(rgb, "JPEG", quality=80), encoded(rgb.convert("L"), "JPEG", progressive=True), encoded(rgb, "BMP"),
-        encoded(rgb.convert("CMYK"), "TIFF"), encoded(rgb, "TIFF", compression="tiff_lzw"), encoded(rgb, "WEBP"),
-        encoded(rgb, "GIF"), encoded(frames[0], "GIF", save_all=True, append_images=frames[1:]), encoded(rgb, "ICO"),
+        encoded(rgb, "JPEG", quality=80), encoded(rgb.convert("L"), "JPEG", progressive=True),
+        encoded(rgb, "BMP"), encoded(rgb.convert("CMYK"), "TIFF"),
+        encoded(rgb, "TIFF", compression="tiff_lzw"), encoded(rgb, "WEBP"), encoded(rgb, "GIF"),
+        encoded(frames[0], "GIF", save_all=True, append_images=frames[1:]), encoded(rgb, "ICO"),
         encoded(rgb, "PPM"), encoded(rgb, "TGA"),
     ]
 
@@ -128,8 +130,8 @@ MODES_AND_FORMATS = [(m, f) for m in ("RGB", "RGBA", "L", "LA", "P", "CMYK", "I;
 
 
 @settings(FUZZ, max_examples=300)
-@given(mode_and_format=st.sampled_from(MODES_AND_FORMATS), width=st.integers(1, 40), height=st.integers(1, 40),
-       seed=st.integers(0, 2**16))
+@given(mode_and_format=st.sampled_from(MODES_AND_FORMATS), width=st.integers(1, 40),
+       height=st.integers(1, 40), seed=st.integers(0, 2**16))
 def test_every_valid_image_loads_as_rgb_of_its_size(mode_and_format, width, height, seed):
     mode, format = mode_and_format
     rng = np.random.default_rng(seed)
@@ -140,7 +142,8 @@ def test_every_valid_image_loads_as_rgb_of_its_size(mode_and_format, width, heig
 
 
 SPECIAL_STRINGS = [IMAGE_TOKEN, IM_START, IM_END, PAD_TOKEN, "<|image", "|>", "user\n", "assistant\n", "\n"]
-user_texts = st.lists(st.one_of(st.text(max_size=30), st.sampled_from(SPECIAL_STRINGS)), max_size=8).map("".join)
+user_texts = st.lists(st.one_of(st.text(max_size=30), st.sampled_from(SPECIAL_STRINGS)),
+                      max_size=8).map("".join)
 # user texts, or any code points (lone surrogates included)
 any_texts = st.one_of(user_texts, st.text(st.characters(codec=None, exclude_categories=()), max_size=20))
 
@@ -152,8 +155,8 @@ def vlm(shapes_tokenizer):
         vision=VisionConfig(image_size=16, patch_size=8, hidden_size=16, intermediate_size=32, num_layers=1,
                             num_heads=2),
         projector=ProjectorConfig(pixel_shuffle_factor=1),
-        language=LanguageConfig(vocab_size=len(shapes_tokenizer), hidden_size=32, intermediate_size=64, num_layers=1,
-                                num_heads=2, num_kv_heads=1, max_position_embeddings=1024),
+        language=LanguageConfig(vocab_size=len(shapes_tokenizer), hidden_size=32, intermediate_size=64,
+                                num_layers=1, num_heads=2, num_kv_heads=1, max_position_embeddings=1024),
         image_token_id=token_id(shapes_tokenizer, IMAGE_TOKEN),
     )
     assert config.tokens_per_image == TOKENS_PER_IMAGE

@@ -1,7 +1,7 @@
-"""Image splitting against its references: transformers' Idefics3 image processors (pixels, tile order, grid) and
-Idefics3Processor (the prompt's token ids and string), nanoVLM's rules (resize, global image first, get_image_string);
-then end to end: the config field splits images in the collator and a training step, and a saved config with
-splitting makes train.py, generate.py and the serving engine split alike."""
+"""Image splitting against its references: transformers' Idefics3 image processors (pixels, tile order, grid)
+and Idefics3Processor (the prompt's token ids and string), nanoVLM's rules (resize, global image first,
+get_image_string); then end to end: the config field splits images in the collator and a training step, and a
+saved config with splitting makes train.py, generate.py and the serving engine split alike."""
 
 import math
 
@@ -29,7 +29,13 @@ from data import (
     prepare_tokenizer,
     token_id,
 )
-from data.image_splitting import FAKE_IMAGE_TOKEN, IDEFICS3_GLOBAL_TOKEN, NANOVLM_GLOBAL_TOKEN, max_grid, tile_token
+from data.image_splitting import (
+    FAKE_IMAGE_TOKEN,
+    IDEFICS3_GLOBAL_TOKEN,
+    NANOVLM_GLOBAL_TOKEN,
+    max_grid,
+    tile_token,
+)
 from data.prompts import encode_text
 from models import LanguageConfig, VisionConfig, VisionLanguageModel, VLMConfig
 from models.config import ProjectorConfig, SplitConfig
@@ -39,7 +45,8 @@ from typed_config import ConfigError
 
 TILE, LONGEST = 32, 96  # Idefics3's max_image_size.longest_edge and size.longest_edge, small
 MEAN, STD = (0.9, 0.886, 0.878), (0.13, 0.15, 0.19)  # configs/tiny.yaml's, so that normalising is tested too
-SIZES = [(150, 60), (60, 150), (100, 100), (20, 25), (97, 43), (33, 31), (200, 7), (7, 200), (32, 32), (1000, 999)]
+SIZES = [(150, 60), (60, 150), (100, 100), (20, 25), (97, 43), (33, 31), (200, 7), (7, 200), (32, 32),
+         (1000, 999)]
 RESAMPLE = {"lanczos": 1, "bilinear": 2, "bicubic": 3}  # PIL's codes, as transformers' `resample` takes them
 
 
@@ -50,7 +57,8 @@ def noise(width: int, height: int, seed: int = 0) -> Image.Image:
 
 @pytest.fixture(scope="module")
 def idefics3_tokenizer():
-    """A byte-level BPE with Idefics3's special tokens (SmolVLM's, 4 x 4 tiles) that merges "\\n\\n" into one token."""
+    """A byte-level BPE with Idefics3's special tokens (SmolVLM's, 4 x 4 tiles) that merges "\\n\\n" into one
+    token."""
     specials = ["<|endoftext|>", "<image>", FAKE_IMAGE_TOKEN, IDEFICS3_GLOBAL_TOKEN, "<end_of_utterance>",
                 *(tile_token(r, c) for r in range(1, 5) for c in range(1, 5))]
     bpe = Tokenizer(models.BPE())
@@ -64,12 +72,13 @@ def idefics3_tokenizer():
     return tokenizer
 
 
-def idefics3_processor(backend: str, longest_edge: int = LONGEST, tile: int = TILE, resample: str = "lanczos"):
+def idefics3_processor(backend: str, longest_edge: int = LONGEST, tile: int = TILE,
+                       resample: str = "lanczos"):
     from transformers import Idefics3ImageProcessor, Idefics3ImageProcessorPil
 
     cls = Idefics3ImageProcessor if backend == "torchvision" else Idefics3ImageProcessorPil
-    return cls(size={"longest_edge": longest_edge}, max_image_size={"longest_edge": tile}, image_mean=list(MEAN),
-               image_std=list(STD), resample=RESAMPLE[resample])
+    return cls(size={"longest_edge": longest_edge}, max_image_size={"longest_edge": tile},
+               image_mean=list(MEAN), image_std=list(STD), resample=RESAMPLE[resample])
 
 
 def test_auto_image_processor_picks_the_torchvision_idefics3_processor(tmp_path):
@@ -83,8 +92,9 @@ def test_auto_image_processor_picks_the_torchvision_idefics3_processor(tmp_path)
 @pytest.mark.parametrize("resample", ["lanczos", "bicubic"])
 @pytest.mark.parametrize("size", SIZES)
 def test_idefics3_pixels_equal_transformers(size, resample, backend):
-    """Same tiles, same order (row by row, the global image last), same grid and the same values as transformers'
-    Idefics3ImageProcessor (torchvision backend) and Idefics3ImageProcessorPil, each with our matching backend."""
+    """Same tiles, same order (row by row, the global image last), same grid and the same values as
+    transformers' Idefics3ImageProcessor (torchvision backend) and Idefics3ImageProcessorPil, each with our
+    matching backend."""
     image = noise(*size)
     out = idefics3_processor(backend, resample=resample)(images=[[image]], return_tensors="pt",
                                                          return_row_col_info=True)
@@ -93,14 +103,15 @@ def test_idefics3_pixels_equal_transformers(size, resample, backend):
     expected = out["pixel_values"][0]  # one image in the batch: no padding images
     assert pixels.shape == expected.shape
     assert (pixels - expected).abs().max().item() == 0.0  # exactly equal
-    assert (rows, cols) == (out["rows"][0][0] or 1, out["cols"][0][0] or 1)  # transformers says 0 x 0 for unsplit
+    # transformers says 0 x 0 for unsplit
+    assert (rows, cols) == (out["rows"][0][0] or 1, out["cols"][0][0] or 1)
     assert splitter.grid(*size) == (rows, cols)
     assert len(pixels) == (1 if rows * cols == 1 else rows * cols + 1)
 
 
 def test_idefics3_backends_differ_and_the_default_is_torchvision():
-    """The two transformers backends give different pixels (torchvision's uint8 Lanczos is not PIL's), so matching
-    one exactly is a real check; the splitter follows the torchvision one unless told otherwise."""
+    """The two transformers backends give different pixels (torchvision's uint8 Lanczos is not PIL's), so
+    matching one exactly is a real check; the splitter follows the torchvision one unless told otherwise."""
     image = noise(60, 150)
     tv, _, _ = ImageSplitter(TILE, LONGEST, "idefics3", "lanczos", MEAN, STD)(image)
     pil, _, _ = ImageSplitter(TILE, LONGEST, "idefics3", "lanczos", MEAN, STD, backend="pil")(image)
@@ -122,8 +133,8 @@ def test_idefics3_image_within_one_tile_is_not_split(size):
 
 @pytest.mark.parametrize("size", [(50, 50), (40, 41), (41, 40), (13, 7)])
 def test_idefics3_odd_longest_edge_rounds_past_it(size):
-    """An odd longest edge (99) rounds the shorter side up to even (100 > 99): one more row of 33 px tiles, which
-    `max_grid` (and so the marker tokens) allows for."""
+    """An odd longest edge (99) rounds the shorter side up to even (100 > 99): one more row of 33 px tiles,
+    which `max_grid` (and so the marker tokens) allows for."""
     image = noise(*size)
     out = idefics3_processor("torchvision", longest_edge=99, tile=33)(images=[[image]], return_tensors="pt",
                                                                       return_row_col_info=True)
@@ -136,8 +147,9 @@ def test_idefics3_odd_longest_edge_rounds_past_it(size):
 def test_idefics3_caps_each_side_at_4096():
     """A longest edge past transformers' MAX_IMAGE_SIZE: both sides are scaled down to at most 4096 first."""
     image = noise(30, 20)
-    out = idefics3_processor("torchvision", longest_edge=4100, tile=2048)(images=[[image]], return_tensors="pt",
-                                                                          return_row_col_info=True)
+    out = idefics3_processor("torchvision", longest_edge=4100, tile=2048)(
+        images=[[image]], return_tensors="pt", return_row_col_info=True
+    )
     pixels, rows, cols = ImageSplitter(2048, 4100, "idefics3", "lanczos", MEAN, STD)(image)
     assert (rows, cols) == (out["rows"][0][0], out["cols"][0][0]) == (2, 2)
     assert torch.equal(pixels, out["pixel_values"][0])
@@ -155,8 +167,8 @@ def test_no_grid_exceeds_the_marker_tokens():
 
 @pytest.mark.parametrize("sizes", [[(150, 60)], [(60, 150)], [(20, 25)], [(150, 60), (40, 100), (20, 20)]])
 def test_idefics3_placeholders_are_the_processors_prompt(idefics3_tokenizer, sizes):
-    """Our ids for the images are the ids Idefics3Processor gives "<image>" x N (it tokenizes its whole expanded
-    string: "\\n\\n" is one token here), and decode to exactly its prompt string."""
+    """Our ids for the images are the ids Idefics3Processor gives "<image>" x N (it tokenizes its whole
+    expanded string: "\\n\\n" is one token here), and decode to exactly its prompt string."""
     from transformers import Idefics3Processor
 
     images = [noise(*size, seed=i) for i, size in enumerate(sizes)]
@@ -182,9 +194,12 @@ def test_idefics3_single_tile_placeholder(idefics3_tokenizer):
 
 
 # nanoVLM's rules, written out again from data/custom_transforms.py and data/images.py: DynamicResize with
-# resize_to_max_side_len (long side = max, short side rounded up to whole tiles) on the PIL image, ToTensor, then
-# GlobalAndSplitImages (tiles row by row, a bilinear antialiased resize of the whole first, unless 1 x 1).
-def nanovlm_reference(image: Image.Image, tile: int, max_side: int, resample) -> tuple[torch.Tensor, int, int]:
+# resize_to_max_side_len (long side = max, short side rounded up to whole tiles) on the PIL image, ToTensor,
+# then GlobalAndSplitImages (tiles row by row, a bilinear antialiased resize of the whole first, unless
+# 1 x 1).
+def nanovlm_reference(
+    image: Image.Image, tile: int, max_side: int, resample
+) -> tuple[torch.Tensor, int, int]:
     width, height = image.size
     scale = max_side / max(width, height)
     short = max(math.ceil(min(width, height) * scale / tile) * tile, tile)
@@ -218,7 +233,9 @@ def nanovlm_image_string(grids: list[tuple[int, int]], tokens_per_image: int) ->
 def test_nanovlm_pixels_follow_nanovlms_rules(size, grid, resample):
     image = noise(*size)
     pixels, rows, cols = ImageSplitter(TILE, LONGEST, "nanovlm", resample, MEAN, STD)(image)
-    expected, *expected_grid = nanovlm_reference(image, TILE, LONGEST, getattr(Image.Resampling, resample.upper()))
+    expected, *expected_grid = nanovlm_reference(
+        image, TILE, LONGEST, getattr(Image.Resampling, resample.upper())
+    )
     assert (rows, cols) == tuple(expected_grid) == grid
     assert pixels.shape == expected.shape == (rows * cols + 1, 3, TILE, TILE)
     assert (pixels - expected).abs().max() < 1e-5
@@ -234,7 +251,8 @@ def test_nanovlm_one_tile_has_no_global_image():
 
 def chat_tokenizer(config: VLMConfig | None = None):
     """A fresh shapes-style tokenizer (never the shared one: markers are added in place)."""
-    tokenizer = build_shapes_tokenizer(["what colour is the sky?", "blue", "<image: 0>", "the sky is blue"] * 5)
+    tokenizer = build_shapes_tokenizer(["what colour is the sky?", "blue", "<image: 0>",
+                                        "the sky is blue"] * 5)
     return prepare_tokenizer(tokenizer, marker_tokens(config)) if config else tokenizer
 
 
@@ -244,8 +262,8 @@ def tiny_config(layout: str = "idefics3", max_image_size: int = 48, **split) -> 
         vision=VisionConfig(image_size=16, patch_size=8, hidden_size=32, intermediate_size=64, num_layers=1,
                             num_heads=2, image_mean=MEAN, image_std=STD),
         projector=ProjectorConfig(pixel_shuffle_factor=1),
-        language=LanguageConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
-                                num_kv_heads=2, max_position_embeddings=512),
+        language=LanguageConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_layers=1,
+                                num_heads=4, num_kv_heads=2, max_position_embeddings=512),
         splitting=SplitConfig(enabled=True, max_image_size=max_image_size, layout=layout, **split),
     )
 
@@ -260,7 +278,8 @@ def test_nanovlm_placeholders_are_get_image_string(sizes):
     string = nanovlm_image_string(grids, config.tokens_per_image)
     ids = [token for placeholder in placeholders for token in placeholder]
     assert tokenizer.decode(ids) == string
-    assert ids == tokenizer(string, add_special_tokens=False)["input_ids"]  # nanoVLM tokenizes the whole string
+    # nanoVLM tokenizes the whole string
+    assert ids == tokenizer(string, add_special_tokens=False)["input_ids"]
     assert pixels.shape[0] * config.tokens_per_image == ids.count(token_id(tokenizer, IMAGE_TOKEN))
 
 
@@ -268,11 +287,13 @@ def test_marker_tokens_and_the_config_check():
     assert marker_tokens(VLMConfig()) == []  # splitting disabled: the tokenizer gains nothing
     idefics3 = marker_tokens(tiny_config("idefics3", 48))
     assert idefics3[:2] == [FAKE_IMAGE_TOKEN, IDEFICS3_GLOBAL_TOKEN] and idefics3[-1] == tile_token(3, 3)
-    assert marker_tokens(tiny_config("nanovlm", 64)) == [NANOVLM_GLOBAL_TOKEN, *(tile_token(r, c) for r in range(1, 5)
-                                                                                 for c in range(1, 5))]
+    assert marker_tokens(tiny_config("nanovlm", 64)) == [NANOVLM_GLOBAL_TOKEN,
+                                                         *(tile_token(r, c) for r in range(1, 5)
+                                                           for c in range(1, 5))]
     tokenizer = chat_tokenizer(tiny_config())
     assert all(tokenizer.convert_tokens_to_ids(t) in tokenizer.all_special_ids for t in idefics3)
-    with pytest.raises(ConfigError, match=r"^splitting.max_image_size \(8\) must be at least vision.image_size \(16\)"):
+    with pytest.raises(ConfigError,
+                       match=r"^splitting.max_image_size \(8\) must be at least vision.image_size \(16\)"):
         tiny_config("idefics3", 8)
     with pytest.raises(ConfigError, match="must be a multiple of vision.image_size"):
         tiny_config("nanovlm", 40)
@@ -296,9 +317,9 @@ def test_disabled_splitting_is_todays_square_image():
 
 
 def test_disabled_splitting_engine_prompts_are_todays():
-    """The engine's call sites with splitting off: the prompt and pixels of before (square image, `<|image|>` x
-    tokens_per_image) for PIL images; pixels come with prompts of token ids only (the processor makes a text
-    prompt's pixels)."""
+    """The engine's call sites with splitting off: the prompt and pixels of before (square image,
+    `<|image|>` x tokens_per_image) for PIL images; pixels come with prompts of token ids only (the processor
+    makes a text prompt's pixels)."""
     model, tokenizer = split_model()
     model.config = model.config.replace({"splitting.enabled": "false"})
     engine = Engine(model.eval(), tokenizer, num_blocks=64, block_size=16)
@@ -319,12 +340,15 @@ def test_held_out_answers_are_asked_with_split_images(monkeypatch):
 
     model, tokenizer = split_model()
     inputs = ImageInputs.from_config(model.config, tokenizer)
-    records = [{"images": [noise(150, 60)], "texts": [{"user": "what colour is the sky?", "assistant": "blue"}]},
-               {"images": [noise(20, 20, seed=1)], "texts": [{"user": "what?", "assistant": "blue"}]}]
+    records = [
+        {"images": [noise(150, 60)], "texts": [{"user": "what colour is the sky?", "assistant": "blue"}]},
+        {"images": [noise(20, 20, seed=1)], "texts": [{"user": "what?", "assistant": "blue"}]},
+    ]
     seen = {}
 
     def generate(input_ids, images, attention_mask, **settings):
-        seen.update(prompts=[row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask)], images=images)
+        seen.update(prompts=[row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask)],
+                    images=images)
         return torch.full((len(input_ids), 1), tokenizer.eos_token_id)
 
     monkeypatch.setattr(model, "generate", generate)
@@ -339,7 +363,8 @@ def test_held_out_answers_are_asked_with_split_images(monkeypatch):
 def split_model(layout: str = "idefics3") -> tuple[VisionLanguageModel, PreTrainedTokenizerFast]:
     config = tiny_config(layout)
     tokenizer = chat_tokenizer(config)
-    config = config.replace({"language.vocab_size": len(tokenizer), "language.eos_token_id": tokenizer.eos_token_id,
+    config = config.replace({"language.vocab_size": len(tokenizer),
+                             "language.eos_token_id": tokenizer.eos_token_id,
                              "image_token_id": token_id(tokenizer, IMAGE_TOKEN)})
     return VisionLanguageModel(config), tokenizer
 
@@ -368,7 +393,8 @@ def test_a_training_step_on_split_images(layout):
     assert any(expected == row[i:i + len(expected)] for row in rows for i in range(len(row)))
     global_token = IDEFICS3_GLOBAL_TOKEN if layout == "idefics3" else NANOVLM_GLOBAL_TOKEN
     assert int((batch["input_ids"] == token_id(tokenizer, global_token)).sum()) == 3
-    packed = VQACollator(tokenizer, inputs, config.tokens_per_image, 512, pack=True)(records)  # as train.py does
+    # as train.py does
+    packed = VQACollator(tokenizer, inputs, config.tokens_per_image, 512, pack=True)(records)
     assert len(packed["input_ids"]) < len(batch["input_ids"])
     assert int((packed["input_ids"] == image_id).sum()) == len(packed["images"]) * config.tokens_per_image
     before = {name: p.detach().clone() for name, p in model.vision.named_parameters()}
@@ -380,8 +406,8 @@ def test_a_training_step_on_split_images(layout):
 
 
 def test_a_saved_split_config_makes_inference_split(tmp_path, monkeypatch, capsys):
-    """From a checkpoint whose config has splitting on: prepare_images, the serving engine and generate.py all split
-    the image and mark its tiles, as training did."""
+    """From a checkpoint whose config has splitting on: prepare_images, the serving engine and generate.py all
+    split the image and mark its tiles, as training did."""
     model, tokenizer = split_model("idefics3")
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
@@ -418,9 +444,12 @@ def test_a_saved_split_config_makes_inference_split(tmp_path, monkeypatch, capsy
 
 
 @pytest.mark.parametrize("layout", ["idefics3", "nanovlm"])
-def test_train_py_trains_on_split_images_and_its_checkpoint_splits_at_generate_time(tmp_path, monkeypatch, layout):
-    """train.py with model.splitting on: the tokenizer gains the markers, batches hold the tiles (5 per 32 px shapes
-    image) and their markers, and the checkpoint's config makes the inference entry point split the same way."""
+def test_train_py_trains_on_split_images_and_its_checkpoint_splits_at_generate_time(
+    tmp_path, monkeypatch, layout
+):
+    """train.py with model.splitting on: the tokenizer gains the markers, batches hold the tiles (5 per 32 px
+    shapes image) and their markers, and the checkpoint's config makes the inference entry point split the
+    same way."""
     from loading import load_for_inference
     from tests.training.helpers import small_config
     from training import run
@@ -434,9 +463,10 @@ def test_train_py_trains_on_split_images_and_its_checkpoint_splits_at_generate_t
             return batch, too_long
 
     monkeypatch.setattr(run, "VQACollator", Recording)
-    config = small_config(tmp_path, **{"model.splitting.enabled": "true", "model.splitting.max_image_size": "64",
-                                       "model.splitting.layout": layout, "train.max_steps": "2",
-                                       "train.eval_every": "2", "train.save_every": "2", "train.eval_questions": "2"})
+    config = small_config(tmp_path,
+                          **{"model.splitting.enabled": "true", "model.splitting.max_image_size": "64",
+                             "model.splitting.layout": layout, "train.max_steps": "2",
+                             "train.eval_every": "2", "train.save_every": "2", "train.eval_questions": "2"})
     metrics = run.train(config)
     assert math.isfinite(metrics["validation_loss"])
     model, processor = load_for_inference(tmp_path / "step_000002", torch.device("cpu"))

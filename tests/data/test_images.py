@@ -1,4 +1,5 @@
-"""Image loading (every mode to RGB with the right colours; typed one-line errors) and the normalising processor."""
+"""Image loading (every mode to RGB with the right colours; typed one-line errors) and the normalising
+processor."""
 
 import io
 import struct
@@ -85,12 +86,19 @@ def png_header(width: int, height: int) -> bytes:
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\0" * 16))
+        + chunk(b"IEND", b"")
+    )
 
 
 def bad_files(tmp_path) -> dict:
     good = io.BytesIO()
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(good, format="PNG")
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(
+        good, format="PNG"
+    )
     contents = {
         "empty.png": b"",
         "truncated.png": good.getvalue()[: len(good.getvalue()) // 2],
@@ -102,8 +110,8 @@ def bad_files(tmp_path) -> dict:
     for name, data in contents.items():
         (tmp_path / name).write_bytes(data)
     return {"missing.png": "no such file", "empty.png": "empty", "truncated.png": "truncated",
-            "random.png": "not an image", "notes.txt": "not an image", "bomb.png": "pixels", "big.png": "pixels",
-            ".": "cannot read"}
+            "random.png": "not an image", "notes.txt": "not an image", "bomb.png": "pixels",
+            "big.png": "pixels", ".": "cannot read"}
 
 
 def test_bad_files_raise_one_line_image_load_errors(tmp_path):
@@ -136,8 +144,8 @@ def test_processor_resizes_to_a_square_and_reads_vision_config():
 def test_processor_matches_torchvision_bit_for_bit(size):
     """The hand-rolled fast path returns torchvision's v2 pipeline (resize, to [0, 1], normalise) exactly."""
     mean, std = (0.9, 0.886, 0.878), (0.13, 0.15, 0.19)
-    reference = v2.Compose([v2.Resize((32, 32), antialias=True), v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
-                            v2.Normalize(list(mean), list(std))])
+    reference = v2.Compose([v2.Resize((32, 32), antialias=True), v2.ToImage(),
+                            v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))])
     rgb = np.random.default_rng(1).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
     image = Image.fromarray(rgb)
     assert torch.equal(ImageProcessor(32, mean, std)(image), reference(image))

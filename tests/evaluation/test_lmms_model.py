@@ -1,5 +1,6 @@
-"""tinyvlm as an lmms-eval model: `python -m lmms_eval --model tinyvlm` over the local shapes tasks gives tinyvlm's
-own evaluation of the same questions (generated answers), and the log-likelihoods of a float64 forward (choices)."""
+"""tinyvlm as an lmms-eval model: `python -m lmms_eval --model tinyvlm` over the local shapes tasks gives
+tinyvlm's own evaluation of the same questions (generated answers), and the log-likelihoods of a float64
+forward (choices)."""
 
 import json
 import os
@@ -38,7 +39,8 @@ def test_a_document_with_two_images_is_answered_with_both_and_cut_at_until(tmp_p
     def ask(doc_id: int, until: list[str]) -> Instance:
         arguments = ("What colour is the sky?", {"max_new_tokens": 12, "temperature": 0, "until": until},
                      lambda doc: doc["images"], doc_id, "task", "test")
-        return Instance("generate_until", arguments, idx=0, metadata={"task": "task", "doc_id": doc_id, "repeats": 1})
+        return Instance("generate_until", arguments, idx=0,
+                        metadata={"task": "task", "doc_id": doc_id, "repeats": 1})
 
     expected = []
     for doc_images in (images, images[:1]):
@@ -86,7 +88,9 @@ def test_generated_answers_and_score_equal_tinyvlms_own_evaluation(evaluated):
                for row in rows]
     ours = answer(model, processor.tokenizer, processor, records, torch.device("cpu"), max_new_tokens=16)
     assert [s["filtered_resps"] for s in samples["tinyvlm_shapes"]] == ours
-    assert scores["tinyvlm_shapes"]["exact_match,none"] == pytest.approx(exact_match(records, ours)["accuracy"])
+    assert scores["tinyvlm_shapes"]["exact_match,none"] == pytest.approx(
+        exact_match(records, ours)["accuracy"]
+    )
     assert 0 < scores["tinyvlm_shapes"]["exact_match,none"]  # a trained model: the comparison is not 0 == 0
 
 

@@ -1,5 +1,5 @@
-"""Small random models for tests: reference checkpoints built with transformers (and in nanoVLM's published format),
-and a tiny VLM of ours."""
+"""Small random models for tests: reference checkpoints built with transformers (and in nanoVLM's published
+format), and a tiny VLM of ours."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ from torch import nn
 
 from models import LanguageConfig, VisionConfig, VisionLanguageModel, VLMConfig
 
-# Triton kernels on CPU tensors run in Triton's interpreter, which tests/conftest.py turns on where there is no GPU.
+# Triton kernels on CPU tensors run in Triton's interpreter, which tests/conftest.py turns on where there is
+# no GPU.
 TRITON_ON_CPU = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                   reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (on a GPU machine the "
-                                          "kernel is tested in tests/serving/test_gpu.py)")
+                                   reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (on a GPU machine "
+                                          "the kernel is tested in tests/serving/test_gpu.py)")
 
 
 def save_tiny_llama(directory: Path, tie: bool, vocab_size: int = 128, seed: int = 0):
@@ -29,7 +30,8 @@ def save_tiny_llama(directory: Path, tie: bool, vocab_size: int = 128, seed: int
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
                          rope_theta=5000.0, rms_norm_eps=1e-5, tie_word_embeddings=tie, eos_token_id=3)
     model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # bigger weights than the default init, so outputs vary strongly from token to token
+    # bigger weights than the default init, so outputs vary strongly from token to token
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.2)
@@ -38,8 +40,8 @@ def save_tiny_llama(directory: Path, tie: bool, vocab_size: int = 128, seed: int
 
 
 def tiny_vlm_config(**language) -> VLMConfig:
-    lang = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
-                max_position_embeddings=128, eos_token_id=2)
+    lang = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
+                num_kv_heads=2, max_position_embeddings=128, eos_token_id=2)
     return VLMConfig(
         vision=VisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_layers=2,
                             num_heads=4),
@@ -49,7 +51,8 @@ def tiny_vlm_config(**language) -> VLMConfig:
 
 
 def tiny_vlm(seed: int = 0, **language) -> VisionLanguageModel:
-    """A random tiny VLM whose weights are large enough that greedy decoding wanders through the vocabulary."""
+    """A random tiny VLM whose weights are large enough that greedy decoding wanders through the
+    vocabulary."""
     torch.manual_seed(seed)
     model = VisionLanguageModel(tiny_vlm_config(**language)).eval()
     with torch.no_grad():
@@ -75,7 +78,8 @@ def base_tokenizer():
 
 
 def chat_vlm(tokenizer, seed: int = 5, **language) -> VisionLanguageModel:
-    """A random tiny VLM for `tokenizer` (its image token, and stop tokens <|im_end|> and EOS), context 512."""
+    """A random tiny VLM for `tokenizer` (its image token, and stop tokens <|im_end|> and EOS), context
+    512."""
     from data import IMAGE_TOKEN, stop_token_ids, token_id
 
     model = tiny_vlm(seed=seed, vocab_size=len(tokenizer), max_position_embeddings=512, **language)
@@ -97,9 +101,9 @@ SMOLVLM_CHAT_TEMPLATE = (
 
 
 def save_tiny_idefics3(directory: Path, seed: int = 0, tie: bool = False, split: bool = True):
-    """A random Idefics3ForConditionalGeneration (SmolVLM's layout, tiny: 32 px tiles of 4 tokens, images split up to
-    96 px) with its processor (tokenizer, image processor, chat template), saved as a transformers checkpoint;
-    returns the transformers model and processor."""
+    """A random Idefics3ForConditionalGeneration (SmolVLM's layout, tiny: 32 px tiles of 4 tokens, images
+    split up to 96 px) with its processor (tokenizer, image processor, chat template), saved as a transformers
+    checkpoint; returns the transformers model and processor."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
         Idefics3Config,
@@ -111,14 +115,16 @@ def save_tiny_idefics3(directory: Path, seed: int = 0, tie: bool = False, split:
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", *IDEFICS3_TOKENS],
+    trainer = trainers.BpeTrainer(vocab_size=300,
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", *IDEFICS3_TOKENS],
                                   show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     bpe.train_from_iterator(["User: what colour is the sky? Assistant: blue, the sky is blue"] * 10, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<end_of_utterance>",
                                         bos_token="<|im_start|>", pad_token="<|endoftext|>")
     image_processor = Idefics3ImageProcessor(do_image_splitting=split, size={"longest_edge": 96},
                                              max_image_size={"longest_edge": 32})
-    processor = Idefics3Processor(image_processor, tokenizer, image_seq_len=4, chat_template=SMOLVLM_CHAT_TEMPLATE)
+    processor = Idefics3Processor(image_processor, tokenizer, image_seq_len=4,
+                                  chat_template=SMOLVLM_CHAT_TEMPLATE)
     torch.manual_seed(seed)
     config = Idefics3Config(
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -139,42 +145,44 @@ def save_tiny_idefics3(directory: Path, seed: int = 0, tie: bool = False, split:
 
 
 # nanoVLM's published format (models/nanovlm.py): config.json and model.safetensors as nanoVLM writes them.
-CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-                 "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-                 "{% endif %}")
-# nanoVLM's extra tokens: the image placeholder, the global-image marker, and a marker per tile of an 8x8 grid.
+CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+                 "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ "
+                 "'<|im_start|>assistant\n' }}{% endif %}")
+# nanoVLM's extra tokens: the image placeholder, the global-image marker, and a marker per tile of an 8x8
+# grid.
 EXTRA_TOKENS = {"image_token": "<|image|>", "global_image_token": "<|global_image|>",
                 **{f"r{r}c{c}": f"<row_{r}_col_{c}>" for r in range(1, 9) for c in range(1, 9)}}
 BASE_VOCAB = 100
 
 
 def nanovlm_config(**fields) -> dict:
-    """config.json as nanoVLM writes it (`json.dumps(asdict(cfg))`): every field of its VLMConfig, in order, with
-    its defaults (huggingface/nanoVLM models/config.py), then `fields`."""
+    """config.json as nanoVLM writes it (`json.dumps(asdict(cfg))`): every field of its VLMConfig, in order,
+    with its defaults (huggingface/nanoVLM models/config.py), then `fields`."""
     config = {
-        "vit_hidden_dim": 768, "vit_inter_dim": 3072, "vit_patch_size": 16, "vit_img_size": 512, "vit_n_heads": 12,
-        "vit_dropout": 0.0, "vit_n_blocks": 12, "vit_ln_eps": 1e-6, "vit_cls_flag": False,
+        "vit_hidden_dim": 768, "vit_inter_dim": 3072, "vit_patch_size": 16, "vit_img_size": 512,
+        "vit_n_heads": 12, "vit_dropout": 0.0, "vit_n_blocks": 12, "vit_ln_eps": 1e-6, "vit_cls_flag": False,
         "vit_model_type": "google/siglip2-base-patch16-512",
         "lm_hidden_dim": 960, "lm_inter_dim": 2560, "lm_rms_eps": 1e-5, "lm_re_base": 100000,
         "lm_max_position_embeddings": 8192, "lm_base_vocab_size": 49152, "extra_token_amount": 66,
         "lm_vocab_size": 49218, "lm_n_heads": 15, "lm_n_kv_heads": 5, "lm_dropout": 0.0, "lm_n_blocks": 32,
         "lm_attn_scaling": 1.0, "lm_max_length": 4096, "lm_use_tokens": False, "lm_tie_weights": True,
-        "lm_model_type": "HuggingFaceTB/SmolLM2-360M-Instruct", "lm_tokenizer": "HuggingFaceTB/SmolLM2-360M-Instruct",
-        "lm_chat_template": CHAT_TEMPLATE, "mp_pixel_shuffle_factor": 4, "mp_image_token_length": 64,
-        "max_img_size": 2048, "resize_to_max_side_len": True, "vlm_extra_tokens": dict(EXTRA_TOKENS),
+        "lm_model_type": "HuggingFaceTB/SmolLM2-360M-Instruct",
+        "lm_tokenizer": "HuggingFaceTB/SmolLM2-360M-Instruct", "lm_chat_template": CHAT_TEMPLATE,
+        "mp_pixel_shuffle_factor": 4, "mp_image_token_length": 64, "max_img_size": 2048,
+        "resize_to_max_side_len": True, "vlm_extra_tokens": dict(EXTRA_TOKENS),
         "vlm_load_backbone_weights": True, "vlm_checkpoint_path": "checkpoints", "hf_repo_name": "nanoVLM",
     }
     return {**config, **fields}
 
 
 def tiny_fields(tie: bool) -> dict:
-    """The nanoVLM config fields of the tiny backbones below (values away from nanoVLM's defaults, so that a field
-    read from the wrong place changes the logits)."""
-    return dict(vit_hidden_dim=32, vit_inter_dim=64, vit_patch_size=8, vit_img_size=32, vit_n_heads=4, vit_n_blocks=2,
-                vit_ln_eps=1e-3, lm_hidden_dim=64, lm_inter_dim=128, lm_rms_eps=1e-3, lm_re_base=5000,
-                lm_max_position_embeddings=256, lm_base_vocab_size=BASE_VOCAB, lm_vocab_size=BASE_VOCAB + 66,
-                lm_n_heads=4, lm_n_kv_heads=2, lm_n_blocks=2, lm_tie_weights=tie, mp_pixel_shuffle_factor=2,
-                mp_image_token_length=4, max_img_size=64)
+    """The nanoVLM config fields of the tiny backbones below (values away from nanoVLM's defaults, so that a
+    field read from the wrong place changes the logits)."""
+    return dict(vit_hidden_dim=32, vit_inter_dim=64, vit_patch_size=8, vit_img_size=32, vit_n_heads=4,
+                vit_n_blocks=2, vit_ln_eps=1e-3, lm_hidden_dim=64, lm_inter_dim=128, lm_rms_eps=1e-3,
+                lm_re_base=5000, lm_max_position_embeddings=256, lm_base_vocab_size=BASE_VOCAB,
+                lm_vocab_size=BASE_VOCAB + 66, lm_n_heads=4, lm_n_kv_heads=2, lm_n_blocks=2,
+                lm_tie_weights=tie, mp_pixel_shuffle_factor=2, mp_image_token_length=4, max_img_size=64)
 
 
 def save_backbones(directory: Path, tie: bool, vocab_size: int = BASE_VOCAB + 66) -> tuple[Path, Path]:
@@ -184,12 +192,12 @@ def save_backbones(directory: Path, tie: bool, vocab_size: int = BASE_VOCAB + 66
 
     torch.manual_seed(1)
     siglip = SiglipVisionModel(SiglipVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8,
-        layer_norm_eps=1e-3, vision_use_head=False))
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+        patch_size=8, layer_norm_eps=1e-3, vision_use_head=False))
     llama = LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rope_theta=5000.0, rms_norm_eps=1e-3,
-        tie_word_embeddings=tie))
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=5000.0,
+        rms_norm_eps=1e-3, tie_word_embeddings=tie))
     with torch.no_grad():  # larger than the default init, so that every weight visibly moves the logits
         for p in [*siglip.parameters(), *llama.parameters()]:
             p.normal_(0, 0.2 if p.dim() > 1 else 1.0)
@@ -215,21 +223,29 @@ def module_of(tensors: dict[str, torch.Tensor], buffers: tuple[str, ...] = ()) -
     return root
 
 
-def write_nanovlm(directory: Path, siglip_dir: Path, llama_dir: Path, projector: torch.Tensor, config: dict) -> None:
-    """The weights of these transformers checkpoints (and a projector) as nanoVLM saves them, after nanoVLM's own
-    backbone loaders (ViT.from_pretrained, LanguageModel.from_pretrained) have named them: q, k, v concatenated into
-    `qkv_proj`, the position embedding as [1, N, C], RoPE's inv_freq buffer, a tied head shared with the token
-    embedding; written by `safetensors.torch.save_model(model)` and `json.dumps(asdict(cfg), indent=4)`."""
+def write_nanovlm(directory: Path, siglip_dir: Path, llama_dir: Path, projector: torch.Tensor,
+                  config: dict) -> None:
+    """The weights of these transformers checkpoints (and a projector) as nanoVLM saves them, after nanoVLM's
+    own backbone loaders (ViT.from_pretrained, LanguageModel.from_pretrained) have named them: q, k, v
+    concatenated into `qkv_proj`, the position embedding as [1, N, C], RoPE's inv_freq buffer, a tied head
+    shared with the token embedding; written by `safetensors.torch.save_model(model)` and
+    `json.dumps(asdict(cfg), indent=4)`."""
     vit = {k.removeprefix("vision_model."): v for k, v in load_file(siglip_dir / "model.safetensors").items()}
     lm = load_file(llama_dir / "model.safetensors")
-    sd = {"vision_encoder.patch_embedding.conv.weight": vit["embeddings.patch_embedding.weight"],
-          "vision_encoder.patch_embedding.conv.bias": vit["embeddings.patch_embedding.bias"],
-          "vision_encoder.patch_embedding.position_embedding": vit["embeddings.position_embedding.weight"][None]}
+    sd = {
+        "vision_encoder.patch_embedding.conv.weight": vit["embeddings.patch_embedding.weight"],
+        "vision_encoder.patch_embedding.conv.bias": vit["embeddings.patch_embedding.bias"],
+        "vision_encoder.patch_embedding.position_embedding": vit["embeddings.position_embedding.weight"][
+            None
+        ],
+    }
     for i in range(config["vit_n_blocks"]):
         hf, ours = f"encoder.layers.{i}.", f"vision_encoder.blocks.{i}."
         for part in ("weight", "bias"):
             sd[f"{ours}ln1.{part}"] = vit[f"{hf}layer_norm1.{part}"]
-            sd[f"{ours}attn.qkv_proj.{part}"] = torch.cat([vit[f"{hf}self_attn.{p}_proj.{part}"] for p in "qkv"], 0)
+            sd[f"{ours}attn.qkv_proj.{part}"] = torch.cat(
+                [vit[f"{hf}self_attn.{p}_proj.{part}"] for p in "qkv"], 0
+            )
             sd[f"{ours}attn.out_proj.{part}"] = vit[f"{hf}self_attn.out_proj.{part}"]
             sd[f"{ours}ln2.{part}"] = vit[f"{hf}layer_norm2.{part}"]
             sd[f"{ours}mlp.fc1.{part}"] = vit[f"{hf}mlp.fc1.{part}"]
@@ -260,9 +276,10 @@ def write_nanovlm(directory: Path, siglip_dir: Path, llama_dir: Path, projector:
     (directory / "config.json").write_text(json.dumps(config, indent=4))
 
 
-def base_tokenizer_dir(directory: Path, specials: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")):
-    """A small BPE tokenizer laid out like SmolLM2-Instruct's: <|endoftext|>, <|im_start|>, <|im_end|> at ids 0-2,
-    EOS <|im_end|>."""
+def base_tokenizer_dir(directory: Path,
+                       specials: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")):
+    """A small BPE tokenizer laid out like SmolLM2-Instruct's: <|endoftext|>, <|im_start|>, <|im_end|> at ids
+    0-2, EOS <|im_end|>."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -271,6 +288,7 @@ def base_tokenizer_dir(directory: Path, specials: tuple[str, ...] = ("<|endoftex
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=list(specials), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     bpe.train_from_iterator(["what colour is the sky? blue, the sky is blue"] * 10, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", bos_token="<|im_start|>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>",
+                                        bos_token="<|im_start|>")
     tokenizer.save_pretrained(directory)
     return len(tokenizer)

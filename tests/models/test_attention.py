@@ -10,7 +10,8 @@ from tests.models.helpers import TRITON_ON_CPU
 
 
 def _float64_attention(q, key_pool, value_pool, tables, query_lens, context_lens):
-    """Each query of each sequence, one at a time: softmax(q k^T / sqrt(d)) v over its keys at positions <= its own."""
+    """Each query of each sequence, one at a time: softmax(q k^T / sqrt(d)) v over its keys at
+    positions <= its own."""
     heads, kv_heads, dim = q.shape[1], key_pool.shape[2], q.shape[2]
     out, token = [], 0
     for table, query_len, context in zip(tables, query_lens, context_lens):
@@ -30,23 +31,27 @@ def _float64_attention(q, key_pool, value_pool, tables, query_lens, context_lens
     ([1, 1, 1, 1], [1, 7, 70, 16]),  # decode steps: one query each, contexts across block and tile edges
     ([5, 3, 1, 20], [13, 3, 9, 90]),  # prompt chunks after cached prefixes, a whole prompt, one decode
 ], ids=["decode", "chunks"])
-def test_paged_attention_equals_float64(attention, heads, kv_heads, dim, block_size, query_lens, context_lens):
+def test_paged_attention_equals_float64(attention, heads, kv_heads, dim, block_size, query_lens,
+                                        context_lens):
     generator = torch.Generator().manual_seed(0)
     width = max(-(-c // block_size) for c in context_lens)
     num_blocks = len(context_lens) * width + 1
     key_pool = torch.randn(num_blocks, block_size, kv_heads, dim, generator=generator)
     value_pool = torch.randn(num_blocks, block_size, kv_heads, dim, generator=generator)
     order = torch.randperm(num_blocks - 1, generator=generator) + 1  # scattered blocks, never the null block
-    tables = [order[i * width : (i + 1) * width][: -(-c // block_size)].tolist() for i, c in enumerate(context_lens)]
+    tables = [
+        order[i * width : (i + 1) * width][: -(-c // block_size)].tolist() for i, c in enumerate(context_lens)
+    ]
     block_table = torch.zeros(len(tables), width, dtype=torch.long)
     for row, table in enumerate(tables):
         block_table[row, : len(table)] = torch.tensor(table)
     num_tokens = sum(query_lens)
-    q = torch.randn(heads, num_tokens, dim, generator=generator).transpose(0, 1)  # [N, H, D], as the blocks give it
+    # [N, H, D], as the blocks give it
+    q = torch.randn(heads, num_tokens, dim, generator=generator).transpose(0, 1)
     positions = torch.cat([torch.arange(c - n, c) for n, c in zip(query_lens, context_lens)])
     layout = Paged(block_table, torch.zeros(num_tokens, dtype=torch.long), positions,
-                   torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()]), torch.tensor(context_lens),
-                   max(query_lens), attention)
+                   torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()]),
+                   torch.tensor(context_lens), max(query_lens), attention)
     out = paged_attention(q, {"key": key_pool, "value": value_pool, "layout": layout})
     expected = _float64_attention(q, key_pool, value_pool, tables, query_lens, context_lens)
     torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)

@@ -1,4 +1,5 @@
-"""save_pretrained / from_pretrained: exact round trip, atomic files, clear errors for checkpoints that do not fit."""
+"""save_pretrained / from_pretrained: exact round trip, atomic files, clear errors for checkpoints that do not
+fit."""
 
 import json
 import os
@@ -84,7 +85,8 @@ def test_opted_in_pickles_are_read_with_weights_only(saved, tmp_path, capfd):
     model, directory = saved
     (directory / "model.safetensors").unlink()
     torch.save({**model.state_dict(), "payload": _RunsCode()}, directory / "pytorch_model.bin")
-    with pytest.raises(CheckpointError, match=r"refused by torch.load\(weights_only=True\): .*GLOBAL .*system"):
+    with pytest.raises(CheckpointError,
+                       match=r"refused by torch.load\(weights_only=True\): .*GLOBAL .*system"):
         VisionLanguageModel.from_pretrained(directory, allow_pickle=True)
     assert "must never run" not in capfd.readouterr().out
 
@@ -97,7 +99,8 @@ def test_missing_config_and_invalid_config(saved, tmp_path):
     config = json.loads((directory / "config.json").read_text())
     config["language"]["num_kv_heads"] = 3
     (directory / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match=r"num_heads \(4\) must be divisible by language.num_kv_heads \(3\)"):
+    with pytest.raises(ConfigError,
+                       match=r"num_heads \(4\) must be divisible by language.num_kv_heads \(3\)"):
         VisionLanguageModel.from_pretrained(directory)
 
 

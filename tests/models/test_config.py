@@ -6,7 +6,8 @@ from models import ConfigError, LanguageConfig, VisionConfig, VLMConfig
 
 
 def test_json_round_trip(tmp_path):
-    config = VLMConfig(vision=VisionConfig(image_size=64, patch_size=8, image_mean=(0.1, 0.2, 0.3)), image_token_id=7)
+    config = VLMConfig(vision=VisionConfig(image_size=64, patch_size=8, image_mean=(0.1, 0.2, 0.3)),
+                       image_token_id=7)
     config.save_json(tmp_path / "config.json")
     assert VLMConfig.from_json(tmp_path / "config.json") == config
 
@@ -20,19 +21,39 @@ def test_overrides_parse_strings_by_field_type():
     assert config.image_token_id == 5 and config.language.eos_token_id is None
 
 
-@pytest.mark.parametrize("build, message", [
-    (lambda: LanguageConfig(num_heads=9, num_kv_heads=4),
-     r"num_heads \(9\) must be divisible by language.num_kv_heads \(4\)"),
-    (lambda: LanguageConfig(hidden_size=100, num_heads=9, num_kv_heads=3), r"hidden_size \(100\) must be divisible"),
-    (lambda: VisionConfig(image_size=100, patch_size=16), r"image_size \(100\) must be divisible by vision.patch_size"),
-    (lambda: VLMConfig(vision=VisionConfig(image_size=48, patch_size=16)), r"patch grid \(3x3\) must be divisible"),
-    (lambda: VLMConfig(image_token_id=10**6), r"image_token_id \(1000000\) must lie in"),
-    (lambda: VLMConfig().replace({"language.colour": 1}), "unknown key language.colour"),
-    (lambda: VLMConfig().replace({"vision.patch_size": "big"}), "vision.patch_size: expected int, got 'big'"),
-    (lambda: VLMConfig().replace({"language.tie_word_embeddings": "maybe"}), "expected true or false"),
-    (lambda: VLMConfig.from_dict({"language": {"num_layers": 2.5}}), "language.num_layers: expected int, got 2.5"),
-    (lambda: VLMConfig.from_dict({"vision": 3}), "vision: expected a mapping"),
-])
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (
+            lambda: LanguageConfig(num_heads=9, num_kv_heads=4),
+            r"num_heads \(9\) must be divisible by language.num_kv_heads \(4\)",
+        ),
+        (
+            lambda: LanguageConfig(hidden_size=100, num_heads=9, num_kv_heads=3),
+            r"hidden_size \(100\) must be divisible",
+        ),
+        (
+            lambda: VisionConfig(image_size=100, patch_size=16),
+            r"image_size \(100\) must be divisible by vision.patch_size",
+        ),
+        (
+            lambda: VLMConfig(vision=VisionConfig(image_size=48, patch_size=16)),
+            r"patch grid \(3x3\) must be divisible",
+        ),
+        (lambda: VLMConfig(image_token_id=10**6), r"image_token_id \(1000000\) must lie in"),
+        (lambda: VLMConfig().replace({"language.colour": 1}), "unknown key language.colour"),
+        (
+            lambda: VLMConfig().replace({"vision.patch_size": "big"}),
+            "vision.patch_size: expected int, got 'big'",
+        ),
+        (lambda: VLMConfig().replace({"language.tie_word_embeddings": "maybe"}), "expected true or false"),
+        (
+            lambda: VLMConfig.from_dict({"language": {"num_layers": 2.5}}),
+            "language.num_layers: expected int, got 2.5",
+        ),
+        (lambda: VLMConfig.from_dict({"vision": 3}), "vision: expected a mapping"),
+    ],
+)
 def test_invalid_configs_fail_with_clear_messages(build, message):
     with pytest.raises(ConfigError, match=message):
         build()

@@ -1,4 +1,5 @@
-"""The compiled, shape-static decode path gives the eager path's tokens, and compiles once per generate call."""
+"""The compiled, shape-static decode path gives the eager path's tokens, and compiles once per generate
+call."""
 
 from copy import deepcopy
 
@@ -17,7 +18,8 @@ def model():
 
 
 def test_tensor_position_step_equals_int_position_step(model):
-    """The step the compiled path runs (tensor start_pos, attention over the whole cache) matches eager slicing."""
+    """The step the compiled path runs (tensor start_pos, attention over the whole cache) matches eager
+    slicing."""
     ids, mask, images = left_padded_batch()
     eager = model.generate(ids, images, mask, max_new_tokens=12, greedy=True)
     with torch.inference_mode():
@@ -27,7 +29,8 @@ def test_tensor_position_step_equals_int_position_step(model):
         cache = model.language.allocate_kv_cache(3, ids.shape[1] + 12)
         hidden, cache = model.language(embeddings, full_mask, cache)
         cache = with_layout(cache, Preallocated(shape_static=True))
-        token, position, tokens = model.language.head(hidden[:, -1]).argmax(-1), torch.tensor(ids.shape[1]), []
+        token = model.language.head(hidden[:, -1]).argmax(-1)
+        position, tokens = torch.tensor(ids.shape[1]), []
         for _ in range(12):
             tokens.append(token)
             token = model.decode_step(token, full_mask, cache, position).argmax(-1)
@@ -36,8 +39,8 @@ def test_tensor_position_step_equals_int_position_step(model):
 
 
 def test_tensor_position_step_under_bf16_autocast(model):
-    """Under autocast the projections give bfloat16 K/V for the float32 cache: the in-place write casts them, as the
-    int-position path's slice assignment does, and both steps give the same logits."""
+    """Under autocast the projections give bfloat16 K/V for the float32 cache: the in-place write casts them,
+    as the int-position path's slice assignment does, and both steps give the same logits."""
     ids, mask, images = left_padded_batch()
     full_mask = torch.ones(3, ids.shape[1] + 1, dtype=torch.long)
     full_mask[:, : ids.shape[1]] = mask
@@ -72,7 +75,8 @@ def test_compiled_decode_equals_eager_without_recompiling(model):
 @pytest.mark.slow
 def test_compiled_decode_takes_one_graph_per_cache_bucket():
     """Capacities (prompt + new tokens) are rounded up to 256-token buckets: lengths on both sides of the 256
-    boundary take exactly one graph each, later lengths in a bucket reuse it, and every call gives the eager tokens."""
+    boundary take exactly one graph each, later lengths in a bucket reuse it, and every call gives the eager
+    tokens."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -88,8 +92,9 @@ def test_compiled_decode_takes_one_graph_per_cache_bucket():
 
 @pytest.mark.slow
 def test_compiled_decode_serves_more_batch_sizes_than_the_recompile_limit(model):
-    """Regression: one graph per batch size hit dynamo's recompile limit (8) at the 9th size and raised. Batches are
-    now padded to powers of two: sizes 1..11 take 5 graphs, and each size gives the eager tokens."""
+    """Regression: one graph per batch size hit dynamo's recompile limit (8) at the 9th size and raised.
+    Batches are now padded to powers of two: sizes 1..11 take 5 graphs, and each size gives the eager
+    tokens."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -97,8 +102,8 @@ def test_compiled_decode_serves_more_batch_sizes_than_the_recompile_limit(model)
     counters.clear()
     for samples in range(1, 12):
         settings = dict(max_new_tokens=5, temperature=0.9, num_samples=samples)
-        eager = model.generate(ids[:1], images[:1], mask[:1], generator=torch.Generator().manual_seed(samples),
-                               **settings)
+        eager = model.generate(ids[:1], images[:1], mask[:1],
+                               generator=torch.Generator().manual_seed(samples), **settings)
         compiled = model.generate(ids[:1], images[:1], mask[:1], compile=True,
                                   generator=torch.Generator().manual_seed(samples), **settings)
         assert torch.equal(compiled, eager), samples
@@ -119,8 +124,8 @@ def test_compiled_decode_falls_back_to_eager_past_the_recompile_limit(model):
 
 @pytest.mark.slow
 def test_copies_and_reloaded_weights_decode_with_their_own_weights(model):
-    """Regression: the compiled step was a bound method of the model it was built on, so a deep copy of a model that
-    had decoded compiled kept decoding with the original's weights."""
+    """Regression: the compiled step was a bound method of the model it was built on, so a deep copy of a
+    model that had decoded compiled kept decoding with the original's weights."""
     ids, mask, images = left_padded_batch()
     original = tiny_vlm(seed=3)
     original.generate(ids, images, mask, max_new_tokens=6, greedy=True, compile=True)
@@ -129,14 +134,16 @@ def test_copies_and_reloaded_weights_decode_with_their_own_weights(model):
     copy.load_state_dict(other.state_dict())
     expected = other.generate(ids, images, mask, max_new_tokens=6, greedy=True)
     assert not torch.equal(expected, original.generate(ids, images, mask, max_new_tokens=6, greedy=True))
-    assert torch.equal(copy.generate(ids, images, mask, max_new_tokens=6, greedy=True, compile=True), expected)
+    assert torch.equal(copy.generate(ids, images, mask, max_new_tokens=6, greedy=True, compile=True),
+                       expected)
     original.load_state_dict(other.state_dict())  # new weights into a model that has compiled
-    assert torch.equal(original.generate(ids, images, mask, max_new_tokens=6, greedy=True, compile=True), expected)
+    assert torch.equal(original.generate(ids, images, mask, max_new_tokens=6, greedy=True, compile=True),
+                       expected)
 
 
 def test_decode_step_on_a_full_cache_is_an_error(model):
-    """Regression: decode_step on a cache with no free slot silently attended to zeros (the write grew a private
-    copy of the cache, which the step threw away)."""
+    """Regression: decode_step on a cache with no free slot silently attended to zeros (the write grew a
+    private copy of the cache, which the step threw away)."""
     ids, _, images = left_padded_batch()
     with torch.inference_mode():
         cache = model.language.allocate_kv_cache(3, ids.shape[1])

@@ -1,4 +1,5 @@
-"""generate(): cached against uncached, batched against alone, stopping, samples from one prefill, streaming."""
+"""generate(): cached against uncached, batched against alone, stopping, samples from one prefill,
+streaming."""
 
 import pytest
 import torch
@@ -45,7 +46,8 @@ def test_stops_each_row_at_eos_and_ends_when_all_are_done(model, batch):
     ids, mask = left_pad_prompts(prompts)
     free = model.generate(ids, images, mask, max_new_tokens=40, greedy=True)
     eos = int(free[0, 2])
-    stopped = model.generate(ids, images, mask, max_new_tokens=40, greedy=True, eos_token_id=eos, pad_token_id=0)
+    stopped = model.generate(ids, images, mask, max_new_tokens=40, greedy=True, eos_token_id=eos,
+                             pad_token_id=0)
     for row in range(3):
         hits = (free[row] == eos).nonzero()
         if len(hits):
@@ -88,7 +90,8 @@ def test_stream_yields_the_generated_tokens_step_by_step(model, batch):
     ids, mask = left_pad_prompts(prompts)
     steps = list(model.stream(ids, images, mask, max_new_tokens=10, greedy=True))
     assert len(steps) == 10 and all(s.shape == (3,) for s in steps)
-    assert torch.equal(torch.stack(steps, 1), model.generate(ids, images, mask, max_new_tokens=10, greedy=True))
+    assert torch.equal(torch.stack(steps, 1),
+                       model.generate(ids, images, mask, max_new_tokens=10, greedy=True))
 
 
 @pytest.mark.parametrize("settings, message", [

@@ -1,6 +1,6 @@
-"""GGUF files (models/gguf.py) against transformers: a random GQA Llama written as llama.cpp's converter writes it (its
-tensor names, its rotary permutation of the q / k rows, its metadata keys) loads as our model with transformers'
-logits. tests/models/test_smollm2.py checks a real quantized file the same way."""
+"""GGUF files (models/gguf.py) against transformers: a random GQA Llama written as llama.cpp's converter
+writes it (its tensor names, its rotary permutation of the q / k rows, its metadata keys) loads as our model
+with transformers' logits. tests/models/test_smollm2.py checks a real quantized file the same way."""
 
 import numpy as np
 import pytest
@@ -11,20 +11,26 @@ from models import LanguageModel
 from models.weights import CheckpointError
 from tests.models.helpers import save_tiny_llama
 
-LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
-               "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj"}
 
 
 def _llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py does to a Hugging Face q or k projection."""
-    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+    return (
+        rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(rows.shape)
+    )
 
 
-def _write_gguf(path, model, architecture: str = "llama", matrices: type = np.float32, drop: str | None = None,
-                name: str | None = None, extra: dict[str, np.ndarray] | None = None) -> None:
-    """`model` as llama.cpp writes it: matrices as float32 or float16; `drop` leaves out one metadata key, `extra`
-    adds tensors."""
+def _write_gguf(path, model, architecture: str = "llama", matrices: type = np.float32,
+                drop: str | None = None, name: str | None = None,
+                extra: dict[str, np.ndarray] | None = None) -> None:
+    """`model` as llama.cpp writes it: matrices as float32 or float16; `drop` leaves out one metadata key,
+    `extra` adds tensors."""
     c, weights = model.config, {name: t.numpy() for name, t in model.state_dict().items()}
     writer = GGUFWriter(str(path), architecture)
     metadata = {"llama.block_count": (writer.add_uint32, c.num_hidden_layers),
@@ -54,7 +60,8 @@ def _write_gguf(path, model, architecture: str = "llama", matrices: type = np.fl
                 values = _llama_cpp_permute(values, heads[hf_name.removeprefix("self_attn.")])
             tensors[f"blk.{i}.{gguf_name}.weight"] = values
     for tensor_name, values in {**tensors, **(extra or {})}.items():
-        writer.add_tensor(tensor_name, np.ascontiguousarray(values, dtype=matrices if values.ndim == 2 else None))
+        writer.add_tensor(tensor_name,
+                          np.ascontiguousarray(values, dtype=matrices if values.ndim == 2 else None))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -73,7 +80,8 @@ def test_a_gguf_llama_loads_with_transformers_logits(tmp_path, tie, matrices):
     _write_gguf(tmp_path / "model.gguf", reference, matrices=matrices)
     ours = LanguageModel.from_pretrained(tmp_path / "model.gguf")
     c = ours.config
-    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.intermediate_size) == (3, 64, 8, 2, 128)
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads,
+            c.intermediate_size) == (3, 64, 8, 2, 128)
     assert (c.rope_theta, c.eos_token_id, c.tie_word_embeddings) == (5000.0, 3, tie)
     assert c.rms_norm_eps == pytest.approx(1e-5)  # GGUF keeps it as a float32
     ids = torch.randint(0, 128, (2, 40))
@@ -83,12 +91,22 @@ def test_a_gguf_llama_loads_with_transformers_logits(tmp_path, tie, matrices):
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("change, error", [
-    ({"architecture": "qwen2"}, r"GGUF architecture 'qwen2' is not supported \(expected llama\)"),
-    ({"drop": "llama.attention.head_count"}, r"not a complete Llama GGUF file \(no llama.attention.head_count in"),
-    ({"extra": {"rope_freqs.weight": np.ones(4, dtype=np.float32)}}, r"unsupported Llama variant: rope scaling"),
-    ({"name": "Mistral 7B v0.1"}, r"model_type 'mistral' is not supported"),
-], ids=["qwen2", "incomplete", "llama3-rope-freqs", "mistral"])
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        ({"architecture": "qwen2"}, r"GGUF architecture 'qwen2' is not supported \(expected llama\)"),
+        (
+            {"drop": "llama.attention.head_count"},
+            r"not a complete Llama GGUF file \(no llama.attention.head_count in",
+        ),
+        (
+            {"extra": {"rope_freqs.weight": np.ones(4, dtype=np.float32)}},
+            r"unsupported Llama variant: rope scaling",
+        ),
+        ({"name": "Mistral 7B v0.1"}, r"model_type 'mistral' is not supported"),
+    ],
+    ids=["qwen2", "incomplete", "llama3-rope-freqs", "mistral"],
+)
 def test_a_gguf_this_model_cannot_run_is_refused_in_one_line(tmp_path, change, error):
     _write_gguf(tmp_path / "model.gguf", save_tiny_llama(tmp_path / "hf", tie=True), **change)
     with pytest.raises(CheckpointError, match=error):

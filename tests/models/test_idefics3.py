@@ -1,4 +1,5 @@
-"""SmolVLM / Idefics3 checkpoints against transformers' Idefics3ForConditionalGeneration, and the export back."""
+"""SmolVLM / Idefics3 checkpoints against transformers' Idefics3ForConditionalGeneration, and the export
+back."""
 
 import subprocess
 import sys
@@ -120,7 +121,8 @@ def test_bad_checkpoints_give_one_line_errors(idefics3, tmp_path, damage, messag
         config["model_type"] = "llava"
     save_file(weights, directory / "model.safetensors")
     (directory / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="^.*" + message.replace("(", r"\(").replace(")", r"\)")) as error:
+    with pytest.raises(CheckpointError,
+                       match="^.*" + message.replace("(", r"\(").replace(")", r"\)")) as error:
         VisionLanguageModel.from_pretrained(directory)
     assert "\n" not in str(error.value)
 
@@ -130,8 +132,9 @@ def test_export_round_trip_matches_transformers(tmp_path):
 
     model = tiny_vlm()
     model.save_pretrained(tmp_path / "ours")
-    done = subprocess.run([sys.executable, "-m", "training.export", "--format", "idefics3", str(tmp_path / "ours"),
-                           str(tmp_path / "idefics3")], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "training.export", "--format", "idefics3",
+                           str(tmp_path / "ours"), str(tmp_path / "idefics3")], capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     reference = AutoModelForImageTextToText.from_pretrained(tmp_path / "idefics3").eval()
     per_image = model.config.tokens_per_image
@@ -141,8 +144,8 @@ def test_export_round_trip_matches_transformers(tmp_path):
         expected = reference(input_ids=ids, pixel_values=pixels[None]).logits
         logits, _ = model(ids, pixels)
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
-    generated = reference.generate(input_ids=ids, pixel_values=pixels[None], max_new_tokens=16, do_sample=False,
-                                   eos_token_id=None)[0, ids.shape[1]:]
+    generated = reference.generate(input_ids=ids, pixel_values=pixels[None], max_new_tokens=16,
+                                   do_sample=False, eos_token_id=None)[0, ids.shape[1]:]
     assert model.generate(ids, pixels, max_new_tokens=16, greedy=True)[0].tolist() == generated.tolist()
     # and back: the exported directory loads here as the same model
     again = VisionLanguageModel.from_pretrained(tmp_path / "idefics3").eval()
@@ -167,9 +170,12 @@ def test_generate_py_answers_like_transformers_with_a_smolvlm_checkpoint(idefics
     for i, image in enumerate(images):
         image.save(tmp_path / f"{i}.png")
     inputs = reference_inputs(processor, images)
-    expected = reference.generate(**inputs, max_new_tokens=12, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    expected = reference.generate(**inputs, max_new_tokens=12, do_sample=False)[
+        0, inputs["input_ids"].shape[1] :
+    ]
     code = generate.main(["--checkpoint", str(directory), "--image", str(tmp_path / "0.png"), "--image",
-                          str(tmp_path / "1.png"), "--prompt", QUESTION, "--max-new-tokens", "12", "--device", "cpu"])
+                          str(tmp_path / "1.png"), "--prompt", QUESTION, "--max-new-tokens", "12", "--device",
+                          "cpu"])
     assert code == 0
     assert capsys.readouterr().out.strip() == processor.decode(expected, skip_special_tokens=True).strip()
 
@@ -181,4 +187,6 @@ def test_images_that_overflow_the_context_are_a_one_line_error(idefics3, tmp_pat
     code = generate.main(["--checkpoint", str(idefics3[0]), *["--image", str(tmp_path / "big.png")] * 6,
                           "--prompt", QUESTION, "--max-new-tokens", "200", "--device", "cpu"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err[-1].startswith("error: prompt (") and "exceeds the context of 512 tokens" in err[-1]
+    assert (
+        code == 2 and err[-1].startswith("error: prompt (") and "exceeds the context of 512 tokens" in err[-1]
+    )

@@ -1,5 +1,5 @@
-"""KV-cache memory: the formula against the tensors actually allocated, and SmolLM2's figure; the paged layout against
-plain passes."""
+"""KV-cache memory: the formula against the tensors actually allocated, and SmolLM2's figure; the paged layout
+against plain passes."""
 
 import pytest
 import torch
@@ -25,8 +25,9 @@ def test_smollm2_figure():
 @pytest.mark.parametrize("attention", ["gather", pytest.param("triton", marks=TRITON_ON_CPU)])
 def test_paged_layout_equals_one_uncached_pass_per_sequence(attention):
     """Sequences at different points of their own (chunks of 5, 3, then 1 token), packed into one row without
-    padding, write to scattered pool blocks through their block tables and attend over them: each token's hidden
-    state equals a plain pass over its sequence alone. On a CPU the Triton kernel runs in Triton's interpreter."""
+    padding, write to scattered pool blocks through their block tables and attend over them: each token's
+    hidden state equals a plain pass over its sequence alone. On a CPU the Triton kernel runs in Triton's
+    interpreter."""
     torch.manual_seed(0)
     config = LanguageConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6,
                             num_kv_heads=2, max_position_embeddings=64)
@@ -46,7 +47,9 @@ def test_paged_layout_equals_one_uncached_pass_per_sequence(attention):
             positions = torch.cat([torch.arange(done[r], done[r] + count) for r, count in rows])
             owner = torch.cat([torch.full((count,), r) for r, count in rows])
             ids = torch.stack([sequences[r][p] for r, p in zip(owner.tolist(), positions.tolist())])
-            blocks = torch.tensor([tables[r][p // block_size] for r, p in zip(owner.tolist(), positions.tolist())])
+            blocks = torch.tensor(
+                [tables[r][p // block_size] for r, p in zip(owner.tolist(), positions.tolist())]
+            )
             table = torch.zeros(len(rows), max(len(t) for t in tables), dtype=torch.long)
             for i, (r, _) in enumerate(rows):
                 table[i, : len(tables[r])] = torch.tensor(tables[r])
@@ -54,7 +57,9 @@ def test_paged_layout_equals_one_uncached_pass_per_sequence(attention):
             layout = Paged(table, blocks * block_size + positions % block_size, positions,
                            torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]),
                            torch.tensor([done[r] + count for r, count in rows]), int(counts.max()), attention)
-            hidden, _ = model(model.token_embedding(ids)[None], kv_cache=[{**pool, "layout": layout} for pool in pools])
+            hidden, _ = model(
+                model.token_embedding(ids)[None], kv_cache=[{**pool, "layout": layout} for pool in pools]
+            )
             start = 0
             for r, count in rows:
                 outputs[r].append(hidden[0, start : start + count])

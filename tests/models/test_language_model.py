@@ -25,7 +25,10 @@ def test_logits_match_transformers(llama_pair):
         expected = reference(ids).logits
         hidden, _ = ours(ours.token_embedding(ids))
         actual = ours.head(hidden)
-    assert ours.config.num_kv_heads == 2 and ours.config.tie_word_embeddings == reference.config.tie_word_embeddings
+    assert (
+        ours.config.num_kv_heads == 2
+        and ours.config.tie_word_embeddings == reference.config.tie_word_embeddings
+    )
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
 
 
@@ -48,8 +51,8 @@ def test_tied_head_shares_the_embedding(llama_pair):
 
 
 def test_block_contract_split_equals_one_pass(llama_pair):
-    """A block called on the first part, then with the returned dict and start_pos on the rest, equals one pass over
-    the whole sequence; without a cache it returns the dict of the call's own K/V."""
+    """A block called on the first part, then with the returned dict and start_pos on the rest, equals one
+    pass over the whole sequence; without a cache it returns the dict of the call's own K/V."""
     _, model = llama_pair
     block = model.blocks[0]
     x = torch.randn(2, 11, model.config.hidden_size)
@@ -70,8 +73,8 @@ def test_block_contract_split_equals_one_pass(llama_pair):
 
 
 def test_each_layout_takes_only_its_own_kind_of_position(llama_pair):
-    """The layout says how a cache is written: an int start_pos for a plain preallocated cache, a 0-dim tensor for a
-    shape-static one, and a growing cache continues where it ends."""
+    """The layout says how a cache is written: an int start_pos for a plain preallocated cache, a 0-dim tensor
+    for a shape-static one, and a growing cache continues where it ends."""
     _, model = llama_pair
     block = model.blocks[0]
     x = torch.randn(1, 3, model.config.hidden_size)
@@ -81,15 +84,16 @@ def test_each_layout_takes_only_its_own_kind_of_position(llama_pair):
             block(x, cos, sin, kv_cache=allocate(1, 2, 8, 8, torch.float32, torch.device("cpu")),
                   start_pos=torch.tensor(0))
         with pytest.raises(TypeError, match="0-dim device tensor"):
-            block(x, cos, sin, kv_cache=allocate(1, 2, 8, 8, torch.float32, torch.device("cpu"), shape_static=True))
+            block(x, cos, sin,
+                  kv_cache=allocate(1, 2, 8, 8, torch.float32, torch.device("cpu"), shape_static=True))
         _, grown = block(x, cos, sin)
         with pytest.raises(ValueError, match="continues at that position"):
             block(x, cos, sin, kv_cache=grown, start_pos=2)
 
 
 def test_a_full_cache_refuses_more_tokens_instead_of_growing(llama_pair):
-    """Regression: a write past a preallocated cache's end grew a private copy that decode_step threw away, so the
-    step attended to zeros. Now it is a clear error, whoever keeps the returned cache."""
+    """Regression: a write past a preallocated cache's end grew a private copy that decode_step threw away, so
+    the step attended to zeros. Now it is a clear error, whoever keeps the returned cache."""
     _, model = llama_pair
     ids = torch.randint(0, 128, (2, 8))
     with torch.no_grad():
@@ -160,8 +164,8 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
 
 
 def test_packed_sequences_equal_separate_passes(llama_pair):
-    """Rows that pack several sequences (mask 1, 1, ..., 2, ..., 0 for padding) give each sequence the logits it gets
-    alone: positions restart at 0 and no token sees another sequence."""
+    """Rows that pack several sequences (mask 1, 1, ..., 2, ..., 0 for padding) give each sequence the logits
+    it gets alone: positions restart at 0 and no token sees another sequence."""
     _, ours = llama_pair
     rows = [[4, 6, 3], [9, 5]]  # the sequences' lengths in each row
     ids = torch.randint(0, 128, (2, 15))
@@ -173,17 +177,20 @@ def test_packed_sequences_equal_separate_passes(llama_pair):
             start = 0
             for length in row:
                 alone = ours.head(ours(ours.token_embedding(ids[r : r + 1, start : start + length]))[0])
-                torch.testing.assert_close(packed[r : r + 1, start : start + length], alone, atol=1e-5, rtol=0)
+                torch.testing.assert_close(packed[r : r + 1, start : start + length], alone, atol=1e-5,
+                                           rtol=0)
                 start += length
-    # Rotary attention sees only relative positions, so the logits cannot show where positions start: check them.
+    # Rotary attention sees only relative positions, so the logits cannot show where positions start: check
+    # them.
     positions, _ = LanguageModel._positions_and_mask(mask, 0, 2, 15, 15, ids.device)
     assert (positions[0, :13].tolist() == [*range(4), *range(6), *range(3)]
             and positions[1, :14].tolist() == [*range(9), *range(5)])
 
 
 def test_rotary_keeps_float32_precision_after_a_bfloat16_round_trip(llama_pair):
-    """Regression: the cos/sin tables were buffers, so `model.to(bfloat16).float()` rounded them for good. Now they
-    are computed in float32 from the positions (checked against float64) and the round trip changes nothing."""
+    """Regression: the cos/sin tables were buffers, so `model.to(bfloat16).float()` rounded them for good. Now
+    they are computed in float32 from the positions (checked against float64) and the round trip changes
+    nothing."""
     _, model = llama_pair
     positions = torch.tensor([[0, 1, 2, 250]])
     cos, sin = model.rotary(positions)
@@ -202,7 +209,8 @@ def test_rotary_keeps_float32_precision_after_a_bfloat16_round_trip(llama_pair):
 
 
 def test_sharded_checkpoints_load_through_their_index(tmp_path):
-    """A checkpoint saved in shards (model.safetensors.index.json + model-0000N-of-0000M.safetensors) loads whole."""
+    """A checkpoint saved in shards (model.safetensors.index.json + model-0000N-of-0000M.safetensors) loads
+    whole."""
     reference = save_tiny_llama(tmp_path / "whole", tie=False)
     reference.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
     shards = sorted(p.name for p in (tmp_path / "sharded").glob("*.safetensors"))

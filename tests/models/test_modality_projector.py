@@ -11,12 +11,24 @@ def test_pixel_shuffle_groups_neighbouring_patches():
     projector = ModalityProjector(config)
     patches = torch.randn(2, 16, config.vision.hidden_size)
     grid, f = 4, 2
-    expected = torch.stack([
-        torch.stack([
-            torch.cat([patches[n, (row * f + dr) * grid + col * f + dc] for dr in range(f) for dc in range(f)])
-            for row in range(grid // f) for col in range(grid // f)
-        ]) for n in range(2)
-    ])
+    expected = torch.stack(
+        [
+            torch.stack(
+                [
+                    torch.cat(
+                        [
+                            patches[n, (row * f + dr) * grid + col * f + dc]
+                            for dr in range(f)
+                            for dc in range(f)
+                        ]
+                    )
+                    for row in range(grid // f)
+                    for col in range(grid // f)
+                ]
+            )
+            for n in range(2)
+        ]
+    )
     torch.testing.assert_close(projector(patches), projector.proj(expected))
     assert projector(patches).shape == (2, config.tokens_per_image, config.language.hidden_size)
 

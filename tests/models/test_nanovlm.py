@@ -1,7 +1,7 @@
-"""nanoVLM's published format (models/nanovlm.py), offline: tiny random SigLIP and Llama backbones, loaded through
-tinyvlm's SigLIP / Llama paths, are written again as a nanoVLM checkpoint by a writer that follows nanoVLM's own code
-(its VLMConfig fields, its backbone loaders' weight names, its fused q/k/v, safetensors' `save_model`), and loading
-that checkpoint must give the same logits."""
+"""nanoVLM's published format (models/nanovlm.py), offline: tiny random SigLIP and Llama backbones, loaded
+through tinyvlm's SigLIP / Llama paths, are written again as a nanoVLM checkpoint by a writer that follows
+nanoVLM's own code (its VLMConfig fields, its backbone loaders' weight names, its fused q/k/v, safetensors'
+`save_model`), and loading that checkpoint must give the same logits."""
 
 from __future__ import annotations
 
@@ -12,7 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models import CheckpointError, LanguageConfig, ProjectorConfig, VisionConfig, VisionLanguageModel, VLMConfig
+from models import (
+    CheckpointError,
+    LanguageConfig,
+    ProjectorConfig,
+    VisionConfig,
+    VisionLanguageModel,
+    VLMConfig,
+)
 from models.nanovlm import config_from_nanovlm, nanovlm_tokenizer
 from tests.models.helpers import (
     BASE_VOCAB,
@@ -30,7 +37,8 @@ IMAGE, GLOBAL, R1C1, R1C2 = BASE_VOCAB, BASE_VOCAB + 1, BASE_VOCAB + 2, BASE_VOC
 
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
 def checkpoints(request, tmp_path_factory):
-    """(the model built from the backbones by tinyvlm, the nanoVLM checkpoint directory of the same weights)."""
+    """(the model built from the backbones by tinyvlm, the nanoVLM checkpoint directory of the same
+    weights)."""
     tie = request.param
     root = tmp_path_factory.mktemp("tied" if tie else "untied")
     siglip_dir, llama_dir = save_backbones(root, tie)
@@ -45,8 +53,8 @@ def checkpoints(request, tmp_path_factory):
 
 
 def prompt() -> tuple[torch.Tensor, torch.Tensor]:
-    """Two rows with image tokens among text: a 1x2 grid (global image, then tiles r1c1 and r1c2), and a 1x1 grid
-    (the global image only); four images in all, in placeholder order."""
+    """Two rows with image tokens among text: a 1x2 grid (global image, then tiles r1c1 and r1c2), and a 1x1
+    grid (the global image only); four images in all, in placeholder order."""
     image = [IMAGE] * 4
     first = [5, 17, GLOBAL, *image, R1C1, *image, R1C2, *image, 42, 7, 99, 3]
     second = [8, GLOBAL, *image, *range(20, 20 + len(first) - 6)]
@@ -107,21 +115,25 @@ def test_nanovlm_defaults_map_to_the_460m_shape():
     config = config_from_nanovlm(nanovlm_config())
     assert (config.vision.image_size, config.vision.grid_size, config.tokens_per_image) == (512, 32, 64)
     assert (config.language.vocab_size, config.image_token_id) == (49218, 49152)
-    assert (config.language.num_layers, config.language.hidden_size, config.language.rope_theta) == (32, 960, 1e5)
+    assert (config.language.num_layers, config.language.hidden_size,
+            config.language.rope_theta) == (32, 960, 1e5)
     assert (config.splitting.enabled, config.splitting.max_image_size) == (True, 2048)
 
 
 def test_configs_before_splitting_resize_one_square_image():
-    """June 2025 configs (nanoVLM-450M): only <|image|> added, no max_img_size, no chat template (the prompt was
-    'Question: ... Answer:'); a base (non-Instruct) tokenizer stops at <|endoftext|>, id 0."""
-    old = nanovlm_config(lm_vocab_size=49153, extra_token_amount=1, vlm_extra_tokens={"image_token": "<|image|>"},
-                         vit_img_size=256, mp_pixel_shuffle_factor=2, lm_tokenizer="HuggingFaceTB/cosmo2-tokenizer")
+    """June 2025 configs (nanoVLM-450M): only <|image|> added, no max_img_size, no chat template (the prompt
+    was 'Question: ... Answer:'); a base (non-Instruct) tokenizer stops at <|endoftext|>, id 0."""
+    old = nanovlm_config(lm_vocab_size=49153, extra_token_amount=1,
+                         vlm_extra_tokens={"image_token": "<|image|>"}, vit_img_size=256,
+                         mp_pixel_shuffle_factor=2, lm_tokenizer="HuggingFaceTB/cosmo2-tokenizer")
     for field in ("max_img_size", "resize_to_max_side_len", "lm_chat_template"):
         del old[field]
     config = config_from_nanovlm(old)
-    assert (config.splitting.enabled, config.splitting.resample, config.tokens_per_image) == (False, "bilinear", 64)
+    assert (config.splitting.enabled, config.splitting.resample,
+            config.tokens_per_image) == (False, "bilinear", 64)
     assert (config.image_token_id, config.language.vocab_size, config.stop_token_ids) == (49152, 49153, (0,))
-    # With ChatML on a base tokenizer, both the end of turn and the EOS end an answer; an unknown tokenizer: none.
+    # With ChatML on a base tokenizer, both the end of turn and the EOS end an answer; an unknown tokenizer:
+    # none.
     assert config_from_nanovlm({**old, "lm_chat_template": CHAT_TEMPLATE}).stop_token_ids == (2, 0)
     assert config_from_nanovlm({**old, "lm_tokenizer": "someone/else"}).stop_ids == []
 
@@ -143,8 +155,9 @@ for _field in ("vlm_extra_tokens", "lm_base_vocab_size", "extra_token_amount", "
     (dict(vlm_extra_tokens={k: v for k, v in EXTRA_TOKENS.items() if k != "r4c3"}), "r4c3"),
     (dict(lm_n_kv_heads=4), "num_kv_heads"),
     (v01, "vlm_extra_tokens null"),  # nanoVLM v0.1 (nanoVLM-222M): image embeddings prepended, no image token
-], ids=["cls", "attn_scaling", "resize", "max_img_size", "token_length", "vocab", "no_global", "no_tile_token",
-        "heads", "v0.1"])
+],
+                         ids=["cls", "attn_scaling", "resize", "max_img_size", "token_length", "vocab",
+                              "no_global", "no_tile_token", "heads", "v0.1"])
 def test_unsupported_configs_are_refused_in_one_line(fields, named):
     with pytest.raises(CheckpointError) as error:
         config_from_nanovlm(fields if fields is v01 else nanovlm_config(**fields))
@@ -157,15 +170,28 @@ def test_from_pretrained_refuses_a_cls_token(checkpoints, tmp_path):
         VisionLanguageModel.from_pretrained(copy_checkpoint(nano, tmp_path / "cls", vit_cls_flag=True))
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda w: w.pop("vision_encoder.blocks.1.attn.qkv_proj.bias"), "missing keys: vision.blocks.1.attn.k_proj.bias"),
-    (lambda w: w.update({"MP.proj.weight": torch.zeros(64, 64)}), "shape mismatch (checkpoint vs model): "
-                                                                 "projector.proj.weight (64, 64) vs (64, 128)"),
-    (lambda w: w.update({"vision_encoder.patch_embedding.cls_token": torch.zeros(1, 1, 32)}),
-     "unexpected keys: vision_encoder.patch_embedding.cls_token"),
-    (lambda w: w.update({"decoder.rotary_embd.inv_freq": w["decoder.rotary_embd.inv_freq"] * 0.5}),
-     "decoder.rotary_embd.inv_freq is not 1 / lm_re_base"),
-], ids=["missing", "shape", "unexpected", "rope"])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda w: w.pop("vision_encoder.blocks.1.attn.qkv_proj.bias"),
+            "missing keys: vision.blocks.1.attn.k_proj.bias",
+        ),
+        (
+            lambda w: w.update({"MP.proj.weight": torch.zeros(64, 64)}),
+            "shape mismatch (checkpoint vs model): projector.proj.weight (64, 64) vs (64, 128)",
+        ),
+        (
+            lambda w: w.update({"vision_encoder.patch_embedding.cls_token": torch.zeros(1, 1, 32)}),
+            "unexpected keys: vision_encoder.patch_embedding.cls_token",
+        ),
+        (
+            lambda w: w.update({"decoder.rotary_embd.inv_freq": w["decoder.rotary_embd.inv_freq"] * 0.5}),
+            "decoder.rotary_embd.inv_freq is not 1 / lm_re_base",
+        ),
+    ],
+    ids=["missing", "shape", "unexpected", "rope"],
+)
 def test_weights_that_do_not_fit_fail_in_one_line(checkpoints, tmp_path, change, message):
     _, nano = checkpoints
     broken = copy_checkpoint(nano, tmp_path / "broken")
@@ -181,9 +207,16 @@ def test_tokenizer_adds_the_extra_tokens_as_nanovlm_does(tmp_path):
     tokenizer = nanovlm_tokenizer(hf)
     assert len(tokenizer) == base + 66
     assert [tokenizer.convert_tokens_to_ids(t) for t in EXTRA_TOKENS.values()] == list(range(base, base + 66))
-    assert tokenizer.convert_tokens_to_ids(tokenizer.image_token) == config_from_nanovlm(hf).image_token_id == base
+    assert (
+        tokenizer.convert_tokens_to_ids(tokenizer.image_token)
+        == config_from_nanovlm(hf).image_token_id
+        == base
+    )
     assert (tokenizer.global_image_token, tokenizer.r2c3) == ("<|global_image|>", "<row_2_col_3>")
-    assert tokenizer.chat_template == CHAT_TEMPLATE and tokenizer.pad_token == tokenizer.eos_token == "<|im_end|>"
+    assert (
+        tokenizer.chat_template == CHAT_TEMPLATE
+        and tokenizer.pad_token == tokenizer.eos_token == "<|im_end|>"
+    )
     text = tokenizer.apply_chat_template([{"role": "user", "content": "<|image|>hi"}], tokenize=False,
                                          add_generation_prompt=True)
     assert text == "<|im_start|>user\n<|image|>hi<|im_end|>\n<|im_start|>assistant\n"
@@ -194,7 +227,8 @@ def test_tokenizer_that_gives_other_ids_is_refused(tmp_path):
     """A base vocabulary that already holds <|image|> does not append it: the config's ids would be wrong."""
     base = base_tokenizer_dir(tmp_path / "tok", ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|image|>"))
     hf = nanovlm_config(lm_tokenizer=str(tmp_path / "tok"), lm_base_vocab_size=base, lm_vocab_size=base + 66)
-    with pytest.raises(CheckpointError, match=rf"<\|image\|> got id 3, but the checkpoint's embeddings expect {base}"):
+    with pytest.raises(CheckpointError,
+                       match=rf"<\|image\|> got id 3, but the checkpoint's embeddings expect {base}"):
         nanovlm_tokenizer(hf)
 
 

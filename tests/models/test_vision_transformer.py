@@ -68,7 +68,8 @@ def test_llama_checkpoint_is_not_a_vision_checkpoint(tmp_path):
 
 
 def test_a_sparse_hub_config_takes_transformers_defaults():
-    """Older SigLIP repos list only what differs from the defaults: {"vision_config": {"model_type", "patch_size"}}."""
+    """Older SigLIP repos list only what differs from the defaults: {"vision_config": {"model_type",
+    "patch_size"}}."""
     from transformers import SiglipVisionConfig
 
     from models.vision_transformer import config_from_hf
@@ -76,8 +77,8 @@ def test_a_sparse_hub_config_takes_transformers_defaults():
     config = config_from_hf({"model_type": "siglip", "vision_config": {"model_type": "siglip_vision_model",
                                                                        "patch_size": 16}})
     defaults = SiglipVisionConfig()
-    assert (config.image_size, config.patch_size, config.hidden_size, config.intermediate_size, config.num_layers,
-            config.num_heads, config.layer_norm_eps) == (
+    assert (config.image_size, config.patch_size, config.hidden_size, config.intermediate_size,
+            config.num_layers, config.num_heads, config.layer_norm_eps) == (
         defaults.image_size, 16, defaults.hidden_size, defaults.intermediate_size, defaults.num_hidden_layers,
         defaults.num_attention_heads, defaults.layer_norm_eps)
     with pytest.raises(CheckpointError, match="clip"):

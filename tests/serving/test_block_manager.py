@@ -1,5 +1,6 @@
 """The block manager under random workloads (hypothesis): ref counts, free + used = total, no leaks, and every
-sequence reads back exactly its own tokens through its block table (prefix reuse and copy-on-write included)."""
+sequence reads back exactly its own tokens through its block table (prefix reuse and copy-on-write
+included)."""
 
 import pytest
 from hypothesis import given, settings
@@ -35,7 +36,8 @@ class Simulation:
         for position in range(cached, len(keys)):
             self.write(table, position, keys[position])
         registered = self.manager.commit(table, keys, hashes, len(keys), 0)
-        self.sequences.append({"keys": list(keys), "table": table, "hashes": hashes, "registered": registered})
+        self.sequences.append({"keys": list(keys), "table": table, "hashes": hashes,
+                               "registered": registered})
         return True
 
     def fork(self, index: int) -> None:
@@ -59,8 +61,8 @@ class Simulation:
         assert self.manager.blocks[table[-1]].ref_count == 1, "a write into a shared block"
         self.write(table, position, key)
         sequence["keys"].append(key)
-        sequence["registered"] = self.manager.commit(table, sequence["keys"], sequence["hashes"], len(sequence["keys"]),
-                                                     sequence["registered"])
+        sequence["registered"] = self.manager.commit(table, sequence["keys"], sequence["hashes"],
+                                                     len(sequence["keys"]), sequence["registered"])
         return True
 
     def release(self, index: int) -> None:
@@ -116,7 +118,8 @@ def test_a_repeated_prompt_reuses_its_full_blocks_and_recomputes_the_last():
     assert sim.manager.hits == 0
     assert sim.add(prompt)
     assert sim.manager.hits == 2 and sim.sequences[1]["table"][:2] == sim.sequences[0]["table"][:2]
-    exact = list("abcdefgh")  # exactly two full blocks: the second holds the last token, so it is computed again
+    # exactly two full blocks: the second holds the last token, so it is computed again
+    exact = list("abcdefgh")
     assert sim.add(exact)
     assert sim.sequences[2]["table"][0] == sim.sequences[0]["table"][0]
     assert sim.sequences[2]["table"][1] != sim.sequences[0]["table"][1]

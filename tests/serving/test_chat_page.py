@@ -1,6 +1,7 @@
-"""The chat page at / in a real browser (headless Chromium through Selenium): attach an image, type a question, and the
-streamed answer equals generate.py's for the same image and question; the conversation is kept, and New chat clears
-it. Skipped where no Chromium is installed (.ci/run installs Debian's chromium and chromium-driver)."""
+"""The chat page at / in a real browser (headless Chromium through Selenium): attach an image, type a
+question, and the streamed answer equals generate.py's for the same image and question; the conversation is
+kept, and New chat clears it. Skipped where no Chromium is installed (.ci/run installs Debian's chromium and
+chromium-driver)."""
 
 import shutil
 
@@ -20,7 +21,8 @@ from tests.models.helpers import base_tokenizer, chat_vlm  # noqa: E402
 from tests.serving.test_server import Server  # noqa: E402
 
 CHROMIUM, DRIVER = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
-pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="no Chromium and chromedriver on this machine "
+pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER),
+                                reason="no Chromium and chromedriver on this machine "
                                 "(apt-get install chromium chromium-driver; .ci/run installs them)")
 
 

@@ -27,14 +27,16 @@ def _prompt(length: int, seed: int, images: int) -> list[int]:
 
 
 def _images(count: int, seed: int) -> torch.Tensor | None:
-    return torch.randn(count, 3, 32, 32, generator=torch.Generator().manual_seed(100 + seed)) if count else None
+    return torch.randn(count, 3, 32, 32,
+                       generator=torch.Generator().manual_seed(100 + seed)) if count else None
 
 
 def _alone(model, prompt, images, params: RequestParams, generator=None) -> list[list[int]]:
     """generate() on the request alone, each sample cut after its first stop token."""
-    rows = model.generate(torch.tensor([prompt]), images, max_new_tokens=params.max_tokens, greedy=params.greedy,
-                          temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                          num_samples=params.n, eos_token_id=model.config.stop_ids, generator=generator).tolist()
+    rows = model.generate(torch.tensor([prompt]), images, max_new_tokens=params.max_tokens,
+                          greedy=params.greedy, temperature=params.temperature, top_k=params.top_k,
+                          top_p=params.top_p, num_samples=params.n, eos_token_id=model.config.stop_ids,
+                          generator=generator).tolist()
     cut = []
     for row in rows:
         stops = [i for i, token in enumerate(row) if token in model.config.stop_ids]
@@ -70,12 +72,14 @@ def _serve(engine: Engine, requests, arrivals) -> dict[str, list[int]]:
     ("gather", 200, 16, 512), ("gather", 14, 4, 16), ("gather", 40, 8, 10),
     *(pytest.param("triton", *sizes, marks=TRITON_ON_CPU) for sizes in [(14, 4, 16), (40, 8, 10)]),
 ], ids=["gather-roomy", "gather-preempting", "gather-chunked", "triton-preempting", "triton-chunked"])
-def test_continuous_batching_gives_each_request_its_greedy_tokens(model, attention, num_blocks, block_size, budget):
-    """On a CPU the Triton kernel runs in Triton's interpreter (tests/conftest.py): ~14 s a case, so it runs the two
-    that exercise preemption and chunked prefill over cached context."""
+def test_continuous_batching_gives_each_request_its_greedy_tokens(
+    model, attention, num_blocks, block_size, budget
+):
+    """On a CPU the Triton kernel runs in Triton's interpreter (tests/conftest.py): ~14 s a case, so it runs
+    the two that exercise preemption and chunked prefill over cached context."""
     requests = _requests()
-    engine = Engine(model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=8, max_batch_tokens=budget,
-                    attention=attention)
+    engine = Engine(model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=8,
+                    max_batch_tokens=budget, attention=attention)
     tokens = _serve(engine, requests, arrivals=[0, 0, 1, 3, 3, 4, 8, 9, 15, 15])
     for i, (prompt, images, params) in enumerate(requests):
         assert tokens[str(i)] == _alone(model, prompt, images, params)[0], i
@@ -90,7 +94,8 @@ def test_continuous_batching_gives_each_request_its_greedy_tokens(model, attenti
 
 def test_requests_held_back_to_join_in_batches_keep_their_greedy_tokens(model):
     requests = _requests()
-    engine = Engine(model, num_blocks=200, block_size=8, max_num_seqs=4, max_batch_tokens=64, admission_batch=3)
+    engine = Engine(model, num_blocks=200, block_size=8, max_num_seqs=4, max_batch_tokens=64,
+                    admission_batch=3)
     tokens = _serve(engine, requests, arrivals=[0, 0, 1, 3, 3, 4, 8, 9, 15, 15])
     for i, (prompt, images, params) in enumerate(requests):
         assert tokens[str(i)] == _alone(model, prompt, images, params)[0], i
@@ -109,9 +114,9 @@ def test_n_samples_equal_generate_with_num_samples_under_the_same_seed(model):
 
 
 def test_requests_with_different_settings_share_each_step_and_keep_their_own_tokens(model):
-    """One sampling call per step serves greedy rows, seeded rows with temperature / top-k / top-p, and unseeded ones:
-    the greedy and the seeded requests each get what generate gives them alone (the seeded draws from its own
-    generator, n rows at a time)."""
+    """One sampling call per step serves greedy rows, seeded rows with temperature / top-k / top-p, and
+    unseeded ones: the greedy and the seeded requests each get what generate gives them alone (the seeded
+    draws from its own generator, n rows at a time)."""
     seeded = RequestParams(temperature=0.9, top_k=30, top_p=0.85, max_tokens=10, n=2, seed=5)
     requests = [(_prompt(11, 1, 1), _images(1, 1), RequestParams(greedy=True, max_tokens=9)),
                 (_prompt(13, 7, 1), _images(1, 7), seeded),
@@ -127,7 +132,8 @@ def test_requests_with_different_settings_share_each_step_and_keep_their_own_tok
 
 
 def test_a_repeated_image_and_prompt_reuse_blocks_and_another_image_does_not(model):
-    prompt = _prompt(30, 3, 1)  # image placeholders at positions 2-5: the text before them fits no full block of 4
+    # image placeholders at positions 2-5: the text before them fits no full block of 4
+    prompt = _prompt(30, 3, 1)
     engine = Engine(model, num_blocks=64, block_size=4)
     first = engine.generate([Request(prompt, _images(1, 3), RequestParams(greedy=True, max_tokens=4))])
     assert engine.blocks.hits == 0
@@ -136,8 +142,10 @@ def test_a_repeated_image_and_prompt_reuse_blocks_and_another_image_does_not(mod
     hits = engine.blocks.hits
     other = engine.generate([Request(prompt, _images(1, 4), RequestParams(greedy=True, max_tokens=4))])
     assert engine.blocks.hits == hits  # block 0 holds image tokens: nothing is shared
-    assert other[0].token_ids[0] == _alone(model, prompt, _images(1, 4), RequestParams(greedy=True, max_tokens=4))[0]
-    text_first = [7, 8, 9, 10, *prompt]  # one full block of text before the image: the only block two images share
+    assert other[0].token_ids[0] == _alone(model, prompt, _images(1, 4),
+                                           RequestParams(greedy=True, max_tokens=4))[0]
+    # one full block of text before the image: the only block two images share
+    text_first = [7, 8, 9, 10, *prompt]
     engine.generate([Request(text_first, _images(1, 3), RequestParams(greedy=True, max_tokens=2))])
     hits = engine.blocks.hits
     engine.generate([Request(text_first, _images(1, 4), RequestParams(greedy=True, max_tokens=2))])
@@ -171,12 +179,13 @@ def test_requests_that_can_never_be_served_are_refused_at_once(model):
                                     RequestParams(temperature=0.9, max_tokens=8, n=2, seed=2, logprobs=3)],
                          ids=["greedy", "sampled"])
 def test_log_probabilities_equal_a_float64_log_softmax_of_the_logits(model, params):
-    """Each sampled token's log-probability and the top k's equal a float64 log-softmax of the model's logits at that
-    step (computed here in one uncached pass over the prompt and the tokens generated)."""
+    """Each sampled token's log-probability and the top k's equal a float64 log-softmax of the model's logits
+    at that step (computed here in one uncached pass over the prompt and the tokens generated)."""
     prompt, images = _prompt(15, 3, 1), _images(1, 3)
     engine = Engine(model, num_blocks=64, block_size=4)
     (result,) = engine.generate([Request(prompt, images, params),
-                                 Request(_prompt(9, 4, 0), None, RequestParams(greedy=True, max_tokens=8))])[:1]
+                                 Request(_prompt(9, 4, 0), None,
+                                         RequestParams(greedy=True, max_tokens=8))])[:1]
     for tokens, entries in zip(result.token_ids, result.logprobs):
         with torch.no_grad():
             logits, _ = model(torch.tensor([prompt + tokens]), images)
@@ -209,9 +218,9 @@ def _accepts(engine: Engine, prompt: list[int], params: RequestParams) -> bool:
 
 
 def test_structured_answers_validate_and_leave_free_requests_in_the_same_steps_unchanged():
-    """20 requests held to a JSON schema (an enum and an integer), sampled at temperature 1, all parse and validate;
-    free requests in the same steps get exactly the tokens they get without them (one sampling call, a mask per
-    constrained row)."""
+    """20 requests held to a JSON schema (an enum and an integer), sampled at temperature 1, all parse and
+    validate; free requests in the same steps get exactly the tokens they get without them (one sampling call,
+    a mask per constrained row)."""
     pytest.importorskip("xgrammar")
     jsonschema = pytest.importorskip("jsonschema")
     from serving.requests import Structure
@@ -238,7 +247,8 @@ def test_structured_answers_validate_and_leave_free_requests_in_the_same_steps_u
         [Request("well?", None, RequestParams(temperature=1.0, seed=s, max_tokens=10, structure=choice))
          for s in range(6)])
     assert {r.texts[0] for r in answers} <= {"yes", "no", "maybe"}
-    emoji = Structure("choice", ("😀", "🙂"))  # regression: written into the grammar as escaped surrogates, unreachable
+    # regression: written into the grammar as escaped surrogates, unreachable
+    emoji = Structure("choice", ("😀", "🙂"))
     (smile,) = Engine(model, tokenizer, num_blocks=400, block_size=8).generate(
         [Request("well?", None, RequestParams(temperature=1.0, seed=0, max_tokens=10, structure=emoji))])
     assert smile.texts[0] in ("😀", "🙂") and smile.finish_reasons == ["stop"]

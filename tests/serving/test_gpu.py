@@ -1,6 +1,6 @@
-"""The engine's GPU fast path (skipped without CUDA): the decode step replayed from a CUDA graph per batch bucket gives
-the eager step's tokens for every bucket, nothing is captured after start-up, and a decode step syncs with the device
-only for its one copy of the sampled ids."""
+"""The engine's GPU fast path (skipped without CUDA): the decode step replayed from a CUDA graph per batch
+bucket gives the eager step's tokens for every bucket, nothing is captured after start-up, and a decode step
+syncs with the device only for its one copy of the sampled ids."""
 
 import pytest
 import torch
@@ -37,8 +37,9 @@ def test_graphed_decode_equals_eager_for_every_bucket_without_capturing_again(mo
     assert sorted(graphs) == [1, 2, 4, 8, 16, 32, 40]
     for count in (1, 2, 3, 4, 7, 8, 13, 16, 31, 32, 33, 40):  # every bucket, full and padded
         requests = _requests(count)
-        assert ([r.token_ids for r in graphed.generate(requests)] == [r.token_ids for r in eager.generate(requests)]), \
-            count
+        assert [r.token_ids for r in graphed.generate(requests)] == [
+            r.token_ids for r in eager.generate(requests)
+        ], count
     assert graphed.runner.graphs.graphs == graphs  # the same graph objects: no capture after start-up
 
 
@@ -54,8 +55,9 @@ def test_graphed_engine_equals_generate_alone_in_float32(model):
                                     RequestParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=40,
                                                   ignore_eos=True)], ids=["greedy", "sampled"])
 def test_a_decode_step_does_not_sync_with_the_device(model, params):
-    """Under CUDA's sync debug mode, decode steps raise on any synchronizing operation; the one wait for the sampled
-    ids is on the event of their non-blocking copy into pinned memory, which the mode does not count."""
+    """Under CUDA's sync debug mode, decode steps raise on any synchronizing operation; the one wait for the
+    sampled ids is on the event of their non-blocking copy into pinned memory, which the mode does not
+    count."""
     engine = _engine(model, cuda_graphs=True)
     for request in _requests(24):
         engine.add_request(Request(request.prompt, None, params))

@@ -1,7 +1,7 @@
-"""The engine's host path, counted rather than timed: a decode step's tensor operations outside the model do not grow
-with the number of running sequences, it reads one thing back from the device (the sampled ids), and its prefix-cache
-bookkeeping does not grow with the context. (On a GPU, tests/serving/test_gpu.py checks the step under CUDA's sync
-debug mode.)"""
+"""The engine's host path, counted rather than timed: a decode step's tensor operations outside the model do
+not grow with the number of running sequences, it reads one thing back from the device (the sampled ids), and
+its prefix-cache bookkeeping does not grow with the context. (On a GPU, tests/serving/test_gpu.py checks the
+step under CUDA's sync debug mode.)"""
 
 import pytest
 import torch
@@ -12,7 +12,8 @@ from serving.engine import Engine
 from serving.requests import Request, RequestParams
 from tests.models.helpers import tiny_vlm
 
-# Operations whose output shape depends on tensor values, or that read a value back: each is a host sync on a GPU.
+# Operations whose output shape depends on tensor values, or that read a value back: each is a host sync on a
+# GPU.
 SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "unique", "_unique2",
            "unique_consecutive", "repeat_interleave"}
 
@@ -27,8 +28,8 @@ def model():
 
 def _decoding_engine(model, running: int, prompt_length: int, params: RequestParams) -> Engine:
     """An engine with `running` requests past their prompts, every one decoding in the next step."""
-    engine = Engine(model, num_blocks=running * ((prompt_length + 60) // 8 + 2) + 1, block_size=8, max_num_seqs=128,
-                    max_batch_tokens=4096)
+    engine = Engine(model, num_blocks=running * ((prompt_length + 60) // 8 + 2) + 1, block_size=8,
+                    max_num_seqs=128, max_batch_tokens=4096)
     for i in range(running):
         engine.add_request(Request([3 + (i + t) % 90 for t in range(prompt_length)], None, params))
     while engine.scheduler.waiting or not all(s.decoding for g in engine.scheduler.running for s in g.live):
@@ -67,7 +68,8 @@ def test_a_decode_step_runs_as_many_tensor_ops_at_64_sequences_as_at_8(model, se
     counts = {}
     for running in (8, 64):
         engine = _decoding_engine(model, running, prompt_length=21, params=SETTINGS[settings])
-        counts[running] = [_count_step(model, engine).outside for _ in range(3)]  # crossing a block edge included
+        # crossing a block edge included
+        counts[running] = [_count_step(model, engine).outside for _ in range(3)]
     assert counts[8] == counts[64]
 
 
@@ -79,8 +81,11 @@ def test_a_decode_step_reads_one_thing_back_from_the_device(model, settings, mon
     reads = []
     for name in ("tolist", "item", "numpy", "cpu"):
         original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: (reads.append(_n),
-                                                                                               _o(self, *a, **k))[1])
+        monkeypatch.setattr(
+            torch.Tensor,
+            name,
+            lambda self, *a, _o=original, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1],
+        )
     for _ in range(3):
         reads.clear()
         counter = _count_step(model, engine)
@@ -88,12 +93,15 @@ def test_a_decode_step_reads_one_thing_back_from_the_device(model, settings, mon
 
 
 def test_prefix_cache_bookkeeping_per_step_does_not_grow_with_the_context(model, monkeypatch):
-    """Over a block's worth of decode steps, a sequence at 24 tokens and one at 440 each hash exactly the one block
-    that filled (block_size keys), and register only it."""
+    """Over a block's worth of decode steps, a sequence at 24 tokens and one at 440 each hash exactly the one
+    block that filled (block_size keys), and register only it."""
     hashed, walked = [], []
     chain_hash, commit = serving.block_manager.chain_hash, serving.block_manager.BlockManager.commit
-    monkeypatch.setattr(serving.block_manager, "chain_hash", lambda previous, keys: (hashed.append(len(keys)),
-                                                                                      chain_hash(previous, keys))[1])
+    monkeypatch.setattr(
+        serving.block_manager,
+        "chain_hash",
+        lambda previous, keys: (hashed.append(len(keys)), chain_hash(previous, keys))[1],
+    )
 
     def counting_commit(self, table, keys, hashes, num_computed, num_registered):
         walked.append(num_computed // self.block_size - num_registered)

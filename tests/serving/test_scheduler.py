@@ -1,6 +1,7 @@
-"""The scheduler's admission policy: while sequences decode, waiting requests join in batches of `admission_batch`
-seats (or what the queue wants, if less), or after MAX_HELD_STEPS held steps; with nothing decoding they join at once.
-Each request's tokens stay generate's (tests/serving/test_engine.py holds the engine to that with held admissions)."""
+"""The scheduler's admission policy: while sequences decode, waiting requests join in batches of
+`admission_batch` seats (or what the queue wants, if less), or after MAX_HELD_STEPS held steps; with nothing
+decoding they join at once. Each request's tokens stay generate's (tests/serving/test_engine.py holds the
+engine to that with held admissions)."""
 
 import pytest
 
@@ -43,8 +44,8 @@ def test_waiting_requests_join_together_once_enough_seats_are_free(model):
     engine = _engine(model, admission_batch=2)
     for name, max_tokens in [("a", 3), ("b", 6), ("c", 30), ("d", 30), ("e", 5), ("f", 5)]:
         engine.add_request(_request(name, max_tokens))
-    # step 1 admits a-d (nothing decodes yet); a's last token is sampled in step 3, b's in step 6: e and f wait for
-    # b's seat, then join together in step 7
+    # step 1 admits a-d (nothing decodes yet); a's last token is sampled in step 3, b's in step 6: e and f
+    # wait for b's seat, then join together in step 7
     assert _steps_until_admitted(engine, ["e", "f"]) == {"e": 7, "f": 7}
 
 

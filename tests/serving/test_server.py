@@ -1,5 +1,6 @@
-"""The OpenAI-compatible server on 127.0.0.1, driven by the real `openai` client and by raw HTTP: answers equal
-`generate` on each request alone, streamed equals non-streamed, bad requests get 4xx, disconnects free their blocks."""
+"""The OpenAI-compatible server on 127.0.0.1, driven by the real `openai` client and by raw HTTP: answers
+equal `generate` on each request alone, streamed equals non-streamed, bad requests get 4xx, disconnects free
+their blocks."""
 
 import asyncio
 import base64
@@ -50,7 +51,8 @@ class Server:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -109,7 +111,8 @@ def test_answers_streamed_and_not_equal_generate(served):
     prompt = encode_prompt(tokenizer, "what colour is the sky?", 1, model.config.tokens_per_image)
     assert reply.usage.prompt_tokens == len(prompt)
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
-    chunks = list(client.chat.completions.create(model="tiny", messages=_message("what colour is the sky?", image),
+    chunks = list(client.chat.completions.create(model="tiny",
+                                                 messages=_message("what colour is the sky?", image),
                                                  max_tokens=10, temperature=0, stream=True,
                                                  stream_options={"include_usage": True}))
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -121,12 +124,13 @@ def test_answers_streamed_and_not_equal_generate(served):
 
 
 def test_logprobs_equal_a_float64_log_softmax_of_the_models_logits(served):
-    """`logprobs` / `top_logprobs` through the openai client, streamed and not: each token's entry equals a float64
-    log-softmax of the model's logits at that step (one uncached pass over the prompt and the answer's tokens)."""
+    """`logprobs` / `top_logprobs` through the openai client, streamed and not: each token's entry equals a
+    float64 log-softmax of the model's logits at that step (one uncached pass over the prompt and the answer's
+    tokens)."""
     server, client, model, tokenizer, engine = served
     image, text = _png("pink"), "what colour is the sky?"
-    reply = client.chat.completions.create(model="tiny", messages=_message(text, image), max_tokens=6, temperature=0,
-                                           logprobs=True, top_logprobs=3)
+    reply = client.chat.completions.create(model="tiny", messages=_message(text, image), max_tokens=6,
+                                           temperature=0, logprobs=True, top_logprobs=3)
     content = reply.choices[0].logprobs.content
     prompt = encode_prompt(tokenizer, text, 1, model.config.tokens_per_image)
     pixels = ImageProcessor.from_config(model.config.vision)(Image.open(io.BytesIO(image)))[None]
@@ -142,24 +146,27 @@ def test_logprobs_equal_a_float64_log_softmax_of_the_models_logits(served):
         top = reference[step].topk(3)
         assert [t.token for t in entry.top_logprobs] == [tokenizer.decode([t]) for t in top.indices.tolist()]
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
-    chunks = client.chat.completions.create(model="tiny", messages=_message(text, image), max_tokens=6, temperature=0,
-                                            logprobs=True, top_logprobs=3, stream=True)
+    chunks = client.chat.completions.create(model="tiny", messages=_message(text, image), max_tokens=6,
+                                            temperature=0, logprobs=True, top_logprobs=3, stream=True)
     streamed = [entry for chunk in chunks for choice in chunk.choices if choice.logprobs
                 for entry in choice.logprobs.content]
     assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
-    plain = client.chat.completions.create(model="tiny", messages=_message(text, image), max_tokens=6, temperature=0)
+    plain = client.chat.completions.create(model="tiny", messages=_message(text, image), max_tokens=6,
+                                           temperature=0)
     assert plain.choices[0].logprobs is None
     _idle(engine)
 
 
 def test_a_conversation_equals_generate_on_its_rendered_prompt_and_reuses_its_earlier_turns(served):
-    """Three turns through the openai client (a system prompt, images in the first two user turns): each answer is
-    generate's on the conversation as the processor renders it (greedy), streamed = not, and from the second turn on
-    the earlier turns' blocks come from the prefix cache (usage.prompt_tokens_details.cached_tokens, engine stats)."""
+    """Three turns through the openai client (a system prompt, images in the first two user turns): each
+    answer is generate's on the conversation as the processor renders it (greedy), streamed = not, and from
+    the second turn on the earlier turns' blocks come from the prefix cache
+    (usage.prompt_tokens_details.cached_tokens, engine stats)."""
     server, client, model, tokenizer, engine = served
     images = [_png("navy"), _png("gold", (24, 36))]
     history = [{"role": "system", "content": "You answer in a few words."}]
-    turns = [("what colour is this?", [images[0]]), ("and this one?", [images[1]]), ("which is brighter?", [])]
+    turns = [("what colour is this?", [images[0]]), ("and this one?", [images[1]]),
+             ("which is brighter?", [])]
     previous = []  # the answers so far
     for turn, (text, turn_images) in enumerate(turns):
         history.append(_message(text, *turn_images)[0])
@@ -167,8 +174,13 @@ def test_a_conversation_equals_generate_on_its_rendered_prompt_and_reuses_its_ea
         reply = client.chat.completions.create(model="tiny", messages=history, max_tokens=8, temperature=0)
         answer = reply.choices[0].message.content
         rendered = [Message("system", "You answer in a few words.")]
-        rendered += [m for t, (q, i) in enumerate(turns[: turn + 1]) for m in
-                     ([Message("user", q, len(i))] + ([Message("assistant", previous[t])] if t < turn else []))]
+        rendered += [
+            m
+            for t, (q, i) in enumerate(turns[: turn + 1])
+            for m in (
+                [Message("user", q, len(i))] + ([Message("assistant", previous[t])] if t < turn else [])
+            )
+        ]
         shown = [image for _, i in turns[: turn + 1] for image in i]
         ids, pixels = engine.processor.encode_chat(rendered, [Image.open(io.BytesIO(i)) for i in shown])
         row = model.generate(torch.tensor([ids]), pixels, max_new_tokens=8, greedy=True)[0].tolist()
@@ -187,34 +199,45 @@ def test_a_conversation_equals_generate_on_its_rendered_prompt_and_reuses_its_ea
 
 def test_text_completions_continue_a_plain_prompt(served):
     """/v1/completions (what load testers and evaluation harnesses send): the prompt's own token ids, no chat
-    template; the text equals generate's continuation, streamed = not, with usage; a prompt of token ids too."""
+    template; the text equals generate's continuation, streamed = not, with usage; a prompt of token ids
+    too."""
     server, client, model, tokenizer, engine = served
     prompt = "the sky is blue and the sea is"
     ids = tokenizer(prompt)["input_ids"]
-    row = model.generate(torch.tensor([ids]), max_new_tokens=10, greedy=True, eos_token_id=model.config.stop_ids)
+    row = model.generate(torch.tensor([ids]), max_new_tokens=10, greedy=True,
+                         eos_token_id=model.config.stop_ids)
     row = row[0].tolist()
     stops = [i for i, token in enumerate(row) if token in model.config.stop_ids]
     expected = tokenizer.decode(row[: stops[0]] if stops else row, skip_special_tokens=True)
     reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0)
     assert reply.object == "text_completion" and reply.choices[0].text == expected
     assert reply.usage.prompt_tokens == len(ids)
-    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
-    assert client.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0).choices[0].text == expected
-    default = client.completions.create(model="tiny", prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
+    assert (
+        client.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0).choices[0].text
+        == expected
+    )
+    default = client.completions.create(model="tiny", prompt=prompt, temperature=0,
+                                        extra_body={"ignore_eos": True})
     assert default.usage.completion_tokens == 16  # the API's default max_tokens
-    for body, message in [({"prompt": prompt, "echo": True}, "echo"), ({"prompt": [prompt, prompt]}, "one prompt"),
-                          ({"prompt": [10**9]}, "token ids must lie"), ({"prompt": ""}, "the prompt is empty"),
-                          ({"prompt": ["x" * 300_000]}, "characters")]:
+    for body, message in [
+        ({"prompt": prompt, "echo": True}, "echo"),
+        ({"prompt": [prompt, prompt]}, "one prompt"),
+        ({"prompt": [10**9]}, "token ids must lie"),
+        ({"prompt": ""}, "the prompt is empty"),
+        ({"prompt": ["x" * 300_000]}, "characters"),
+    ]:
         response = httpx.post(f"{server.url}/v1/completions", json=body)
         assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
     _idle(engine)
 
 
 def test_structured_answers_through_the_openai_client(served):
-    """response_format json_schema (parsed by the client into the schema's model), json_object, and guided_choice."""
+    """response_format json_schema (parsed by the client into the schema's model), json_object, and
+    guided_choice."""
     pytest.importorskip("xgrammar")
     jsonschema = pytest.importorskip("jsonschema")
     server, client, model, tokenizer, engine = served
@@ -230,13 +253,17 @@ def test_structured_answers_through_the_openai_client(served):
                                               max_tokens=200, response_format={"type": "json_object"})
     if anything.choices[0].finish_reason == "stop":  # a random model may run out of tokens inside the object
         assert isinstance(json.loads(anything.choices[0].message.content), dict)
-    chosen = client.chat.completions.create(model="tiny", messages=_message("well?"), temperature=1.0, max_tokens=10,
-                                            n=4, seed=2, logprobs=True, top_logprobs=5,
+    chosen = client.chat.completions.create(model="tiny", messages=_message("well?"), temperature=1.0,
+                                            max_tokens=10, n=4, seed=2, logprobs=True, top_logprobs=5,
                                             extra_body={"guided_choice": ["yes", "no"]})
     assert {c.message.content for c in chosen.choices} <= {"yes", "no"}
-    # log-probabilities are the model's, before the mask: finite, even where the mask left one token (regression)
-    assert all(math.isfinite(t.logprob) for c in chosen.choices for e in c.logprobs.content for t in e.top_logprobs)
-    bad = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": _message("hi"), "response_format": {
+    # log-probabilities are the model's, before the mask: finite, even where the mask left one token
+    # (regression)
+    assert all(
+        math.isfinite(t.logprob) for c in chosen.choices for e in c.logprobs.content for t in e.top_logprobs
+    )
+    bad = httpx.post(f"{server.url}/v1/chat/completions",
+                     json={"messages": _message("hi"), "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}})
     assert bad.status_code == 400 and "cannot be compiled" in bad.json()["error"]["message"], bad.text
     _idle(engine)
@@ -258,8 +285,8 @@ def test_a_stop_string_ends_the_answer_before_it(served):
     full = _alone(model, tokenizer, "blue", [], 12, greedy=True)[0]
     assert len(full) > 4
     stop = full[3:5]
-    reply = client.chat.completions.create(model="tiny", messages=_message("blue"), max_tokens=12, temperature=0,
-                                           stop=[stop])
+    reply = client.chat.completions.create(model="tiny", messages=_message("blue"), max_tokens=12,
+                                           temperature=0, stop=[stop])
     assert reply.choices[0].message.content == full[: full.index(stop)]
     assert reply.choices[0].finish_reason == "stop"
     _idle(engine)
@@ -283,8 +310,8 @@ def test_models_health_and_prometheus_metrics_that_move_with_the_requests(served
     before = _metrics(server)
     assert before["tinyvlm:num_requests_running" + model_label] == 0
     assert before["tinyvlm:kv_cache_blocks_total" + model_label] == engine.blocks.num_usable
-    replies = [client.chat.completions.create(model="tiny", messages=_message("the sky", _png()), max_tokens=5,
-                                              temperature=0) for _ in range(2)]
+    replies = [client.chat.completions.create(model="tiny", messages=_message("the sky", _png()),
+                                              max_tokens=5, temperature=0) for _ in range(2)]
     _idle(engine)
     after = _metrics(server)
 
@@ -295,9 +322,12 @@ def test_models_health_and_prometheus_metrics_that_move_with_the_requests(served
     assert moved("tinyvlm:prompt_tokens_total") == sum(r.usage.prompt_tokens for r in replies)
     assert moved("tinyvlm:time_to_first_token_seconds_count") == 2
     assert moved("tinyvlm:e2e_request_latency_seconds_count") == 2
-    assert moved("tinyvlm:inter_token_latency_seconds_count") == sum(r.usage.completion_tokens - 1 for r in replies)
+    assert moved("tinyvlm:inter_token_latency_seconds_count") == sum(
+        r.usage.completion_tokens - 1 for r in replies
+    )
     reasons = {r.choices[0].finish_reason for r in replies}
-    assert sum(moved("tinyvlm:request_success_total", f"[('finished_reason', '{reason}'), ('model_name', 'tiny')]")
+    assert sum(moved("tinyvlm:request_success_total",
+                     f"[('finished_reason', '{reason}'), ('model_name', 'tiny')]")
                for reason in reasons) == 2
     assert moved("tinyvlm:prefix_cache_hits_total") > 0  # the second request reused the first one's blocks
 
@@ -316,18 +346,57 @@ BAD = [
     ("max_tokens zero", {"messages": _message("hi"), "max_tokens": 0}, "max_tokens"),
     ("past the context", {"messages": _message("hi"), "max_tokens": 600}, "exceeds the context"),
     ("prompt too long", {"messages": _message("sky " * 600)}, "exceeds the context"),
-    ("image URL on a loopback address", {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/a.png"}}]}]},
-     "loopback, private or link-local"),
-    ("local image path", {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "/etc/hostname"}}]}]},
-     "--allowed-local-media-path"),
+    (
+        "image URL on a loopback address",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "hi"},
+                        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/a.png"}},
+                    ],
+                }
+            ]
+        },
+        "loopback, private or link-local",
+    ),
+    (
+        "local image path",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "hi"},
+                        {"type": "image_url", "image_url": {"url": "/etc/hostname"}},
+                    ],
+                }
+            ]
+        },
+        "--allowed-local-media-path",
+    ),
     ("undecodable image", {"messages": _message("hi", b"not an image at all")}, "not an image"),
     ("too many images", {"messages": _message("hi", *[_png()] * 5)}, "at most 4"),
     ("no messages", {"messages": []}, "messages"),
-    ("assistant turn last", {"messages": [{"role": "assistant", "content": "hi"}]}, "last message must be the user"),
-    ("image in an assistant turn", {"messages": [{"role": "assistant", "content": [
-        {"type": "image_url", "image_url": {"url": _data_url(_png())}}]}, *_message("hi")]}, "only user messages"),
+    (
+        "assistant turn last",
+        {"messages": [{"role": "assistant", "content": "hi"}]},
+        "last message must be the user",
+    ),
+    (
+        "image in an assistant turn",
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "content": [{"type": "image_url", "image_url": {"url": _data_url(_png())}}],
+                },
+                *_message("hi"),
+            ]
+        },
+        "only user messages",
+    ),
     ("tool message", {"messages": [{"role": "tool", "content": "42"}, *_message("hi")]}, "tool messages"),
 ]
 
@@ -345,7 +414,8 @@ def test_bad_requests_get_a_4xx_json_error(served, body, fragment):
 
 def test_a_decompression_bomb_is_refused(served):
     server, *_ = served
-    response = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": _message("hi", _bomb())}, timeout=60)
+    response = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": _message("hi", _bomb())},
+                          timeout=60)
     assert response.status_code == 400 and "decompression bomb" in response.json()["error"]["message"]
 
 
@@ -377,8 +447,8 @@ def _rss_mib() -> float:
 
 @pytest.mark.slow
 def test_load_200_concurrent_streams_some_cancelled(served):
-    """200 concurrent streaming requests, one in five cancelled after its first words: every other one gets exactly
-    its answer, no block leaks, and a second round does not grow the server's memory."""
+    """200 concurrent streaming requests, one in five cancelled after its first words: every other one gets
+    exactly its answer, no block leaks, and a second round does not grow the server's memory."""
     server, client, model, tokenizer, engine = served
     images = [_png(color) for color in ("red", "green", "blue", "white")]
     prompts = [("what colour is the sky?", images[i % 4]) for i in range(4)] + [("the sky", None)] * 2
@@ -433,5 +503,6 @@ def test_completion_text_holds_back_cut_characters_and_stop_string_starts():
         if completion.done:
             break
     assert "".join(deltas) == filler + "é😀 " and completion.finish_reasons == ["stop"]
-    assert not any("\ufffd" in delta or "E" in delta for delta in deltas)  # nothing of the stop string went out
+    # nothing of the stop string went out
+    assert not any("\ufffd" in delta or "E" in delta for delta in deltas)
     assert sum(decoded) < 6 * len(ids)  # each step decodes a few recent tokens, not all of them

@@ -1,6 +1,7 @@
-"""The server is safe to expose: local images only under the allowed directory (symlinks followed), image URLs fetched
-with limits and never from private addresses unless allowed, an API key on /v1, bodies and prompts bounded before
-they cost anything, /health answering throughout, and every field either honoured or refused."""
+"""The server is safe to expose: local images only under the allowed directory (symlinks followed), image URLs
+fetched with limits and never from private addresses unless allowed, an API key on /v1, bodies and prompts
+bounded before they cost anything, /health answering throughout, and every field either honoured or
+refused."""
 
 import dataclasses
 import gzip
@@ -46,8 +47,8 @@ def _image_part(url: str) -> list[dict]:
 
 class ImageHost:
     """A local HTTP server: /image.png, /big.png (2 MB), /hop/N (redirects N more times, then to the image),
-    /gzip.png (64 MB of zeros, gzip-encoded: a decompression bomb), /slow.png (its headers one byte every 0.2 s);
-    it counts the requests it gets."""
+    /gzip.png (64 MB of zeros, gzip-encoded: a decompression bomb), /slow.png (its headers one byte every 0.2
+    s); it counts the requests it gets."""
 
     def __init__(self) -> None:
         host = self
@@ -69,7 +70,9 @@ class ImageHost:
                         self.wfile.flush()
                         time.sleep(0.2)
                     return
-                body = {"/image.png": host.png, "/gzip.png": host.bomb}.get(self.path) or os.urandom(2 * 2**20)
+                body = {"/image.png": host.png, "/gzip.png": host.bomb}.get(self.path) or os.urandom(
+                    2 * 2**20
+                )
                 self.send_response(200)
                 if self.path == "/gzip.png":
                     self.send_header("Content-Encoding", "gzip")
@@ -134,7 +137,8 @@ def test_local_images_are_read_only_under_the_allowed_directory(served, media_di
     assert inside.status_code == 200
     expected = _alone(model, tokenizer, "what colour?", [_png("skyblue")], 4, greedy=True)[0]
     assert inside.json()["choices"][0]["message"]["content"] == expected
-    nowhere = "no such file under the allowed media directory"  # the same for a file outside and a missing one
+    # the same for a file outside and a missing one
+    nowhere = "no such file under the allowed media directory"
     refusals = {
         str(media_dir / "secret.png"): nowhere,
         f"file://{media_dir / 'secret.png'}": nowhere,
@@ -152,7 +156,10 @@ def test_local_images_are_read_only_under_the_allowed_directory(served, media_di
     for url, message in refusals.items():
         start = time.monotonic()
         response = _ask(server, _image_part(url))
-        assert response.status_code == 400 and message in response.json()["error"]["message"], (url, response.text)
+        assert response.status_code == 400 and message in response.json()["error"]["message"], (
+            url,
+            response.text,
+        )
         assert time.monotonic() - start < 5, url  # the FIFO was never opened for reading
     _idle(engine)
 
@@ -168,9 +175,9 @@ def test_dev_zero_is_refused_unread_even_where_its_directory_is_allowed():
 
 
 @pytest.mark.parametrize("host", [
-    "localhost", "127.0.0.1", "2130706433", "0x7f.1", "10.1.2.3", "192.168.0.7", "169.254.169.254", "0.0.0.0", "[::1]",
-    "[::ffff:127.0.0.1]", "[::127.0.0.1]", "[64:ff9b::a9fe:a9fe]", "[2002:7f00:1::]", "[fec0::1]", "[fe80::1]",
-    "[2001:0:4136:e378:8000:63bf:3fff:fdd2]",  # Teredo, with 192.0.2.45 inside
+    "localhost", "127.0.0.1", "2130706433", "0x7f.1", "10.1.2.3", "192.168.0.7", "169.254.169.254", "0.0.0.0",
+    "[::1]", "[::ffff:127.0.0.1]", "[::127.0.0.1]", "[64:ff9b::a9fe:a9fe]", "[2002:7f00:1::]", "[fec0::1]",
+    "[fe80::1]", "[2001:0:4136:e378:8000:63bf:3fff:fdd2]",  # Teredo, with 192.0.2.45 inside
 ])
 def test_image_urls_on_private_addresses_are_refused_before_connecting(host):
     with pytest.raises(RequestError, match="loopback, private or link-local"):
@@ -182,7 +189,8 @@ def test_public_addresses_are_public():
         assert _public(ipaddress.ip_address(address)), address
 
 
-@pytest.mark.parametrize("url", ["http://[::1", "http://a..b/x", "http://xn--/a", "http://" + "a" * 70 + ".com/x"])
+@pytest.mark.parametrize("url",
+                         ["http://[::1", "http://a..b/x", "http://xn--/a", "http://" + "a" * 70 + ".com/x"])
 def test_malformed_urls_are_a_400_not_a_500(served, url):
     server, *_ = served
     response = _ask(server, _image_part(url))
@@ -193,7 +201,10 @@ def test_image_urls_are_fetched_with_limits_only_where_allowed(served):
     server, model, tokenizer, engine = served
     host = ImageHost()
     response = _ask(server, _image_part(f"{host.url}/image.png"))
-    assert response.status_code == 400 and "loopback, private or link-local" in response.json()["error"]["message"]
+    assert (
+        response.status_code == 400
+        and "loopback, private or link-local" in response.json()["error"]["message"]
+    )
     assert host.requests == 0  # refused before connecting
     allowed = MediaPolicy(allow_private_urls=True, max_bytes=2**20, timeout=5, max_redirects=3)
     fetched = open_image(f"{host.url}/hop/2", 0, allowed)
@@ -232,11 +243,13 @@ def test_oversized_bodies_and_prompts_are_refused_while_health_keeps_answering(s
         body = json.dumps({"messages": [{"role": "user", "content": "x" * 3 * 2**20}]}).encode()
         checks = [
             (lambda: httpx.post(f"{server.url}/v1/chat/completions", content=body, headers=headers), 413),
-            (lambda: httpx.post(f"{server.url}/v1/chat/completions", content=iter([body[i : i + 65536] for i in
-                                                                                  range(0, len(body), 65536)]),
+            (lambda: httpx.post(f"{server.url}/v1/chat/completions",
+                                content=iter([body[i : i + 65536] for i in
+                                             range(0, len(body), 65536)]),
                                 headers=headers), 413),
             (lambda: _ask(server, "sky " * 2**18), 400),  # 1 MiB of prompt, under the body limit
-            (lambda: _ask(server, "hi", junk=[{}] * 300_000), 400),  # 1.2 MB of objects: refused before parsing
+            # 1.2 MB of objects: refused before parsing
+            (lambda: _ask(server, "hi", junk=[{}] * 300_000), 400),
             (lambda: _ask(server, _image_part("/dev/zero")), 400),
         ]
         for send, status in checks:
@@ -256,13 +269,15 @@ def test_fields_are_honoured_or_refused(served):
                             ({"logit_bias": {"5": 10}}, "logit_bias"),
                             ({"response_format": {"type": "xml"}}, "response_format"),
                             ({"top_logprobs": 2}, "needs logprobs"),
-                            ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"foo": 1}, "foo: not a field"),
-                            ({"model": "gpt-4o"}, "does not exist")]:
+                            ({"frequency_penalty": 0.5}, "frequency_penalty"),
+                            ({"foo": 1}, "foo: not a field"), ({"model": "gpt-4o"}, "does not exist")]:
         response = _ask(server, "hi", **fields)
-        assert 400 <= response.status_code < 500 and message in response.json()["error"]["message"], response.text
+        assert 400 <= response.status_code < 500 and message in response.json()["error"]["message"], (
+            response.text
+        )
     assert _ask(server, "hi", model="gpt-4o").status_code == 404
-    neutral = {"logprobs": False, "frequency_penalty": 0, "presence_penalty": 0.0, "tools": [], "user": "someone",
-               "response_format": {"type": "text"}, "model": "tiny"}
+    neutral = {"logprobs": False, "frequency_penalty": 0, "presence_penalty": 0.0, "tools": [],
+               "user": "someone", "response_format": {"type": "text"}, "model": "tiny"}
     assert _ask(server, "hi", **neutral).status_code == 200
     ignored_eos = _ask(server, "hi", ignore_eos=True, max_tokens=30, temperature=0).json()
     assert ignored_eos["usage"]["completion_tokens"] == 30
@@ -276,7 +291,9 @@ def test_without_max_tokens_the_answer_may_fill_the_context(served):
     server, model, *_ = served
     reply = _ask(server, "hi", max_tokens=None, ignore_eos=True).json()
     usage = reply["usage"]
-    assert usage["prompt_tokens"] + usage["completion_tokens"] == model.config.language.max_position_embeddings
+    assert (
+        usage["prompt_tokens"] + usage["completion_tokens"] == model.config.language.max_position_embeddings
+    )
     assert reply["choices"][0]["finish_reason"] == "length"
 
 

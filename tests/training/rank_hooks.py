@@ -1,11 +1,12 @@
-"""train.py with test hooks, for torchrun in tests/training/test_distributed.py (a hook in the test process cannot reach
-the ranks):
+"""train.py with test hooks, for torchrun in tests/training/test_distributed.py (a hook in the test process
+cannot reach the ranks):
 
-    TINYVLM_TEST_HANG_RANK=r   rank r hangs in the step after its first: sleeps, alive, in no collective (SIGTERM
-                               ends it)
+    TINYVLM_TEST_HANG_RANK=r   rank r hangs in the step after its first: sleeps, alive, in no collective
+                               (SIGTERM ends it)
     TINYVLM_TEST_DUMP_WEIGHTS  every rank saves its weights before and after training, as
                                train.output_dir/rank{r}_{before,after}.safetensors
-    TINYVLM_TEST_COUNT_LEFTOVERS  every rank prints how many FSDP2 modules are alive when it destroys its process group
+    TINYVLM_TEST_COUNT_LEFTOVERS  every rank prints how many FSDP2 modules are alive when it destroys its
+                                  process group
 """
 
 import gc
@@ -30,8 +31,8 @@ def _hang_after_first_step(step):
     def hanging_step(*args, **kwargs):
         if calls:
             print(f"rank {RANK} hangs", flush=True)
-            # torchrun's SIGTERM ends it: train.py's handler would only ask for a stop at the next step, and torchrun
-            # waits 30 s for that before it sends SIGKILL.
+            # torchrun's SIGTERM ends it: train.py's handler would only ask for a stop at the next step, and
+            # torchrun waits 30 s for that before it sends SIGKILL.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             while True:
                 time.sleep(60)

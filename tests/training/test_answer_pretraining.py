@@ -1,6 +1,6 @@
-"""Label-free vision pre-training: the answer loss against a float64 reference, a ViT that learns from records'
-own questions and answers what their images show (colour and place), for data with no scene labels, also when read
-through the VLM's fixed projector, and the drawing of question types by their running loss."""
+"""Label-free vision pre-training: the answer loss against a float64 reference, a ViT that learns from
+records' own questions and answers what their images show (colour and place), for data with no scene labels,
+also when read through the VLM's fixed projector, and the drawing of question types by their running loss."""
 
 import json
 import random
@@ -36,7 +36,8 @@ def _encode(text: str) -> list[int]:
 
 
 def test_answer_loss_equals_a_float64_reference():
-    """Each row: the cross-entropy against its answer's words, equally weighted (a repeated word counts twice)."""
+    """Each row: the cross-entropy against its answer's words, equally weighted (a repeated word counts
+    twice)."""
     torch.manual_seed(0)
     logits, answers = torch.randn(3, 10), [[4], [1, 2, 3], [7, 7, 2]]
     log_probs = logits.double().log_softmax(-1)
@@ -54,7 +55,8 @@ def _record(colour: str, side: str, rng: random.Random) -> dict:
     x, y = (12 if side == "left" else 36) + rng.randint(-3, 3), 24 + rng.randint(-8, 8)
     ImageDraw.Draw(image).ellipse((x - 8, y - 8, x + 8, y + 8), fill=COLOURS[colour])
     kind = rng.choice(list(QUESTIONS))
-    return {"images": [image], "texts": [{"user": QUESTIONS[kind], "assistant": colour if kind == "colour" else side}]}
+    return {"images": [image],
+            "texts": [{"user": QUESTIONS[kind], "assistant": colour if kind == "colour" else side}]}
 
 
 def _kind(record: dict | None) -> str | None:
@@ -64,8 +66,8 @@ def _kind(record: dict | None) -> str | None:
 
 
 def _vision(layers: int = 2, patch_size: int = 16) -> VisionTransformer:
-    return VisionTransformer(VisionConfig(image_size=48, patch_size=patch_size, hidden_size=32, intermediate_size=64,
-                                          num_layers=layers, num_heads=2))
+    return VisionTransformer(VisionConfig(image_size=48, patch_size=patch_size, hidden_size=32,
+                                          intermediate_size=64, num_layers=layers, num_heads=2))
 
 
 def _projector(vision: VisionTransformer) -> ModalityProjector:
@@ -78,9 +80,10 @@ def _projector(vision: VisionTransformer) -> ModalityProjector:
 
 @pytest.mark.parametrize(("through_projector", "typed"), [(False, False), (True, True)])
 def test_the_vit_learns_what_the_answers_say_about_its_images(through_projector, typed):
-    """After pre-training on records alone, the reader answers held-out images' colour and side questions (chance: 1
-    in 4 and 1 in 2); it reads only the ViT's tokens (or the fixed projector's, which stays as it was and trainable for
-    the VLM), so they carry both; also with the records drawn by their question type's loss."""
+    """After pre-training on records alone, the reader answers held-out images' colour and side questions
+    (chance: 1 in 4 and 1 in 2); it reads only the ViT's tokens (or the fixed projector's, which stays as it
+    was and trainable for the VLM), so they carry both; also with the records drawn by their question type's
+    loss."""
     torch.manual_seed(0)
     rng = random.Random(0)
     records = [_record(rng.choice(list(COLOURS)), rng.choice(SIDES), rng) for _ in range(400)]
@@ -92,7 +95,8 @@ def test_the_vit_learns_what_the_answers_say_about_its_images(through_projector,
     kinds = [_kind(record) for record in records] if typed else None
     reader, losses = pretrain_vision_on_answers(vision, processor, records, _encode, len(WORDS), steps=150,
                                                 batch_size=32, lr=3e-3, seed=0, device=torch.device("cpu"),
-                                                question_types=kinds, projector=projector, report=lambda _: None)
+                                                question_types=kinds, projector=projector,
+                                                report=lambda _: None)
     assert len(losses) == 150 and sum(losses[-10:]) < 0.2 * sum(losses[:10])
     if projector is not None:
         assert all(torch.equal(before[k], v) for k, v in projector.state_dict().items())
@@ -115,8 +119,9 @@ def test_the_vit_learns_what_the_answers_say_about_its_images(through_projector,
 def test_data_without_images_is_a_one_line_error():
     records = [{"images": [], "texts": [{"user": "hi", "assistant": "hello"}]}] * 4
     with pytest.raises(ConfigError, match="set train.vision_pretrain_steps to 0"):
-        pretrain_vision_on_answers(_vision(1), ImageProcessor(48), records, lambda t: [0], 4, steps=1, batch_size=2,
-                                   lr=1e-3, seed=0, device=torch.device("cpu"), report=lambda _: None)
+        pretrain_vision_on_answers(_vision(1), ImageProcessor(48), records, lambda t: [0], 4, steps=1,
+                                   batch_size=2, lr=1e-3, seed=0, device=torch.device("cpu"),
+                                   report=lambda _: None)
 
 
 def test_types_are_drawn_in_proportion_to_their_running_loss_squared():
@@ -125,10 +130,12 @@ def test_types_are_drawn_in_proportion_to_their_running_loss_squared():
     draws = [drawing.draw() for _ in range(12000)]
     shares = {kind: sum(k == kind for _, k in draws) / len(draws) for kind in "abc"}
     assert shares == pytest.approx({"a": 4 / 6, "b": 1 / 6, "c": 1 / 6}, abs=0.02)
-    for kind, indices in {"a": [0, 2, 5], "b": [1, 4], "c": [3]}.items():  # then a record of the type, uniformly
+    # then a record of the type, uniformly
+    for kind, indices in {"a": [0, 2, 5], "b": [1, 4], "c": [3]}.items():
         drawn = [index for index, k in draws if k == kind]
-        assert [drawn.count(i) / len(drawn) for i in indices] == pytest.approx([1 / len(indices)] * len(indices),
-                                                                               abs=0.03)
+        assert [drawn.count(i) / len(drawn) for i in indices] == pytest.approx(
+            [1 / len(indices)] * len(indices), abs=0.03
+        )
 
 
 def test_running_losses_fold_in_each_types_batch_mean():
@@ -142,15 +149,18 @@ def test_question_types_are_read_from_the_jsonl_column_without_opening_images(tm
     lines = [{"images": ["broken.png"], "texts": [{"user": "q", "assistant": "a"}], "question_type": kind}
              for kind in ("colour", "shape")]
     (tmp_path / "typed.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
-    assert read_question_types(load_jsonl(tmp_path / "typed.jsonl")) == ["colour", "shape"]  # no image is opened
-    (tmp_path / "plain.jsonl").write_text(json.dumps({k: v for k, v in lines[0].items() if k != "question_type"}))
+    # no image is opened
+    assert read_question_types(load_jsonl(tmp_path / "typed.jsonl")) == ["colour", "shape"]
+    (tmp_path / "plain.jsonl").write_text(
+        json.dumps({k: v for k, v in lines[0].items() if k != "question_type"})
+    )
     assert read_question_types(load_jsonl(tmp_path / "plain.jsonl")) is None
     assert read_question_types([{"images": [], "texts": []}]) is None
 
 
 def test_without_types_records_are_drawn_as_before():
-    """Untyped data keeps the drawing of the first version: a record uniformly, then one of its turns, on one seeded
-    generator (so runs measured before the drawing by type are reproduced)."""
+    """Untyped data keeps the drawing of the first version: a record uniformly, then one of its turns, on one
+    seeded generator (so runs measured before the drawing by type are reproduced)."""
     rng = random.Random(3)
     records = [_record(rng.choice(list(COLOURS)), rng.choice(SIDES), rng) for _ in range(50)]
     drawing = LossProportionalTypes(len(records), None, random.Random("answer-pretraining:7"))
@@ -166,7 +176,8 @@ def test_without_types_records_are_drawn_as_before():
 def test_a_type_without_a_usable_record_is_dropped():
     """Its loss would stay at its start while the others fall, and it would take nearly every draw."""
     rng = random.Random(0)
-    records = [_record("red", "left", rng) for _ in range(20)] + [None] * 20  # the "broken" type: all bad records
+    # the "broken" type: all bad records
+    records = [_record("red", "left", rng) for _ in range(20)] + [None] * 20
     drawing = LossProportionalTypes(40, ["fine"] * 20 + ["broken"] * 20, random.Random(0))
     drawing.running_loss = {"fine": 0.01, "broken": 1.0}
     for _ in range(3):

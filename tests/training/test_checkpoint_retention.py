@@ -1,4 +1,5 @@
-"""train.keep_checkpoints: after every save only the newest `keep` step_* directories remain, the highest steps."""
+"""train.keep_checkpoints: after every save only the newest `keep` step_* directories remain, the highest
+steps."""
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path, keep):
         save_checkpoint(tmp_path, step, model, tokenizer, optimizer, RunConfig(), keep)
         saved.append(step)
         assert _steps(tmp_path) == saved[-keep:], step
-    assert not [p.name for p in tmp_path.iterdir() if not p.name.startswith("step_")]  # nothing staged or retired
+    # nothing staged or retired
+    assert not [p.name for p in tmp_path.iterdir() if not p.name.startswith("step_")]
 
 
 def test_a_run_keeps_train_keep_checkpoints(tmp_path):

@@ -51,7 +51,8 @@ def _generate(capsys, *argv: str) -> tuple[int, str, str]:
     (["--top-p", "1.5"], "error: top_p must lie in (0, 1]"),
     (["--top-k", "-3"], "error: top_k must be >= 0"),
     (["--num-samples", "0"], "error: max_new_tokens and num_samples must be >= 1"),
-    (["--prompt", "caf\udcc3 au lait"], "error: the text is not valid UTF-8"),  # how Python decodes invalid argv bytes
+    # how Python decodes invalid argv bytes
+    (["--prompt", "caf\udcc3 au lait"], "error: the text is not valid UTF-8"),
 ])
 def test_generate_settings_that_cannot_work_are_one_line_errors(checkpoint, capsys, extra, message):
     directory, image = checkpoint
@@ -75,7 +76,8 @@ def test_generate_refuses_a_truncated_checkpoint_and_a_corrupt_image(checkpoint,
 
 
 def test_a_typed_image_token_is_accepted_as_text(checkpoint, capsys):
-    """20 typed placeholders would break the image splice (16 image tokens expected) if they became image tokens."""
+    """20 typed placeholders would break the image splice (16 image tokens expected) if they became image
+    tokens."""
     directory, image = checkpoint
     code, out, err = _generate(capsys, "--checkpoint", str(directory), "--image", str(image),
                                "--prompt", "<|image|> " * 20)
@@ -84,16 +86,17 @@ def test_a_typed_image_token_is_accepted_as_text(checkpoint, capsys):
 
 def test_invalid_utf8_bytes_on_the_real_command_line(checkpoint):
     directory, image = checkpoint
-    result = subprocess.run([sys.executable, "generate.py", "--checkpoint", str(directory), "--image", str(image),
-                             "--prompt", b"caf\xc3 au lait"], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "generate.py", "--checkpoint", str(directory), "--image",
+                             str(image), "--prompt", b"caf\xc3 au lait"], capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     expected = "error: the text is not valid UTF-8 (undecodable bytes at character 3)"
     assert result.stderr.strip().splitlines()[-1] == expected
 
 
 def test_max_length_beyond_the_context_is_a_one_line_error(tmp_path, capsys):
-    """Samples longer than the LM's context would fail deep in a batch (rotary tables, position ids): refused at
-    start."""
+    """Samples longer than the LM's context would fail deep in a batch (rotary tables, position ids): refused
+    at start."""
     from tests.training.helpers import SMALL
     from train import main
 

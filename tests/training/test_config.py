@@ -1,4 +1,5 @@
-"""Run configs: YAML files map onto the dataclasses, and every field can be overridden from the command line."""
+"""Run configs: YAML files map onto the dataclasses, and every field can be overridden from the command
+line."""
 
 import dataclasses
 import json
@@ -48,24 +49,45 @@ def _other_value(value: Any, annotation: Any) -> Any:
     return value + "-other"
 
 
-# Fields whose doubled value or next choice does not fit the rest of configs/tiny.yaml: another valid value, with the
-# fields it must change along with (tiny.yaml pre-trains its ViT on the synthetic scenes, on a 3x3 patch grid).
+# Fields whose doubled value or next choice does not fit the rest of configs/tiny.yaml: another valid value,
+# with the fields it must change along with (tiny.yaml pre-trains its ViT on the synthetic scenes, on a 3x3
+# patch grid).
 TINY_CHANGES = {
-    "model.vision.image_size": {"model.vision.image_size": 96, "data.shapes.image_size": 96},  # must stay equal
+    # must stay equal
+    "model.vision.image_size": {"model.vision.image_size": 96, "data.shapes.image_size": 96},
     "data.shapes.image_size": {"model.vision.image_size": 96, "data.shapes.image_size": 96},
-    "model.vision.patch_size": {"model.vision.patch_size": 16, "model.projector.pixel_shuffle_factor": 1},  # 3x3 grid
-    "model.vision.num_channels": {"model.vision.num_channels": 4, "model.vision.image_mean": (0.5,) * 4,
-                                  "model.vision.image_std": (0.25,) * 4},  # a mean and std per channel
+    # 3x3 grid
+    "model.vision.patch_size": {"model.vision.patch_size": 16, "model.projector.pixel_shuffle_factor": 1},
+    "model.vision.num_channels": {
+        "model.vision.num_channels": 4,
+        "model.vision.image_mean": (0.5,) * 4,
+        "model.vision.image_std": (0.25,) * 4,
+    },  # a mean and std per channel
     "model.vision.pretrained": {"model.vision.pretrained": "some/siglip", "train.vision_pretrain_steps": 0},
-    "model.projector.pixel_shuffle_factor": {"model.projector.pixel_shuffle_factor": 3},  # must divide the 6x6 grid
+    # must divide the 6x6 grid
+    "model.projector.pixel_shuffle_factor": {"model.projector.pixel_shuffle_factor": 3},
     "data.source": {"data.source": "jsonl", "data.path": "data.jsonl"},
-    "data.validation_path": {"data.source": "jsonl", "data.path": "data.jsonl", "data.validation_path": "val.jsonl"},
-    "data.shapes.train_turns": {"data.shapes.train_turns": 2, "data.shapes.train_question_types": QUESTION_TYPES},
+    "data.validation_path": {
+        "data.source": "jsonl",
+        "data.path": "data.jsonl",
+        "data.validation_path": "val.jsonl",
+    },
+    "data.shapes.train_turns": {
+        "data.shapes.train_turns": 2,
+        "data.shapes.train_question_types": QUESTION_TYPES,
+    },
     "train.decay_steps": {"train.decay_steps": 200},  # 0 or at least warmup_steps (100)
-    "init_from": {"init_from": "some/vlm", "train.vision_pretrain_steps": 0},  # a whole VLM brings a trained ViT
-    "train.lora.rank": {"train.lora.rank": 8, "init_from": "some/vlm", "train.vision_pretrain_steps": 0},  # adapters
-    "train.lora.quantize_base": {"train.lora.quantize_base": True, "train.lora.rank": 8, "init_from": "some/vlm",
-                                 "train.vision_pretrain_steps": 0},  # a 4-bit base under adapters
+    # a whole VLM brings a trained ViT
+    "init_from": {"init_from": "some/vlm", "train.vision_pretrain_steps": 0},
+    # adapters
+    "train.lora.rank": {"train.lora.rank": 8, "init_from": "some/vlm", "train.vision_pretrain_steps": 0},
+    "train.lora.quantize_base": {
+        "train.lora.quantize_base": True,
+        "train.lora.rank": 8,
+        # a 4-bit base under adapters
+        "init_from": "some/vlm",
+        "train.vision_pretrain_steps": 0,
+    },
 }
 TINY = load_run_config("configs/tiny.yaml", {})
 LEAVES = {key: (value, annotation) for key, value, annotation in _leaf_fields(TINY)}
@@ -106,39 +128,74 @@ def test_every_field_is_set_from_the_command_line(key):
         assert _get(config, other) == expected and type(_get(config, other)) is type(expected), other
 
 
-@pytest.mark.parametrize("path", ["configs/tiny.yaml", "configs/smollm2-shapes.yaml", "configs/nanovlm-222m.yaml"])
+@pytest.mark.parametrize("path",
+                         ["configs/tiny.yaml", "configs/smollm2-shapes.yaml", "configs/nanovlm-222m.yaml"])
 def test_shipped_configs_load(path):
     assert isinstance(load_run_config(path, {}), RunConfig)
 
 
 def test_boolean_and_numeric_overrides_parse():
-    argv = ["--train.compile", "false", "--train.max_steps=200", "--train.output_dir", "runs/try1", "--train.wandb",
-            "true"]
+    argv = ["--train.compile", "false", "--train.max_steps=200", "--train.output_dir", "runs/try1",
+            "--train.wandb", "true"]
     config = load_run_config("configs/tiny.yaml", parse_overrides(argv))
     assert config.train.compile is False and config.train.wandb is True
     assert config.train.max_steps == 200 and config.train.output_dir == "runs/try1"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--train.max_stepz", "3"], "unknown key train.max_stepz; valid keys: train.output_dir"),
-    (["--trian.max_steps", "3"], "unknown key trian"),
-    (["--train.max_steps", "many"], "train.max_steps: expected int, got 'many'"),
-    (["--train.compile", "perhaps"], "train.compile: expected true or false"),
-    (["--train.max_steps"], "--train.max_steps needs a value"),
-    (["max_steps"], "unexpected argument 'max_steps'"),
-    (["--model.language.num_kv_heads", "3"], r"num_heads \(\d+\) must be divisible by language.num_kv_heads \(3\)"),
-    (["--data.source", "jsonl", "--data.path", "x.jsonl", "--train.vision_pretrain_objective", "cells"],
-     r"vision_pretrain_objective=cells needs data.source=synthetic.* use answers \(or auto\) for data.source=jsonl"),
-    (["--train.answer_pretrain_steps", "0"], "train.answer_pretrain_steps must be null or at least 1, got 0"),
-    (["--train.min_lr_tail_fraction", "1"], r"train.min_lr_tail_fraction must lie in \[0, 1\), got 1.0"),
-    (["--train.min_lr_tail_fraction", "-0.1"], r"train.min_lr_tail_fraction must lie in \[0, 1\), got -0.1"),
-    (["--train.max_steps", "120"], r"train.min_lr_tail_fraction \(0.2\) ends the cosine at step 96 of train.max_steps "
-     r"\(120\), before the warmup ends \(train.warmup_steps 100\): lower one of them or set train.decay_steps"),
-    (["--train.vision_pretrain_objective", "labels"],
-     "train.vision_pretrain_objective: 'labels' is not one of 'auto', 'cells', 'answers'"),
-    (["--model.vision.patch_size", "12"], r"the patch grid \(4x4\) must split evenly into the scenes' 3x3 cells"),
-    (["--model.vision.image_size", "96"], r"model.vision.image_size \(96\) must equal data.shapes.image_size \(48\)"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--train.max_stepz", "3"], "unknown key train.max_stepz; valid keys: train.output_dir"),
+        (["--trian.max_steps", "3"], "unknown key trian"),
+        (["--train.max_steps", "many"], "train.max_steps: expected int, got 'many'"),
+        (["--train.compile", "perhaps"], "train.compile: expected true or false"),
+        (["--train.max_steps"], "--train.max_steps needs a value"),
+        (["max_steps"], "unexpected argument 'max_steps'"),
+        (
+            ["--model.language.num_kv_heads", "3"],
+            r"num_heads \(\d+\) must be divisible by language.num_kv_heads \(3\)",
+        ),
+        (
+            [
+                "--data.source",
+                "jsonl",
+                "--data.path",
+                "x.jsonl",
+                "--train.vision_pretrain_objective",
+                "cells",
+            ],
+            r"vision_pretrain_objective=cells needs data.source=synthetic.* use answers \(or auto\) for "
+            r"data.source=jsonl",
+        ),
+        (
+            ["--train.answer_pretrain_steps", "0"],
+            "train.answer_pretrain_steps must be null or at least 1, got 0",
+        ),
+        (["--train.min_lr_tail_fraction", "1"], r"train.min_lr_tail_fraction must lie in \[0, 1\), got 1.0"),
+        (
+            ["--train.min_lr_tail_fraction", "-0.1"],
+            r"train.min_lr_tail_fraction must lie in \[0, 1\), got -0.1",
+        ),
+        (
+            ["--train.max_steps", "120"],
+            r"train.min_lr_tail_fraction \(0.2\) ends the cosine at step 96 of train.max_steps "
+            r"\(120\), before the warmup ends \(train.warmup_steps 100\): lower one of them or set "
+            r"train.decay_steps",
+        ),
+        (
+            ["--train.vision_pretrain_objective", "labels"],
+            "train.vision_pretrain_objective: 'labels' is not one of 'auto', 'cells', 'answers'",
+        ),
+        (
+            ["--model.vision.patch_size", "12"],
+            r"the patch grid \(4x4\) must split evenly into the scenes' 3x3 cells",
+        ),
+        (
+            ["--model.vision.image_size", "96"],
+            r"model.vision.image_size \(96\) must equal data.shapes.image_size \(48\)",
+        ),
+    ],
+)
 def test_bad_overrides_are_clear_errors(argv, message):
     with pytest.raises(ConfigError, match=message):
         load_run_config("configs/tiny.yaml", parse_overrides(argv))
@@ -165,8 +222,10 @@ def test_nothing_in_a_config_is_executed(tmp_path):
     ({"data.source": "jsonl", "data.path": "x.jsonl"}, 3000),  # any other source: answers, its own step count
     ({"train.vision_pretrain_objective": "answers"}, 3000),
     ({"data.source": "jsonl", "data.path": "x.jsonl", "train.answer_pretrain_steps": "null"}, 400),
-    ({"data.source": "jsonl", "data.path": "x.jsonl", "train.vision_pretrain_steps": "0"}, 0),  # 0 skips either
-    ({"data.source": "jsonl", "data.path": "x.jsonl", "train.vision_pretrain_steps": "100"}, 3000),  # else, not used
+    # 0 skips either
+    ({"data.source": "jsonl", "data.path": "x.jsonl", "train.vision_pretrain_steps": "0"}, 0),
+    # else, not used
+    ({"data.source": "jsonl", "data.path": "x.jsonl", "train.vision_pretrain_steps": "100"}, 3000),
 ])
 def test_the_vit_pretrains_for_its_objectives_steps(overrides, steps):
     assert load_run_config("configs/tiny.yaml", overrides).pretrain_steps() == steps
@@ -179,7 +238,9 @@ def test_help_lists_every_setting_with_its_type_value_and_description(capsys):
     with pytest.raises(SystemExit) as done:
         main(["--help"])
     assert done.value.code == 0
-    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  --")}
+    lines = {
+        line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  --")
+    }
     tiny = load_run_config("configs/tiny.yaml", {})
     for key, value, annotation in _leaf_fields(tiny):
         line = lines[f"--{key}"]
@@ -200,5 +261,5 @@ def test_field_comments_are_a_fields_own_line_or_the_block_above():
         above: str = "a"
         bare: bool = False
 
-    assert field_comments(Example) == {"plain": "the comment on its line", "above": "a comment above, over two lines",
-                                       "bare": ""}
+    assert field_comments(Example) == {"plain": "the comment on its line",
+                                       "above": "a comment above, over two lines", "bare": ""}

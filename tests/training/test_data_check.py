@@ -1,5 +1,5 @@
-"""`python train.py --check-data`: every record read and encoded as training would, each fault reported with its
-line and cause, and a non-zero exit where training would stop on the data."""
+"""`python train.py --check-data`: every record read and encoded as training would, each fault reported with
+its line and cause, and a non-zero exit where training would stop on the data."""
 
 import json
 

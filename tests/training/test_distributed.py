@@ -1,5 +1,6 @@
-"""train.py under torchrun on CPU (gloo): DDP equals one process with the whole batch, checkpoints cross world sizes,
-FSDP2 trains, resumes from its shards and exports, and a dead rank ends the job instead of hanging it."""
+"""train.py under torchrun on CPU (gloo): DDP equals one process with the whole batch, checkpoints cross world
+sizes, FSDP2 trains, resumes from its shards and exports, and a dead rank ends the job instead of hanging
+it."""
 
 import json
 import os
@@ -32,9 +33,10 @@ HOOKS = str(Path(__file__).with_name("rank_hooks.py"))  # train.py with test hoo
 
 def torchrun(nproc: int, *argv: str, timeout: int = 300, script: str = "train.py",
              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script,
-               *argv]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               script, *argv]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, **(env or {})})
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -53,19 +55,19 @@ def assert_same_run(run_dir: Path, reference: Path, step: int = STEPS, reference
     """The run's losses up to `step` equal the reference's first ones; at equal steps, so do the weights."""
     (losses, weights), (expected_losses, expected_weights) = (history_and_weights(run_dir, step),
                                                               history_and_weights(reference, reference_step))
-    # 5e-5 on losses of ~1-4: another summation order (and, with loss_weight=sample, dividing each row by its answer
-    # length before the sum) rounds differently, and 20 Adam steps at lr 0.01 carry that forward.
+    # 5e-5 on losses of ~1-4: another summation order (and, with loss_weight=sample, dividing each row by its
+    # answer length before the sum) rounds differently, and 20 Adam steps at lr 0.01 carry that forward.
     torch.testing.assert_close(losses, expected_losses[: len(losses)], atol=5e-5, rtol=0)
     if step != reference_step:
         return
     for name, tensor in expected_weights.items():
         if name.endswith("k_proj.bias"):
-            # Softmax ignores a shift shared by every key, so this bias's true gradient is 0 and what it gets is
-            # rounding noise, which Adam scales up to lr-sized steps: it wanders differently under any other summation
-            # order.
+            # Softmax ignores a shift shared by every key, so this bias's true gradient is 0 and what it gets
+            # is rounding noise, which Adam scales up to lr-sized steps: it wanders differently under any
+            # other summation order.
             continue
-        # 3e-4: Adam divides by sqrt(v), so weights with tiny gradients amplify the rounding differences of another
-        # summation order; still 200x below the 20 x lr = 0.06 that 20 steps may move a weight.
+        # 3e-4: Adam divides by sqrt(v), so weights with tiny gradients amplify the rounding differences of
+        # another summation order; still 200x below the 20 x lr = 0.06 that 20 steps may move a weight.
         torch.testing.assert_close(weights[name], tensor, atol=3e-4, rtol=0,
                                    msg=lambda message, name=name: f"{name}: {message}")
 
@@ -83,8 +85,8 @@ def reference(tmp_path_factory) -> Path:
     return run_dir
 
 
-# configs/tiny.yaml as it is (1.5M parameters, ViT pre-trained then frozen), with less data to generate, a shorter
-# vision pre-training and evaluation
+# configs/tiny.yaml as it is (1.5M parameters, ViT pre-trained then frozen), with less data to generate, a
+# shorter vision pre-training and evaluation
 TINY = {"data.shapes.num_train": "640", "data.shapes.num_validation": "16", "train.eval_questions": "8",
         "train.eval_batches": "1", "train.warmup_steps": "2", "train.log_every": "1",
         "train.vision_pretrain_steps": "3",
@@ -97,18 +99,20 @@ def tiny_reference(tmp_path_factory) -> Path:
     threads = torch.get_num_threads()
     run_dir = tmp_path_factory.mktemp("tiny_reference")
     try:
-        train(load_run_config("configs/tiny.yaml", {**TINY, "train.batch_size": "16", "train.max_steps": str(STEPS),
-                                                    "train.save_every": str(STEPS), "train.output_dir": str(run_dir)}))
+        train(load_run_config("configs/tiny.yaml",
+                              {**TINY, "train.batch_size": "16", "train.max_steps": str(STEPS),
+                               "train.save_every": str(STEPS), "train.output_dir": str(run_dir)}))
     finally:
         torch.set_num_threads(threads)
     return run_dir
 
 
-@pytest.mark.parametrize("batch_size, accumulation", [("8", "1"), ("4", "2")])  # the second accumulates under no_sync
+# the second accumulates under no_sync
+@pytest.mark.parametrize("batch_size, accumulation", [("8", "1"), ("4", "2")])
 def test_two_ranks_of_batch_8_equal_one_of_batch_16(tiny_reference, tmp_path, batch_size, accumulation):
     settings = {**TINY, "train.batch_size": batch_size, "train.grad_accum_steps": accumulation,
-                "train.max_steps": str(STEPS), "train.save_every": str(STEPS), "train.output_dir": str(tmp_path),
-                "train.num_workers": "1"}
+                "train.max_steps": str(STEPS), "train.save_every": str(STEPS),
+                "train.output_dir": str(tmp_path), "train.num_workers": "1"}
     torchrun(2, *[arg for key, value in settings.items() for arg in (f"--{key}", value)])
     assert_same_run(tmp_path, tiny_reference)
     metrics = json.loads((tmp_path / "metrics.json").read_text())  # rank 0 alone wrote the artifacts
@@ -140,7 +144,8 @@ def test_fsdp2_trains_resumes_from_its_shards_and_exports(reference, tmp_path):
     torchrun(2, *overrides(**fsdp, **{"train.max_steps": "4", "train.output_dir": str(tmp_path / "whole")}))
     assert (tmp_path / "whole" / "step_000002" / "sharded").is_dir()
     assert not (tmp_path / "whole" / "step_000002" / "model.safetensors").exists()
-    assert_same_run(tmp_path / "whole", reference, step=4, reference_step=STEPS)  # the same computation, sharded
+    # the same computation, sharded
+    assert_same_run(tmp_path / "whole", reference, step=4, reference_step=STEPS)
 
     torchrun(2, *overrides(**fsdp, **{"train.max_steps": "2", "train.output_dir": str(tmp_path / "split")}))
     # Nothing sharded outlives the run into interpreter teardown (once, a rank died there: SIGABRT in gloo).
@@ -150,25 +155,32 @@ def test_fsdp2_trains_resumes_from_its_shards_and_exports(reference, tmp_path):
         f"rank {r} destroys its process group with 0 FSDP2 modules alive" for r in range(2)]
     assert_same_run(tmp_path / "split", tmp_path / "whole", step=4, reference_step=4)
 
-    exported = subprocess.run([sys.executable, "-m", "training.export", str(tmp_path / "whole" / "step_000002"),
-                               "--out", str(tmp_path / "exported")], capture_output=True, text=True, timeout=300)
+    exported = subprocess.run([sys.executable, "-m", "training.export",
+                               str(tmp_path / "whole" / "step_000002"), "--out", str(tmp_path / "exported")],
+                              capture_output=True, text=True, timeout=300)
     assert exported.returncode == 0, exported.stderr
     # the final step is exported by train.py
     for directory in (tmp_path / "exported", tmp_path / "whole" / "step_000004"):
         model = VisionLanguageModel.from_pretrained(directory)
-        tokens = model.generate(torch.tensor([[10, 11, 12]]), None, max_new_tokens=4, greedy=True)  # text only
+        # text only
+        tokens = model.generate(torch.tensor([[10, 11, 12]]), None, max_new_tokens=4, greedy=True)
         assert tokens.shape == (1, 4)
-    unsharded = subprocess.run([sys.executable, "train.py", "--resume", str(tmp_path / "whole" / "step_000002")],
-                               capture_output=True, text=True, timeout=300)
+    unsharded = subprocess.run(
+        [sys.executable, "train.py", "--resume", str(tmp_path / "whole" / "step_000002")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert unsharded.returncode == 2 and unsharded.stderr.strip().splitlines()[-1].endswith(
         "an FSDP2 checkpoint of 2 ranks resumes with train.parallel=fsdp on 2 ranks "
-        f"(or export its weights: python -m training.export {tmp_path / 'whole' / 'step_000002'})"), unsharded.stderr
+        f"(or export its weights: python -m training.export {tmp_path / 'whole' / 'step_000002'})"
+    ), unsharded.stderr
 
 
 def test_ranks_stay_in_step_and_train_alike_when_a_batch_has_no_image(tmp_path):
-    """Text-only records and records whose image is corrupt (skipped): a rank whose batch has no image still runs the
-    vision tower (DDP needs every parameter), and both ranks end with the same trained weights. Over two epochs each
-    bad record is read twice, by either rank, and counted once."""
+    """Text-only records and records whose image is corrupt (skipped): a rank whose batch has no image still
+    runs the vision tower (DDP needs every parameter), and both ranks end with the same trained weights. Over
+    two epochs each bad record is read twice, by either rank, and counted once."""
     from data import ResumableBatchSampler, build_datasets, make_shapes_dataset
 
     lines = []
@@ -179,8 +191,9 @@ def test_ranks_stay_in_step_and_train_alike_when_a_batch_has_no_image(tmp_path):
         lines.append(json.dumps({"images": [f"{i}.png"] if i % 3 == 0 else [], "texts": row["texts"]}))
     (tmp_path / "data.jsonl").write_text("\n".join(lines))
     settings = {"data.source": "jsonl", "data.path": str(tmp_path / "data.jsonl"), "data.holdout": "4",
-                "train.batch_size": "1", "train.max_steps": "20", "train.save_every": "20", "train.eval_every": "20",
-                "train.output_dir": str(tmp_path / "run"), "train.dist_timeout": "60"}
+                "train.batch_size": "1", "train.max_steps": "20", "train.save_every": "20",
+                "train.eval_every": "20", "train.output_dir": str(tmp_path / "run"),
+                "train.dist_timeout": "60"}
     # the scenario: 20 records, 2 epochs of batches of 1 per rank; which of them have no (readable) image
     train_data, _ = build_datasets(small_config(tmp_path, **settings).data)
     imageless = [not (train_data.with_format(None)[i]["images"]) or _unreadable(train_data, i)
@@ -192,7 +205,9 @@ def test_ranks_stay_in_step_and_train_alike_when_a_batch_has_no_image(tmp_path):
 
     torchrun(2, *overrides(**settings), script=HOOKS, env={"TINYVLM_TEST_DUMP_WEIGHTS": "1"}, timeout=240)
     run = tmp_path / "run"
-    before, after = ([load_file(run / f"rank{r}_{when}.safetensors") for r in range(2)] for when in ("before", "after"))
+    before, after = (
+        [load_file(run / f"rank{r}_{when}.safetensors") for r in range(2)] for when in ("before", "after")
+    )
     assert all(torch.equal(before[0][name], before[1][name]) for name in before[0])
     assert [name for name in after[0] if not torch.equal(after[0][name], after[1][name])] == []
     for part in ("vision.", "projector.", "language."):
@@ -229,7 +244,8 @@ def test_a_hung_rank_ends_the_job_within_dist_timeout(tmp_path):
     output = "".join(line for _, line in lines)
     assert job.returncode != 0, output[-3000:]
     hung = next((t for t, line in lines if line.startswith("rank 1 hangs")), None)
-    lost = next((t for t, line in lines if line.startswith("error: lost contact with the other ranks (")), None)
+    lost = next((t for t, line in lines if line.startswith("error: lost contact with the other ranks (")),
+                None)
     assert hung is not None and lost is not None, output[-3000:]
     assert lost - hung < timeout + 15, (lost - hung, output[-3000:])
     assert "exitcode  : 3" in output and "[rank0]: Traceback" not in output, output[-3000:]
@@ -256,8 +272,8 @@ def _rank_of(pid: int) -> int | None:
 
 
 def test_a_killed_rank_ends_the_job_with_an_error(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py",
-               *overrides(**{"train.max_steps": "100000", "train.save_every": "100000",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               "train.py", *overrides(**{"train.max_steps": "100000", "train.save_every": "100000",
                              "train.output_dir": str(tmp_path), "train.dist_timeout": "30"})]
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 180

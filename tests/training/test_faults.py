@@ -1,5 +1,5 @@
-"""Faults during training lose nothing: a SIGTERM writes a resumable checkpoint; a NaN loss never reaches the weights;
-bad records are skipped and counted, or stop the run with a message naming them."""
+"""Faults during training lose nothing: a SIGTERM writes a resumable checkpoint; a NaN loss never reaches the
+weights; bad records are skipped and counted, or stop the run with a message naming them."""
 
 import errno
 import json
@@ -25,14 +25,16 @@ from training.loop import TrainingError
 from training.run import train
 
 
-# `kill` signals the training process alone; Ctrl-C signals its whole process group, DataLoader workers included.
-@pytest.mark.parametrize("signum, group", [(signal.SIGTERM, False), (signal.SIGINT, True)], ids=["kill", "ctrl-c"])
+# `kill` signals the training process alone; Ctrl-C signals its whole process group, DataLoader workers
+# included.
+@pytest.mark.parametrize("signum, group", [(signal.SIGTERM, False), (signal.SIGINT, True)],
+                         ids=["kill", "ctrl-c"])
 def test_a_stop_signal_writes_a_resumable_checkpoint_and_exits_0(tmp_path, signum, group):
     overrides = [arg for key, value in {**SMALL, "train.max_steps": "100000", "train.save_every": "100000",
                                         "train.num_workers": "2", "train.output_dir": str(tmp_path)}.items()
                  for arg in (f"--{key}", value)]
-    process = subprocess.Popen([sys.executable, "train.py", *overrides], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
+    process = subprocess.Popen([sys.executable, "train.py", *overrides], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 180
     while "model:" not in process.stdout.readline() and time.monotonic() < deadline:
         assert process.poll() is None, process.stderr.read()
@@ -51,13 +53,17 @@ def test_a_stop_signal_writes_a_resumable_checkpoint_and_exits_0(tmp_path, signu
     step = state["step"]
     config = small_config(tmp_path, **{"train.max_steps": str(step + 2)})
     train(config, resume=checkpoints[0])
-    assert json.loads((tmp_path / f"step_{step + 2:06d}" / "training_state.json").read_text())["step"] == step + 2
+    assert (
+        json.loads((tmp_path / f"step_{step + 2:06d}" / "training_state.json").read_text())["step"]
+        == step + 2
+    )
 
 
 def test_a_stop_signal_during_the_final_evaluation_writes_metrics_and_exits_0(tmp_path):
-    """SIGTERM while the held-out questions are asked (sent from inside generate): the run ends with its checkpoint,
-    a metrics.json that says it was stopped and holds no scores, a line on stderr, exit code 0 (it exited 143 with
-    neither). In a process of its own: before the fix the signal killed whatever received it."""
+    """SIGTERM while the held-out questions are asked (sent from inside generate): the run ends with its
+    checkpoint, a metrics.json that says it was stopped and holds no scores, a line on stderr, exit code 0 (it
+    exited 143 with neither). In a process of its own: before the fix the signal killed whatever received
+    it."""
     overrides = {**SMALL, "train.max_steps": "2", "train.save_every": "2", "train.eval_every": "2",
                  "train.output_dir": str(tmp_path)}
     argv = [arg for key, value in overrides.items() for arg in (f"--{key}", value)]
@@ -96,7 +102,8 @@ def _nan_on_call(monkeypatch, bad_call: int):
 
 def test_a_nan_loss_is_skipped_and_never_saved(tmp_path, monkeypatch):
     _nan_on_call(monkeypatch, bad_call=3)
-    train(small_config(tmp_path, **{"train.max_steps": "6", "train.save_every": "6", "train.eval_every": "6"}))
+    train(small_config(tmp_path,
+                       **{"train.max_steps": "6", "train.save_every": "6", "train.eval_every": "6"}))
     state = json.loads((tmp_path / "step_000006" / "training_state.json").read_text())
     assert state["skipped_steps"] == 1
     weights = load_file(tmp_path / "step_000006" / "model.safetensors")
@@ -105,16 +112,17 @@ def test_a_nan_loss_is_skipped_and_never_saved(tmp_path, monkeypatch):
 
 def test_a_nan_loss_stops_the_run_when_asked(tmp_path, monkeypatch):
     _nan_on_call(monkeypatch, bad_call=4)
-    config = small_config(tmp_path, **{"train.max_steps": "6", "train.save_every": "2", "train.eval_every": "6",
-                                       "train.on_nonfinite": "stop"})
+    config = small_config(tmp_path,
+                          **{"train.max_steps": "6", "train.save_every": "2", "train.eval_every": "6",
+                             "train.on_nonfinite": "stop"})
     with pytest.raises(TrainingError, match="non-finite loss or gradient at step 4"):
         train(config)
     assert [p.name for p in sorted(tmp_path.glob("step_*"))] == ["step_000002"]
 
 
 def _jsonl_with_bad_images(tmp_path, bad: dict[int, bytes], malformed: dict[int, str] | None = None):
-    """A JSONL dataset of 40 synthetic records whose images at the `bad` indices are overwritten with those bytes, and
-    whose lines at the `malformed` indices are replaced by those."""
+    """A JSONL dataset of 40 synthetic records whose images at the `bad` indices are overwritten with those
+    bytes, and whose lines at the `malformed` indices are replaced by those."""
     rows = make_shapes_dataset("train", 40, seed=0, image_size=32)
     lines = []
     for i, row in enumerate(rows):
@@ -128,13 +136,19 @@ def _jsonl_with_bad_images(tmp_path, bad: dict[int, bytes], malformed: dict[int,
 
 @pytest.mark.parametrize("workers", ["0", "2"])
 def test_bad_records_are_skipped_and_counted_once(tmp_path, workers):
-    """Each step reads every record: a bad one is read 3 times and counted once, in the workers as in this process."""
-    malformed = {5: "{not json", 9: json.dumps({"images": ["gone.png"], "texts": [{"user": "q", "assistant": "a"}]}),
-                 13: json.dumps({"texts": [{"user": "no answer"}]})}  # data.on_bad_record=skip skips these too
-    data = _jsonl_with_bad_images(tmp_path, {3: b"", 7: b"\x89PNG\r\n\x1a\n truncated", 11: b"plain text"}, malformed)
+    """Each step reads every record: a bad one is read 3 times and counted once, in the workers as in this
+    process."""
+    malformed = {
+        5: "{not json",
+        9: json.dumps({"images": ["gone.png"], "texts": [{"user": "q", "assistant": "a"}]}),
+        13: json.dumps({"texts": [{"user": "no answer"}]}),
+    }  # data.on_bad_record=skip skips these too
+    data = _jsonl_with_bad_images(tmp_path, {3: b"", 7: b"\x89PNG\r\n\x1a\n truncated", 11: b"plain text"},
+                                  malformed)
     config = small_config(tmp_path / "run", **data, **{"train.max_steps": "3", "train.save_every": "3",
                                                        "train.eval_every": "3", "train.num_workers": workers,
-                                                       "train.batch_size": "36"})  # one batch = every training record
+                                                       # one batch = every training record
+                                                       "train.batch_size": "36"})
     train_data, _ = build_datasets(config.data)
     assert len(train_data) == 36
     bad_in_train = sum(1 for i in range(36) if _unreadable(train_data, i))
@@ -163,14 +177,18 @@ def test_a_bad_record_stops_the_run_when_asked(tmp_path, capsys, workers):
     assert main([arg for key, value in overrides.items() for arg in (f"--{key}", value)]) == 2
     err = capsys.readouterr().err
     error = err.strip().splitlines()[-1]
-    assert "Traceback" not in err and error.startswith("error: train record ") and "not an image file" in error
+    assert (
+        "Traceback" not in err and error.startswith("error: train record ") and "not an image file" in error
+    )
     assert error.endswith("set data.on_bad_record=skip to skip and count such records")
 
 
 def _two_steps(tmp_path):
     """A run directory holding a complete checkpoint at step 2, and the config that continues it to step 4."""
-    train(small_config(tmp_path, **{"train.max_steps": "2", "train.save_every": "2", "train.eval_every": "2"}))
-    return small_config(tmp_path, **{"train.max_steps": "4", "train.save_every": "2", "train.eval_every": "4"})
+    train(small_config(tmp_path,
+                       **{"train.max_steps": "2", "train.save_every": "2", "train.eval_every": "2"}))
+    return small_config(tmp_path,
+                        **{"train.max_steps": "4", "train.save_every": "2", "train.eval_every": "4"})
 
 
 def _assert_step_2_intact(run_dir):
@@ -187,20 +205,22 @@ def test_disk_full_while_saving_is_a_clear_error_and_keeps_the_previous_checkpoi
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(checkpoint, "save_file", full_disk)
-    with pytest.raises(CheckpointError, match=r"could not write checkpoint .*step_000004 \(\[Errno 28\] No space left "
-                                              r"on device\); the newest complete checkpoint, .*step_000002, is intact"):
+    with pytest.raises(CheckpointError,
+                       match=r"could not write checkpoint .*step_000004 \(\[Errno 28\] No space left "
+                                              r"on device\); the newest complete checkpoint, .*step_000002, "
+                                              r"is intact"):
         train(config, resume=tmp_path / "step_000002")
     _assert_step_2_intact(tmp_path)
 
 
 def test_a_real_write_failure_exits_with_one_line_and_resume_still_works(tmp_path):
-    """The OS refuses the write (RLIMIT_FSIZE: files may not grow past the model's size, so the optimizer state
-    fails)."""
+    """The OS refuses the write (RLIMIT_FSIZE: files may not grow past the model's size, so the optimizer
+    state fails)."""
     _two_steps(tmp_path)
     limit = (tmp_path / "step_000002" / "model.safetensors").stat().st_size + 4096
     overrides = ["--train.max_steps", "4", "--train.eval_every", "4"]
-    result = subprocess.run([sys.executable, "train.py", "--resume", str(tmp_path), *overrides], capture_output=True,
-                            text=True, timeout=300,
+    result = subprocess.run([sys.executable, "train.py", "--resume", str(tmp_path), *overrides],
+                            capture_output=True, text=True, timeout=300,
                             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
@@ -212,9 +232,9 @@ def test_a_real_write_failure_exits_with_one_line_and_resume_still_works(tmp_pat
 
 
 def test_workers_and_resume_change_nothing_and_count_each_record_once(tmp_path):
-    """Two epochs over records of which some are bad and some too long: a run with DataLoader workers, stopped and
-    resumed, trains bit for bit as one run without workers, and both count each bad or too-long record once (the
-    second epoch reads them all again, after the resume)."""
+    """Two epochs over records of which some are bad and some too long: a run with DataLoader workers, stopped
+    and resumed, trains bit for bit as one run without workers, and both count each bad or too-long record
+    once (the second epoch reads them all again, after the resume)."""
     from transformers import AutoTokenizer
 
     from data import encode_conversation
@@ -222,10 +242,13 @@ def test_workers_and_resume_change_nothing_and_count_each_record_once(tmp_path):
     data = _jsonl_with_bad_images(tmp_path, {3: b"", 7: b"plain text", 30: b"plain text"})
     settings = {**data, "train.batch_size": "12", "train.max_length": "60", "train.save_every": "3",
                 "train.eval_every": "6"}  # 36 records: an epoch is 3 steps
-    whole = train(small_config(tmp_path / "whole", **settings, **{"train.max_steps": "6", "train.num_workers": "0"}))
+    whole = train(small_config(tmp_path / "whole", **settings,
+                               **{"train.max_steps": "6", "train.num_workers": "0"}))
     train(small_config(tmp_path / "split", **settings, **{"train.max_steps": "3", "train.num_workers": "2"}))
-    split = train(small_config(tmp_path / "split", **settings, **{"train.max_steps": "6", "train.num_workers": "2"}),
-                  resume=tmp_path / "split" / "step_000003")
+    split = train(
+        small_config(tmp_path / "split", **settings, **{"train.max_steps": "6", "train.num_workers": "2"}),
+        resume=tmp_path / "split" / "step_000003",
+    )
 
     train_data, _ = build_datasets(small_config(tmp_path, **settings).data)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "whole" / "step_000006")

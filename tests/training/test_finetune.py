@@ -1,10 +1,10 @@
 """Fine-tuning released VLMs (`init_from`): the shipped configs/smolvlm-256m-finetune.yaml and
-configs/nanovlm-460m-finetune.yaml, offline, with tiny random stand-ins in the hub checkpoints' formats (a transformers
-Idefics3 checkpoint with its processor and chat template; a nanoVLM checkpoint naming a local tokenizer) and the
-synthetic shapes in place of the_cauldron. A run starts from the pretrained weights (its first loss is the one the
-pretrained model gives on that batch, computed without tinyvlm's training code), its held-out loss falls, its records
-are encoded as the checkpoint was trained (SmolVLM: its chat template, answer-only targets), and its checkpoints are
-asked the same way by generate.py."""
+configs/nanovlm-460m-finetune.yaml, offline, with tiny random stand-ins in the hub checkpoints' formats (a
+transformers Idefics3 checkpoint with its processor and chat template; a nanoVLM checkpoint naming a local
+tokenizer) and the synthetic shapes in place of the_cauldron. A run starts from the pretrained weights (its
+first loss is the one the pretrained model gives on that batch, computed without tinyvlm's training code), its
+held-out loss falls, its records are encoded as the checkpoint was trained (SmolVLM: its chat template,
+answer-only targets), and its checkpoints are asked the same way by generate.py."""
 
 import json
 import math
@@ -56,28 +56,30 @@ from training.config import load_run_config
 from training.export import export_idefics3
 from training.run import train
 
-pytestmark = pytest.mark.filterwarnings("ignore:Glyph .* missing from font")  # a random LM's answers in the plot
+# a random LM's answers in the plot
+pytestmark = pytest.mark.filterwarnings("ignore:Glyph .* missing from font")
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 SMOLVLM, NANOVLM = CONFIGS / "smolvlm-256m-finetune.yaml", CONFIGS / "nanovlm-460m-finetune.yaml"
 STEPS = 6
-# The shipped config, shrunk to seconds on a CPU: the synthetic shapes (three questions per training record, 64 px
-# images: split into 3x3 tiles + a global image by the Idefics3 stand-in, 2x2 + a global image by the nanoVLM one), a
-# few steps at a learning rate that shows the held-out loss fall within them.
+# The shipped config, shrunk to seconds on a CPU: the synthetic shapes (three questions per training record,
+# 64 px images: split into 3x3 tiles + a global image by the Idefics3 stand-in, 2x2 + a global image by the
+# nanoVLM one), a few steps at a learning rate that shows the held-out loss fall within them.
 SHRUNK = {
     "data.source": "synthetic", "data.shapes.num_train": "48", "data.shapes.num_validation": "8",
-    "train.max_steps": str(STEPS), "train.batch_size": "4", "train.grad_accum_steps": "1", "train.warmup_steps": "1",
-    "train.eval_every": str(STEPS), "train.save_every": str(STEPS), "train.eval_batches": "1",
-    "train.eval_questions": "0", "train.num_workers": "0", "train.log_every": "1", "train.device": "cpu",
-    "train.lr_projector": "0.003", "train.lr_vision": "0.001", "train.lr_language": "0.003",
+    "train.max_steps": str(STEPS), "train.batch_size": "4", "train.grad_accum_steps": "1",
+    "train.warmup_steps": "1", "train.eval_every": str(STEPS), "train.save_every": str(STEPS),
+    "train.eval_batches": "1", "train.eval_questions": "0", "train.num_workers": "0", "train.log_every": "1",
+    "train.device": "cpu", "train.lr_projector": "0.003", "train.lr_vision": "0.001",
+    "train.lr_language": "0.003",
 }
 QUESTION = "What color is the circle?"
 
 
 @pytest.fixture(scope="module")
 def smolvlm(tmp_path_factory):
-    """A random SmolVLM-layout Idefics3 checkpoint (32 px tiles of 4 tokens, images split up to 96 px), saved with
-    its processor; (directory, the transformers model, its processor)."""
+    """A random SmolVLM-layout Idefics3 checkpoint (32 px tiles of 4 tokens, images split up to 96 px), saved
+    with its processor; (directory, the transformers model, its processor)."""
     directory = tmp_path_factory.mktemp("smolvlm")
     reference, processor = save_tiny_idefics3(directory)
     return directory, reference, processor
@@ -85,8 +87,9 @@ def smolvlm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def nanovlm(tmp_path_factory):
-    """A random nanoVLM checkpoint (32 px tiles of 4 tokens, images split up to 64 px) whose `lm_tokenizer` is a local
-    SmolLM2-like tokenizer; (directory, the same weights as a tinyvlm model built from the SigLIP / Llama backbones)."""
+    """A random nanoVLM checkpoint (32 px tiles of 4 tokens, images split up to 64 px) whose `lm_tokenizer` is
+    a local SmolLM2-like tokenizer; (directory, the same weights as a tinyvlm model built from the
+    SigLIP / Llama backbones)."""
     root = tmp_path_factory.mktemp("nanovlm")
     base = base_tokenizer_dir(root / "tokenizer")
     siglip, llama = save_backbones(root, tie=True, vocab_size=base + 66)
@@ -97,7 +100,8 @@ def nanovlm(tmp_path_factory):
         reference.projector.proj.weight.normal_(0, 0.2)
     fields = {**tiny_fields(tie=True), "lm_base_vocab_size": base, "lm_vocab_size": base + 66,
               "lm_tokenizer": str(root / "tokenizer"), "lm_max_position_embeddings": 512}
-    write_nanovlm(root / "nano", siglip, llama, reference.projector.proj.weight.detach(), nanovlm_config(**fields))
+    write_nanovlm(root / "nano", siglip, llama, reference.projector.proj.weight.detach(),
+                  nanovlm_config(**fields))
     return root / "nano", reference
 
 
@@ -117,20 +121,24 @@ def answer_runs(targets: list[int]) -> list[list[int]]:
 
 
 def segments(batch: dict[str, torch.Tensor], tokens_per_image: int, image_token_id: int):
-    """Each record of a (packed) batch: its ids, targets and image tiles, read from the attention mask's numbering
-    (the tiles in placeholder order, as many as its image tokens need)."""
+    """Each record of a (packed) batch: its ids, targets and image tiles, read from the attention mask's
+    numbering (the tiles in placeholder order, as many as its image tokens need)."""
     tiles = iter(batch["images"])
     for ids, mask, targets in zip(batch["input_ids"], batch["attention_mask"], batch["targets"]):
         for number in range(1, int(mask.max()) + 1):
             where = mask == number
             count = int((ids[where] == image_token_id).sum()) // tokens_per_image
-            yield ids[where], targets[where], torch.stack([next(tiles) for _ in range(count)]) if count else None
+            yield (
+                ids[where],
+                targets[where],
+                torch.stack([next(tiles) for _ in range(count)]) if count else None,
+            )
     assert next(tiles, None) is None
 
 
 def idefics3_loss(reference, batch, processor) -> tuple[float, int]:
-    """The transformers Idefics3ForConditionalGeneration's mean loss over the batch's answer tokens, a record at a
-    time: its labels are the ids at the target positions (the model shifts them itself)."""
+    """The transformers Idefics3ForConditionalGeneration's mean loss over the batch's answer tokens, a record
+    at a time: its labels are the ids at the target positions (the model shifts them itself)."""
     total, count = 0.0, 0
     with torch.no_grad():
         for ids, targets, tiles in segments(batch, processor.image_seq_len, processor.image_token_id):
@@ -146,18 +154,23 @@ def tinyvlm_loss(reference: VisionLanguageModel, batch) -> tuple[float, int]:
     """The mean loss over the batch's answer tokens of a tinyvlm model, a record at a time."""
     total, count = 0.0, 0
     with torch.no_grad():
-        for ids, targets, tiles in segments(batch, reference.config.tokens_per_image, reference.config.image_token_id):
+        for ids, targets, tiles in segments(
+            batch, reference.config.tokens_per_image, reference.config.image_token_id
+        ):
             _, loss = reference(ids[None], tiles, targets=targets[None], reduction="sum")
             total, count = total + float(loss), count + int((targets != IGNORE_INDEX).sum())
     return total / count, count
 
 
-def check_records(batch, expected: dict[tuple[int, ...], list[str]], tokens_per_image: int, image_token_id: int,
-                  decode) -> None:
+def check_records(batch, expected: dict[tuple[int, ...], list[str]], tokens_per_image: int,
+                  image_token_id: int, decode) -> None:
     """Each record of the batch is one of `expected` (ids encoded as the checkpoint's own code would, without
-    tinyvlm's), and its targets are exactly that record's answers, each with the end-of-turn token closing it."""
+    tinyvlm's), and its targets are exactly that record's answers, each with the end-of-turn token closing
+    it."""
     for ids, targets, _ in segments(batch, tokens_per_image, image_token_id):
-        assert tuple(ids.tolist()) in expected, f"a record encoded unlike the checkpoint's own code: {decode(ids)!r}"
+        assert tuple(ids.tolist()) in expected, (
+            f"a record encoded unlike the checkpoint's own code: {decode(ids)!r}"
+        )
         assert [decode(run) for run in answer_runs(targets.tolist())] == expected[tuple(ids.tolist())]
 
 
@@ -205,7 +218,8 @@ def test_smolvlm_config_fine_tunes_an_idefics3_checkpoint(smolvlm, tmp_path, mon
     config = load_run_config(SMOLVLM, {**SHRUNK, "init_from": str(directory), "train.max_length": "512",
                                        "train.eval_questions": "1", "train.output_dir": str(tmp_path)})
     metrics = train(config)
-    assert any(key.startswith("accuracy/") for key in metrics)  # a held-out question asked through its processor
+    # a held-out question asked through its processor
+    assert any(key.startswith("accuracy/") for key in metrics)
     assert metrics["too_long_records"] == 0
     checkpoint = tmp_path / f"step_{STEPS:06d}"
     losses, validation = history(checkpoint)
@@ -213,10 +227,19 @@ def test_smolvlm_config_fine_tunes_an_idefics3_checkpoint(smolvlm, tmp_path, mon
     # the records as Idefics3Processor and the chat template write them, targets on the answers: " red<eou>"
     encoded = {}
     for record in build_datasets(config.data)[0]:
-        messages = [message for i, turn in enumerate(record["texts"]) for message in (
-            {"role": "user", "content": [{"type": "image"}] * (i == 0) + [{"type": "text", "text": turn["user"]}]},
-            {"role": "assistant", "content": [{"type": "text", "text": turn["assistant"]}]})]
-        ids = processor(text=processor.apply_chat_template(messages), images=[record["images"]])["input_ids"][0]
+        messages = [
+            message
+            for i, turn in enumerate(record["texts"])
+            for message in (
+                {
+                    "role": "user",
+                    "content": [{"type": "image"}] * (i == 0) + [{"type": "text", "text": turn["user"]}],
+                },
+                {"role": "assistant", "content": [{"type": "text", "text": turn["assistant"]}]},
+            )
+        ]
+        ids = processor(text=processor.apply_chat_template(messages),
+                        images=[record["images"]])["input_ids"][0]
         encoded[tuple(ids)] = [f" {turn['assistant']}<end_of_utterance>" for turn in record["texts"]]
     check_records(seen["first"], encoded, processor.image_seq_len, processor.image_token_id, processor.decode)
     # the pretrained weights: transformers' model gives the first loss on the first batch
@@ -247,8 +270,9 @@ def test_nanovlm_config_fine_tunes_a_nanovlm_checkpoint(nanovlm, tmp_path, monke
     checkpoint = tmp_path / f"step_{STEPS:06d}"
     losses, validation = history(checkpoint)
 
-    # the records as nanoVLM writes them (its tokenizer, its ChatML template, the image string at the start of the
-    # user turn: the global image, then each tile of the 2x2 grid after its marker), targets on the answers
+    # the records as nanoVLM writes them (its tokenizer, its ChatML template, the image string at the start of
+    # the user turn: the global image, then each tile of the 2x2 grid after its marker), targets on the
+    # answers
     tokenizer = nanovlm_tokenizer(json.loads((directory / "config.json").read_text()))
     image = "<|global_image|>" + "<|image|>" * 4 + "".join(f"<row_{r}_col_{c}>" + "<|image|>" * 4
                                                           for r in (1, 2) for c in (1, 2))
@@ -258,7 +282,9 @@ def test_nanovlm_config_fine_tunes_a_nanovlm_checkpoint(nanovlm, tmp_path, monke
             {"role": "user", "content": image * (i == 0) + turn["user"]},
             {"role": "assistant", "content": turn["assistant"]})]
         text = tokenizer.apply_chat_template(messages, tokenize=False)
-        encoded[tuple(tokenizer(text)["input_ids"])] = [f"{turn['assistant']}<|im_end|>" for turn in record["texts"]]
+        encoded[tuple(tokenizer(text)["input_ids"])] = [
+            f"{turn['assistant']}<|im_end|>" for turn in record["texts"]
+        ]
     first = seen["first"]
     check_records(first, encoded, 4, tokenizer.convert_tokens_to_ids("<|image|>"), tokenizer.decode)
     # the same weights, built from the SigLIP / Llama backbones, give the first loss on the first batch
@@ -267,7 +293,8 @@ def test_nanovlm_config_fine_tunes_a_nanovlm_checkpoint(nanovlm, tmp_path, monke
     held_out = mean_of([tinyvlm_loss(reference, batch) for batch in seen["validation"]])
     assert math.isfinite(metrics["validation_loss"]) and validation[-1] < 0.8 * held_out
 
-    # the checkpoint keeps nanoVLM's tokenizer: asked in ChatML with nanoVLM's splitting, as the pretrained one is
+    # the checkpoint keeps nanoVLM's tokenizer: asked in ChatML with nanoVLM's splitting, as the pretrained
+    # one is
     model, loaded = load_for_inference(checkpoint, torch.device("cpu"))
     pretrained, original = load_for_inference(directory, torch.device("cpu"))
     assert isinstance(loaded, ChatProcessor) and model.config.splitting == pretrained.config.splitting
@@ -278,13 +305,15 @@ def test_nanovlm_config_fine_tunes_a_nanovlm_checkpoint(nanovlm, tmp_path, monke
 
 
 def test_a_tinyvlm_run_is_a_start_too(tmp_path, monkeypatch):
-    """init_from a run directory of tinyvlm's own (its newest checkpoint): its weights, tokenizer and config (here
-    image tokens after the text) carry on."""
+    """init_from a run directory of tinyvlm's own (its newest checkpoint): its weights, tokenizer and config
+    (here image tokens after the text) carry on."""
     train(small_config(tmp_path / "first", **{"train.max_steps": "2", "train.save_every": "2",
                                                "train.eval_every": "2", "train.eval_questions": "0"}))
     seen = watch(monkeypatch)
-    metrics = train(load_run_config(NANOVLM, {**SHRUNK, "init_from": str(tmp_path / "first"), "train.max_steps": "1",
-                                              "train.max_length": "256", "train.output_dir": str(tmp_path / "second")}))
+    metrics = train(load_run_config(NANOVLM,
+                                    {**SHRUNK, "init_from": str(tmp_path / "first"), "train.max_steps": "1",
+                                     "train.max_length": "256",
+                                     "train.output_dir": str(tmp_path / "second")}))
     start = VisionLanguageModel.from_pretrained(tmp_path / "first" / "step_000002")
     with torch.no_grad():
         _, expected = start(**seen["first"])
@@ -294,9 +323,9 @@ def test_a_tinyvlm_run_is_a_start_too(tmp_path, monkeypatch):
 
 
 def test_the_command_line_fine_tunes_a_trained_run_with_the_default_recipe(tmp_path, capsys):
-    """`python train.py --init_from RUN` takes the default recipe's data and training settings and the run's own
-    model, on the synthetic shapes and on a JSONL of one's own (the default's model section and ViT pre-training
-    were refused before)."""
+    """`python train.py --init_from RUN` takes the default recipe's data and training settings and the run's
+    own model, on the synthetic shapes and on a JSONL of one's own (the default's model section and ViT
+    pre-training were refused before)."""
     from train import main
 
     train(small_config(tmp_path / "first", **{"train.max_steps": "2", "train.save_every": "2",
@@ -321,7 +350,8 @@ def test_a_resumed_fine_tune_loads_its_own_checkpoint(smolvlm, tmp_path):
     common = {**SHRUNK, "init_from": str(start), "train.max_length": "512", "train.eval_every": "2",
               "train.save_every": "2", "train.decay_steps": "4", "train.max_steps": "4"}
     train(load_run_config(SMOLVLM, {**common, "train.output_dir": str(tmp_path / "whole")}))
-    train(load_run_config(SMOLVLM, {**common, "train.max_steps": "2", "train.output_dir": str(tmp_path / "split")}))
+    train(load_run_config(SMOLVLM,
+                          {**common, "train.max_steps": "2", "train.output_dir": str(tmp_path / "split")}))
     shutil.rmtree(start)
     saved = json.loads((tmp_path / "split" / "step_000002" / "run_config.json").read_text())
     assert saved["init_from"] == str(start)
@@ -329,7 +359,8 @@ def test_a_resumed_fine_tune_loads_its_own_checkpoint(smolvlm, tmp_path):
 
     assert main(["--resume", str(tmp_path / "split"), "--train.max_steps", "4"]) == 0
     whole, split = tmp_path / "whole" / "step_000004", tmp_path / "split" / "step_000004"
-    torch.testing.assert_close(torch.tensor(history(split)[0]), torch.tensor(history(whole)[0]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(torch.tensor(history(split)[0]), torch.tensor(history(whole)[0]), atol=1e-6,
+                               rtol=0)
     weights = load_file(whole / "model.safetensors")
     for name, tensor in load_file(split / "model.safetensors").items():
         torch.testing.assert_close(tensor, weights[name], atol=1e-6, rtol=0)
@@ -337,24 +368,32 @@ def test_a_resumed_fine_tune_loads_its_own_checkpoint(smolvlm, tmp_path):
 
 
 def test_idefics3_targets_are_each_answer_and_its_end_of_utterance(smolvlm):
-    """A two-turn conversation with two split images: the ids and pixels are the processor's for the chat template's
-    text, the prompt up to the first answer is what inference asks, and the targets are exactly the answers' tokens,
-    each closed by <end_of_utterance>, aligned with the logits."""
+    """A two-turn conversation with two split images: the ids and pixels are the processor's for the chat
+    template's text, the prompt up to the first answer is what inference asks, and the targets are exactly the
+    answers' tokens, each closed by <end_of_utterance>, aligned with the logits."""
     directory, _, processor = smolvlm
     encoder = CheckpointProcessor.from_pretrained(directory)
-    turns = [{"user": QUESTION, "assistant": "red"}, {"user": "How many shapes are there?", "assistant": "2 shapes"}]
+    turns = [{"user": QUESTION, "assistant": "red"},
+             {"user": "How many shapes are there?", "assistant": "2 shapes"}]
     images = [photo(80, 40), photo(30, 70, seed=1)]
     ids, targets, pixels = encoder.encode_conversation(turns, images)
 
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": QUESTION}]},
-                {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
-                {"role": "user", "content": [{"type": "text", "text": "How many shapes are there?"}]},
-                {"role": "assistant", "content": [{"type": "text", "text": "2 shapes"}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": QUESTION}],
+        },
+        {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
+        {"role": "user", "content": [{"type": "text", "text": "How many shapes are there?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "2 shapes"}]},
+    ]
     text = processor.apply_chat_template(messages)
-    assert text.endswith("User: How many shapes are there?<end_of_utterance>\nAssistant: 2 shapes<end_of_utterance>\n")
+    assert text.endswith("User: How many shapes are there?<end_of_utterance>\nAssistant: 2 "
+                         "shapes<end_of_utterance>\n")
     inputs = processor(text=text, images=[images], return_tensors="pt")
     assert ids == inputs["input_ids"][0].tolist() and torch.equal(pixels, inputs["pixel_values"][0])
-    assert len(pixels) == 7 + 7  # 2x3 and 3x2 tiles (the images resized to 96 px, then to whole tiles), + global
+    # 2x3 and 3x2 tiles (the images resized to 96 px, then to whole tiles), + global
+    assert len(pixels) == 7 + 7
 
     assert len(targets) == len(ids) and targets[-1] == IGNORE_INDEX
     learned = [t for t, target in enumerate(targets) if target != IGNORE_INDEX]
@@ -375,7 +414,8 @@ def test_idefics3_text_only_conversation(smolvlm):
 
 
 @pytest.mark.parametrize("template, message", [
-    # the generation prompt is not how the template writes the assistant turn: no token prefix to find answers by
+    # the generation prompt is not how the template writes the assistant turn: no token prefix to find answers
+    # by
     ("{% for m in messages %}{{ m['role'] + ':' }}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
      "{{ '<image>' }}{% else %}{{ c['text'] }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
      "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}",
@@ -395,8 +435,8 @@ def test_a_template_that_hides_the_answers_is_a_one_line_error(smolvlm, template
 
 
 def test_a_text_only_batch_under_ddp_gets_a_placeholder_image_in_the_checkpoints_format(smolvlm):
-    """`ensure_image` (every rank must run the vision tower): one black tile behind the checkpoint's own <image>
-    tokens, no targets; the model trains on the batch."""
+    """`ensure_image` (every rank must run the vision tower): one black tile behind the checkpoint's own
+    <image> tokens, no targets; the model trains on the batch."""
     directory, _, processor = smolvlm
     collator = VQACollator.for_encoder(CheckpointProcessor.from_pretrained(directory), 512, ensure_image=True)
     batch = collator([{"images": [], "texts": [{"user": "hi", "assistant": "blue sky"}]}])
@@ -427,9 +467,10 @@ def test_an_exported_smolvlm_keeps_its_processor(smolvlm, tmp_path):
 
 
 def test_a_model_tinyvlm_trained_answers_after_its_idefics3_export(tmp_path, capsys):
-    """generate.py answers from the export as from the original (the export's Idefics3 processor files made it ask
-    through transformers' processor, with no usable chat template: a traceback); transformers gets tinyvlm's prompt
-    ids from the exported tokenizer's chat template with an image part, and its Idefics3 model answers them alike."""
+    """generate.py answers from the export as from the original (the export's Idefics3 processor files made it
+    ask through transformers' processor, with no usable chat template: a traceback); transformers gets
+    tinyvlm's prompt ids from the exported tokenizer's chat template with an image part, and its Idefics3
+    model answers them alike."""
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
     tokenizer = base_tokenizer()
@@ -464,15 +505,31 @@ def test_a_typed_image_token_in_training_data_is_a_bad_record_not_a_stopped_run(
         failing[1]
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"model.vision.pretrained": "google/siglip-base-patch16-224"},
-     "init_from (START) brings the whole model: model.vision.pretrained (google/siglip-base-patch16-224) must be null"),
-    ({"model.language.pretrained": "HuggingFaceTB/SmolLM2-135M"},
-     "init_from (START) brings the whole model: model.language.pretrained (HuggingFaceTB/SmolLM2-135M) must be null"),
-    ({"tokenizer": "HuggingFaceTB/SmolLM2-135M"}, "init_from (START) brings its own tokenizer: tokenizer"),
-    ({"train.vision_pretrain_steps": "10"}, "init_from (START) brings a trained ViT: train.vision_pretrain_steps"),
-    ({"init_from": " "}, "init_from: expected a checkpoint directory or hub id"),
-], ids=["vision", "language", "tokenizer", "vision-pretraining", "empty"])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"model.vision.pretrained": "google/siglip-base-patch16-224"},
+            "init_from (START) brings the whole model: model.vision.pretrained "
+            "(google/siglip-base-patch16-224) must be null",
+        ),
+        (
+            {"model.language.pretrained": "HuggingFaceTB/SmolLM2-135M"},
+            "init_from (START) brings the whole model: model.language.pretrained "
+            "(HuggingFaceTB/SmolLM2-135M) must be null",
+        ),
+        (
+            {"tokenizer": "HuggingFaceTB/SmolLM2-135M"},
+            "init_from (START) brings its own tokenizer: tokenizer",
+        ),
+        (
+            {"train.vision_pretrain_steps": "10"},
+            "init_from (START) brings a trained ViT: train.vision_pretrain_steps",
+        ),
+        ({"init_from": " "}, "init_from: expected a checkpoint directory or hub id"),
+    ],
+    ids=["vision", "language", "tokenizer", "vision-pretraining", "empty"],
+)
 def test_what_init_from_excludes_is_a_one_line_config_error(overrides, message):
     with pytest.raises(ConfigError) as error:
         load_run_config(SMOLVLM, {"init_from": "START", **overrides})
@@ -489,11 +546,18 @@ def test_model_fields_beside_init_from_are_refused_before_any_work(tmp_path):
     assert "\n" not in str(error.value) and not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("start, message", [
-    ("nowhere", "nowhere: no such file or directory"),
-    ("llama", "model_type 'llama' is not supported"),
-    ("no-such-owner/no-such-vlm", "no-such-owner/no-such-vlm: not a local path, and the hub could not provide it"),
-], ids=["missing", "not-a-vlm", "hub-offline"])
+@pytest.mark.parametrize(
+    "start, message",
+    [
+        ("nowhere", "nowhere: no such file or directory"),
+        ("llama", "model_type 'llama' is not supported"),
+        (
+            "no-such-owner/no-such-vlm",
+            "no-such-owner/no-such-vlm: not a local path, and the hub could not provide it",
+        ),
+    ],
+    ids=["missing", "not-a-vlm", "hub-offline"],
+)
 def test_a_start_that_cannot_be_loaded_is_a_one_line_checkpoint_error(tmp_path, capsys, start, message):
     from train import main
 
@@ -516,8 +580,11 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(smolvlm, tmp_p
     processor.tokenizer.add_tokens(["<new>"])
     processor.save_pretrained(directory)
     with pytest.raises(CheckpointError) as error:
-        train(load_run_config(SMOLVLM, {**SHRUNK, "init_from": str(directory), "train.output_dir": str(tmp_path)}))
-    assert str(error.value) == f"{directory}: its tokenizer has 301 tokens, more than the model's 300 embeddings"
+        train(load_run_config(SMOLVLM,
+                              {**SHRUNK, "init_from": str(directory), "train.output_dir": str(tmp_path)}))
+    assert (
+        str(error.value) == f"{directory}: its tokenizer has 301 tokens, more than the model's 300 embeddings"
+    )
 
 
 def test_every_shipped_fine_tuning_config_is_tested_here():

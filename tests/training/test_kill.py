@@ -1,9 +1,9 @@
-"""SIGKILL while a checkpoint is being saved, over and over: every time, `--resume` finds a valid checkpoint, and the
-run's final weights equal those of a run that was never interrupted.
+"""SIGKILL while a checkpoint is being saved, over and over: every time, `--resume` finds a valid checkpoint,
+and the run's final weights equal those of a run that was never interrupted.
 
-Each of the ~22 runs is `train.main` in a process forked from a server that has already imported what a run imports
-(train.py, torch._dynamo through torch.optim, matplotlib for the plots): ~6 s of imports paid once instead of at each
-start. The kill, the checkpoint on disk and the resume are those of `python train.py`.
+Each of the ~22 runs is `train.main` in a process forked from a server that has already imported what a run
+imports (train.py, torch._dynamo through torch.optim, matplotlib for the plots): ~6 s of imports paid once
+instead of at each start. The kill, the checkpoint on disk and the resume are those of `python train.py`.
 """
 
 import json
@@ -31,7 +31,9 @@ def _assert_all_checkpoints_valid(run_dir) -> None:
     for checkpoint in checkpoints(run_dir):
         VisionLanguageModel.from_pretrained(checkpoint)
         load_file(checkpoint / STATE_TENSORS)
-        assert json.loads((checkpoint / STATE_JSON).read_text())["step"] == int(checkpoint.name.removeprefix("step_"))
+        assert json.loads((checkpoint / STATE_JSON).read_text())["step"] == int(
+            checkpoint.name.removeprefix("step_")
+        )
 
 
 _FORKS = multiprocessing.get_context("forkserver")
@@ -52,8 +54,8 @@ def _start(run_dir, log_path) -> multiprocessing.Process:
     if checkpoints(run_dir):
         argv = ["--resume", str(run_dir)]
     else:  # killed before its first checkpoint was complete: start afresh
-        settings = {**SMALL, "train.max_steps": str(STEPS), "train.save_every": "1", "train.eval_every": str(STEPS),
-                    "train.output_dir": str(run_dir)}
+        settings = {**SMALL, "train.max_steps": str(STEPS), "train.save_every": "1",
+                    "train.eval_every": str(STEPS), "train.output_dir": str(run_dir)}
         argv = [arg for key, value in settings.items() for arg in (f"--{key}", value)]
     process = _FORKS.Process(target=_train_main, args=(argv, str(log_path)))
     process.start()
@@ -61,8 +63,8 @@ def _start(run_dir, log_path) -> multiprocessing.Process:
 
 
 def _kill_during_a_save(process: multiprocessing.Process, run_dir, rng: random.Random) -> bool:
-    """Wait for the process's n-th save (n random in 1..3), SIGKILL it a random moment later; True if a staging
-    directory still existed right before the kill (the kill hit a save in progress)."""
+    """Wait for the process's n-th save (n random in 1..3), SIGKILL it a random moment later; True if a
+    staging directory still existed right before the kill (the kill hit a save in progress)."""
     wanted, seen, last = rng.randint(1, 3), 0, None
     while process.is_alive():
         staging = next(run_dir.glob(".staging_step_*"), None)

@@ -1,5 +1,6 @@
-"""LoRA through peft (models/lora.py, train.lora): only the adapters train, checkpoints hold them alone in peft's
-format, merged weights compute what base + adapter computed, and inference and resume load base + adapter."""
+"""LoRA through peft (models/lora.py, train.lora): only the adapters train, checkpoints hold them alone in
+peft's format, merged weights compute what base + adapter computed, and inference and resume load
+base + adapter."""
 
 import json
 import re
@@ -22,9 +23,9 @@ from typed_config import ConfigError
 
 LORA = {"data.shapes.image_size": "32", "data.shapes.num_train": "64", "data.shapes.num_validation": "8",
         "train.batch_size": "8", "train.warmup_steps": "2", "train.log_every": "1", "train.device": "cpu",
-        "train.eval_questions": "4", "train.eval_batches": "1", "train.num_workers": "0", "train.lr_vision": "0",
-        "train.lr_projector": "0", "train.lr_language": "0.02", "train.min_lr_tail_fraction": "0",
-        "train.lora.rank": "4", "train.lora.alpha": "8"}
+        "train.eval_questions": "4", "train.eval_batches": "1", "train.num_workers": "0",
+        "train.lr_vision": "0", "train.lr_projector": "0", "train.lr_language": "0.02",
+        "train.min_lr_tail_fraction": "0", "train.lora.rank": "4", "train.lora.alpha": "8"}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,8 @@ def test_merged_weights_compute_what_base_and_adapter_compute():
         merged, _ = merge_adapters(model)(ids)
     assert not any("lora" in name for name in model.state_dict())
     torch.testing.assert_close(merged, adapted, atol=1e-10, rtol=0)
-    assert (merged - tiny_vlm(seed=2).double().eval()(ids)[0]).abs().max() > 1e-3  # the adapters changed the model
+    # the adapters changed the model
+    assert (merged - tiny_vlm(seed=2).double().eval()(ids)[0]).abs().max() > 1e-3
 
 
 def test_only_the_adapters_train_and_the_checkpoint_holds_them_alone(base, tmp_path):
@@ -65,7 +67,9 @@ def test_only_the_adapters_train_and_the_checkpoint_holds_them_alone(base, tmp_p
     config = json.loads((checkpoint / ADAPTER_CONFIG).read_text())
     assert config["base_model_name_or_path"] == str((base / "step_000002").resolve()) and config["r"] == 4
     adapter = load_file(checkpoint / ADAPTER_WEIGHTS)
-    assert adapter and all(key.startswith("base_model.model.language.blocks.") and ".lora_" in key for key in adapter)
+    assert adapter and all(
+        key.startswith("base_model.model.language.blocks.") and ".lora_" in key for key in adapter
+    )
     history = json.loads((checkpoint / "training_state.json").read_text())["history"]
     assert history[-1][1] < history[0][1] and metrics["step"] == 12
     assert metrics["trainable_parameters"] == sum(tensor.numel() for tensor in adapter.values())
@@ -80,14 +84,17 @@ def test_only_the_adapters_train_and_the_checkpoint_holds_them_alone(base, tmp_p
 def test_an_adapter_checkpoint_answers_like_its_merged_export(base, tmp_path, capsys):
     _lora_run(base, tmp_path / "lora", steps=4)
     checkpoint = tmp_path / "lora" / "step_000004"
-    assert export.main(["--merge", str(tmp_path / "lora"), str(tmp_path / "merged")]) == 0  # the newest checkpoint
-    assert (tmp_path / "merged" / "model.safetensors").is_file() and not (tmp_path / "merged" / ADAPTER_CONFIG).exists()
+    # the newest checkpoint
+    assert export.main(["--merge", str(tmp_path / "lora"), str(tmp_path / "merged")]) == 0
+    assert (tmp_path / "merged" / "model.safetensors").is_file() and not (
+        tmp_path / "merged" / ADAPTER_CONFIG
+    ).exists()
     Image.new("RGB", (32, 32), "skyblue").save(tmp_path / "sky.png")
     capsys.readouterr()
     answers = []
     for directory in (checkpoint, tmp_path / "merged"):
-        assert generate.main(["--checkpoint", str(directory), "--image", str(tmp_path / "sky.png"), "--prompt",
-                              "What color is the circle?", "--max-new-tokens", "8"]) == 0
+        assert generate.main(["--checkpoint", str(directory), "--image", str(tmp_path / "sky.png"),
+                              "--prompt", "What color is the circle?", "--max-new-tokens", "8"]) == 0
         answers.append(capsys.readouterr().out.strip())
     assert answers[0] == answers[1]
 
@@ -98,7 +105,9 @@ def test_a_resumed_lora_run_equals_the_uninterrupted_one(base, tmp_path):
     from train import main
 
     assert main(["--resume", str(tmp_path / "split"), "--train.max_steps", "4"]) == 0
-    whole, split = (load_file(tmp_path / name / "step_000004" / ADAPTER_WEIGHTS) for name in ("whole", "split"))
+    whole, split = (
+        load_file(tmp_path / name / "step_000004" / ADAPTER_WEIGHTS) for name in ("whole", "split")
+    )
     assert whole.keys() == split.keys()
     for key in whole:
         torch.testing.assert_close(split[key], whole[key], atol=1e-6, rtol=0, msg=key)
@@ -121,8 +130,9 @@ def test_an_adapter_peft_wrote_on_transformers_llama_gives_its_logits_here(tmp_p
     ids = torch.randint(3, 120, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         plain = reference(input_ids=ids).logits
-    adapted = get_peft_model(reference, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                                                   modules_to_save=["lm_head"]))  # a head trained whole, too
+    adapted = get_peft_model(reference,
+                             LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                        modules_to_save=["lm_head"]))  # a head trained whole, too
     with torch.no_grad():
         for name, parameter in adapted.named_parameters():
             if "lora_B" in name or "modules_to_save" in name:
@@ -150,26 +160,60 @@ def test_modules_to_save_train_whole_and_travel_in_the_adapter(base, tmp_path):
     model, _ = load_checkpoint(checkpoint, torch.device("cpu"))
     changed = {name for name, tensor in start.state_dict().items()
                if not torch.equal(tensor, model.state_dict()[name])}
-    assert projector <= changed  # every projector weight trained, and nothing but it and the adapted projections
-    assert all(name in projector or ("language.blocks." in name and name.endswith("_proj.weight")) for name in changed)
+    # every projector weight trained, and nothing but it and the adapted projections
+    assert projector <= changed
+    assert all(
+        name in projector or ("language.blocks." in name and name.endswith("_proj.weight"))
+        for name in changed
+    )
     for name in projector:
         assert torch.equal(model.state_dict()[name], adapter[f"base_model.model.{name}"])
 
 
-@pytest.mark.parametrize("setting, value, message", [
-    ("target_modules", "(", "train.lora.target_modules: not a regular expression"),
-    ("target_modules", "q_proj", "train.lora.target_modules (q_proj): "),  # a regex matches whole names: none here
-    ("target_modules", r"projector\.proj", "train.lora puts trained weights in the projector (projector.proj.lora_A"),
-    ("target_modules", r"language\.head",
-     r"train.lora.target_modules (language\.head): language.head shares its weight with another"),
-    ("modules_to_save", "vision", "train.lora puts trained weights in the vision (vision.position_embedding"),
-    ("modules_to_save", "head", "train.lora.modules_to_save (head): 'head' matches no module"),
-    ("modules_to_save", r"language\.head",
-     r"train.lora.modules_to_save (language\.head): language.head shares its weight with another"),
-    ("modules_to_save", r"language\.blocks\.0\.attn",
-     r"train.lora.modules_to_save (language\.blocks\.0\.attn): language.blocks.0.attn holds adapters"),
-], ids=["not-a-regex", "no-match", "frozen-part", "tied-head", "whole-frozen-part", "whole-no-match",
-        "whole-tied-head", "whole-adapted"])
+@pytest.mark.parametrize(
+    "setting, value, message",
+    [
+        ("target_modules", "(", "train.lora.target_modules: not a regular expression"),
+        # a regex matches whole names: none here
+        ("target_modules", "q_proj", "train.lora.target_modules (q_proj): "),
+        (
+            "target_modules",
+            r"projector\.proj",
+            "train.lora puts trained weights in the projector (projector.proj.lora_A",
+        ),
+        (
+            "target_modules",
+            r"language\.head",
+            r"train.lora.target_modules (language\.head): language.head shares its weight with another",
+        ),
+        (
+            "modules_to_save",
+            "vision",
+            "train.lora puts trained weights in the vision (vision.position_embedding",
+        ),
+        ("modules_to_save", "head", "train.lora.modules_to_save (head): 'head' matches no module"),
+        (
+            "modules_to_save",
+            r"language\.head",
+            r"train.lora.modules_to_save (language\.head): language.head shares its weight with another",
+        ),
+        (
+            "modules_to_save",
+            r"language\.blocks\.0\.attn",
+            r"train.lora.modules_to_save (language\.blocks\.0\.attn): language.blocks.0.attn holds adapters",
+        ),
+    ],
+    ids=[
+        "not-a-regex",
+        "no-match",
+        "frozen-part",
+        "tied-head",
+        "whole-frozen-part",
+        "whole-no-match",
+        "whole-tied-head",
+        "whole-adapted",
+    ],
+)
 def test_adapters_where_they_cannot_train_are_one_line_config_errors(base, tmp_path, setting, value, message):
     with pytest.raises(ConfigError) as error:
         _lora_run(base, tmp_path / "lora", steps=2, **{f"train.lora.{setting}": value})
@@ -224,14 +268,18 @@ def test_a_4bit_base_computes_with_its_dequantized_weights_and_only_the_adapters
         optimizer.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
-    after = {name.replace(".base_layer", ""): p for name, p in model.named_parameters() if ".lora_" not in name}
+    after = {
+        name.replace(".base_layer", ""): p for name, p in model.named_parameters() if ".lora_" not in name
+    }
     assert after.keys() == packed.keys() and all(torch.equal(after[name], packed[name]) for name in packed)
 
 
 @pytest.mark.parametrize("settings, message", [
-    ({"train.lora.quantize_base": "true"}, "train.lora.quantize_base: a 4-bit base (QLoRA, bitsandbytes) trains on "
+    ({"train.lora.quantize_base": "true"},
+     "train.lora.quantize_base: a 4-bit base (QLoRA, bitsandbytes) trains on "
      "a CUDA GPU; this run's device is cpu"),
-    ({"train.lora.quantize_base": "true", "train.lora.rank": "0"}, "train.lora.quantize_base quantizes the base "
+    ({"train.lora.quantize_base": "true", "train.lora.rank": "0"},
+     "train.lora.quantize_base quantizes the base "
      "under adapters: set train.lora.rank"),
 ], ids=["cpu", "no-adapters"])
 def test_a_4bit_base_off_a_gpu_or_without_adapters_is_a_one_line_error(base, tmp_path, settings, message):
@@ -249,7 +297,9 @@ def test_qlora_trains_on_a_gpu_and_resumes_exactly(base, tmp_path):
     from train import main
 
     assert main(["--resume", str(tmp_path / "split"), "--train.max_steps", "4"]) == 0
-    whole, split = (load_file(tmp_path / name / "step_000004" / ADAPTER_WEIGHTS) for name in ("whole", "split"))
+    whole, split = (
+        load_file(tmp_path / name / "step_000004" / ADAPTER_WEIGHTS) for name in ("whole", "split")
+    )
     for key in whole:
         torch.testing.assert_close(split[key], whole[key], atol=1e-5, rtol=0, msg=key)
     history = json.loads((tmp_path / "whole" / "step_000004" / "training_state.json").read_text())["history"]

@@ -24,7 +24,9 @@ def test_packed_samples_are_weighed_one_by_one():
     targets = torch.tensor([[-100, 5, 6, -100, 7, -100]])
     sequences = torch.tensor([[1, 1, 1, 2, 2, 0]])
     assert target_weights(targets, sequences, "sample").tolist() == [[0, 0.5, 0.5, 0, 1, 0]]
-    assert target_weights(targets, sequences, "square")[0].tolist() == pytest.approx([0, 2 ** -0.5, 2 ** -0.5, 0, 1, 0])
+    assert target_weights(targets, sequences, "square")[0].tolist() == pytest.approx(
+        [0, 2**-0.5, 2**-0.5, 0, 1, 0]
+    )
 
 
 @pytest.mark.parametrize("per", ["token", "sample"])

@@ -1,6 +1,6 @@
-"""A resumed run follows its new config: changed learning rates, weight decay, betas and schedule apply from the step
-it resumes at, exactly as in a fresh run of the new config; freezing or unfreezing a part on resume is refused; a
-run goes on in the directory it is resumed from."""
+"""A resumed run follows its new config: changed learning rates, weight decay, betas and schedule apply from
+the step it resumes at, exactly as in a fresh run of the new config; freezing or unfreezing a part on resume
+is refused; a run goes on in the directory it is resumed from."""
 
 import contextlib
 import shutil
@@ -45,14 +45,15 @@ def test_a_resumed_run_follows_its_new_optimizer_settings(tmp_path):
 def test_freezing_or_unfreezing_a_part_on_resume_is_refused(tmp_path, before, after):
     steps = {"train.max_steps": "2", "train.save_every": "2", "train.eval_every": "2"}
     train(small_config(tmp_path, **steps, **{"train.lr_vision": before}))
-    with pytest.raises(ConfigError, match=rf"^train.lr_vision cannot change from {before} to {after} on resume"):
+    with pytest.raises(ConfigError,
+                       match=rf"^train.lr_vision cannot change from {before} to {after} on resume"):
         train(small_config(tmp_path, **{**steps, "train.max_steps": "4", "train.lr_vision": after}),
               resume=tmp_path / "step_000002")
 
 
 def test_a_copied_run_resumes_in_the_copy_and_leaves_the_original_alone(tmp_path):
-    """The run_config.json of a copied run still names the original's output_dir: resuming the copy once wrote its
-    new checkpoints there and pruned the original's (train.keep_checkpoints)."""
+    """The run_config.json of a copied run still names the original's output_dir: resuming the copy once wrote
+    its new checkpoints there and pruned the original's (train.keep_checkpoints)."""
     train(small_config(tmp_path / "original", **{"train.max_steps": "2", "train.save_every": "1",
                                                    "train.eval_every": "10"}))
     before = sorted(p.name for p in (tmp_path / "original").iterdir())

@@ -1,6 +1,7 @@
-"""Every shipped config builds its model and trains a step, offline: backbones and tokenizers it names on the hub or
-in a package are replaced by tiny local ones of the same architecture (SigLIP, Llama), and runs are shrunk. (The
-fine-tuning configs, which start from a whole pretrained VLM, are trained in test_finetune.py.)"""
+"""Every shipped config builds its model and trains a step, offline: backbones and tokenizers it names on the
+hub or in a package are replaced by tiny local ones of the same architecture (SigLIP, Llama), and runs are
+shrunk. (The fine-tuning configs, which start from a whole pretrained VLM, are trained in
+test_finetune.py.)"""
 
 import math
 from pathlib import Path
@@ -11,22 +12,25 @@ import torch
 from training.config import load_run_config
 from training.run import train
 
-pytestmark = pytest.mark.filterwarnings("ignore:Glyph .* missing from font")  # a random LM's answers in the plot
+# a random LM's answers in the plot
+pytestmark = pytest.mark.filterwarnings("ignore:Glyph .* missing from font")
 
 # Configs that start from a whole pretrained VLM (init_from) train from stand-ins of it in test_finetune.py.
 CONFIGS = sorted(path for path in (Path(__file__).parents[2] / "configs").glob("*.yaml")
                  if not load_run_config(path, {}).init_from)
-# One step on little data; no torch.compile (minutes of C++ compilation on a CPU for one step) and no DataLoader
-# workers (processes to start for two records), which tests/training/test_train.py and test_faults.py cover.
-SHRUNK = {"train.max_steps": "1", "train.batch_size": "2", "train.eval_batches": "1", "train.eval_questions": "2",
-          "train.compile": "false", "train.num_workers": "0", "train.vision_pretrain_batch_size": "2",
-          "data.shapes.num_train": "16", "data.shapes.num_validation": "4"}
+# One step on little data; no torch.compile (minutes of C++ compilation on a CPU for one step) and no
+# DataLoader workers (processes to start for two records), which tests/training/test_train.py and
+# test_faults.py cover.
+SHRUNK = {"train.max_steps": "1", "train.batch_size": "2", "train.eval_batches": "1",
+          "train.eval_questions": "2", "train.compile": "false", "train.num_workers": "0",
+          "train.vision_pretrain_batch_size": "2", "data.shapes.num_train": "16",
+          "data.shapes.num_validation": "4"}
 
 
 @pytest.fixture(scope="module")
 def stand_ins(tmp_path_factory) -> dict[str, str]:
-    """Tiny local checkpoints: a SiglipVisionModel, a LlamaForCausalLM and a base-model tokenizer (EOS `</s>`, no
-    ChatML, image or pad token: training adds them)."""
+    """Tiny local checkpoints: a SiglipVisionModel, a LlamaForCausalLM and a base-model tokenizer (EOS `</s>`,
+    no ChatML, image or pad token: training adds them)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
         LlamaConfig,
@@ -47,9 +51,11 @@ def stand_ins(tmp_path_factory) -> dict[str, str]:
     tokenizer.save_pretrained(root / "tokenizer")
     # 32 px in 8 px patches: a 4x4 grid, which a pixel shuffle of 2 divides (nanovlm-222m's projector)
     SiglipVisionModel(SiglipVisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=1, num_attention_heads=2)).save_pretrained(root / "siglip")
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                                         num_hidden_layers=1,
+                                         num_attention_heads=2)).save_pretrained(root / "siglip")
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=8192,
                                  eos_token_id=tokenizer.eos_token_id)).save_pretrained(root / "llama")
     return {"model.vision.pretrained": str(root / "siglip"), "model.language.pretrained": str(root / "llama"),
             "tokenizer": str(root / "tokenizer")}
@@ -62,7 +68,8 @@ def test_a_shipped_config_trains_a_step(path, stand_ins, tmp_path):
     for key, value in stand_ins.items():  # only where the config names one: the others build from scratch
         if _get(shipped, key):
             overrides[key] = value
-    if shipped.data.source == "cauldron":  # the_cauldron comes from the hub: the synthetic shapes in its place
+    # the_cauldron comes from the hub: the synthetic shapes in its place
+    if shipped.data.source == "cauldron":
         overrides["data.source"] = "synthetic"
     if shipped.train.vision_pretrain_steps:
         overrides["train.vision_pretrain_steps"] = "1"
@@ -86,8 +93,8 @@ HUB_CONFIGS = [path for path in sorted((Path(__file__).parents[2] / "configs").g
 
 @pytest.mark.parametrize("path", HUB_CONFIGS, ids=[path.stem for path in HUB_CONFIGS])
 def test_a_hub_config_offline_stops_with_one_line(path, tmp_path, capsys):
-    """Offline (HF_HUB_OFFLINE=1, tests/conftest.py), a config that needs the hub's data or weights stops with one
-    line naming what the hub could not provide, exit code 2, no traceback."""
+    """Offline (HF_HUB_OFFLINE=1, tests/conftest.py), a config that needs the hub's data or weights stops with
+    one line naming what the hub could not provide, exit code 2, no traceback."""
     from train import main
 
     assert main(["--config", str(path), "--train.output_dir", str(tmp_path)]) == 2

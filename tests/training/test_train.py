@@ -1,5 +1,6 @@
-"""Training: the loss falls, one step follows the gradient of the (token- or sample-weighted) mean answer loss, a
-resumed run equals an uninterrupted one, and the batch sampler (resumable, rank-split, length-grouped)."""
+"""Training: the loss falls, one step follows the gradient of the (token- or sample-weighted) mean answer
+loss, a resumed run equals an uninterrupted one, and the batch sampler (resumable, rank-split,
+length-grouped)."""
 
 import copy
 import itertools
@@ -23,7 +24,9 @@ from training.vision_pretraining import pretrain_vision
 
 def _history(run_dir):
     last = sorted(run_dir.glob("step_*"))[-1]
-    return json.loads((last / "training_state.json").read_text())["history"], load_file(last / "model.safetensors")
+    return json.loads((last / "training_state.json").read_text())["history"], load_file(
+        last / "model.safetensors"
+    )
 
 
 def test_loss_falls_and_the_run_leaves_its_artifacts(tmp_path):
@@ -33,20 +36,25 @@ def test_loss_falls_and_the_run_leaves_its_artifacts(tmp_path):
     losses = [loss for _, loss in history]
     assert len(losses) == 40
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
-    for name in ("metrics.json", "loss_curve.png", "predictions.png", "heldout_example.png", "step_000040/config.json",
-                 "step_000040/model.safetensors", "step_000040/tokenizer.json", "step_000040/run_config.json"):
+    for name in ("metrics.json", "loss_curve.png", "predictions.png", "heldout_example.png",
+                 "step_000040/config.json", "step_000040/model.safetensors", "step_000040/tokenizer.json",
+                 "step_000040/run_config.json"):
         assert (tmp_path / name).is_file(), name
-    assert json.loads((tmp_path / "metrics.json").read_text())["validation_loss"] == metrics["validation_loss"]
+    assert (
+        json.loads((tmp_path / "metrics.json").read_text())["validation_loss"] == metrics["validation_loss"]
+    )
 
 
 # A 3x3 patch grid, so that the ViT can be pre-trained on the scenes' cells; the ViT then stays frozen.
-PRETRAINED_VIT = {"model.vision.image_size": "48", "model.vision.patch_size": "16", "data.shapes.image_size": "48",
-                  "model.projector.pixel_shuffle_factor": "1",
-                  "train.vision_pretrain_steps": "3", "train.vision_pretrain_batch_size": "8", "train.lr_vision": "0"}
+PRETRAINED_VIT = {"model.vision.image_size": "48", "model.vision.patch_size": "16",
+                  "data.shapes.image_size": "48", "model.projector.pixel_shuffle_factor": "1",
+                  "train.vision_pretrain_steps": "3", "train.vision_pretrain_batch_size": "8",
+                  "train.lr_vision": "0"}
 
 
 def test_a_fresh_run_pretrains_its_vit_and_lr_vision_0_keeps_it(tmp_path, monkeypatch):
-    """The ViT leaves pre-training changed in every tensor, and with lr_vision 0 training ends with it bit for bit."""
+    """The ViT leaves pre-training changed in every tensor, and with lr_vision 0 training ends with it bit for
+    bit."""
     snapshots = {}
 
     def pretrain_and_snapshot(vision, *args, **kwargs):
@@ -60,7 +68,9 @@ def test_a_fresh_run_pretrains_its_vit_and_lr_vision_0_keeps_it(tmp_path, monkey
                                     "train.eval_every": "3"}))
     assert "pretrained" in snapshots, "the ViT was not pre-trained"
     _, weights = _history(tmp_path)
-    trained = {name.removeprefix("vision."): tensor for name, tensor in weights.items() if name.startswith("vision.")}
+    trained = {
+        name.removeprefix("vision."): tensor for name, tensor in weights.items() if name.startswith("vision.")
+    }
     initial, pretrained = snapshots["initial"], snapshots["pretrained"]
     assert trained.keys() == pretrained.keys()
     assert [name for name in trained if not torch.equal(trained[name], pretrained[name])] == []
@@ -78,10 +88,11 @@ def test_resume_equals_an_uninterrupted_run(tmp_path, settings):
     config = RunConfig.from_json(tmp_path / "split" / "step_000006" / "run_config.json")
     config = config.replace({"train.max_steps": "12"})
     train(config, resume=tmp_path / "split" / "step_000006")
-    (whole, whole_weights), (split, split_weights) = _history(tmp_path / "whole"), _history(tmp_path / "split")
+    whole, whole_weights = _history(tmp_path / "whole")
+    split, split_weights = _history(tmp_path / "split")
     assert [s for s, _ in split] == list(range(1, 13))
-    torch.testing.assert_close(torch.tensor([loss for _, loss in split]), torch.tensor([loss for _, loss in whole]),
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(torch.tensor([loss for _, loss in split]),
+                               torch.tensor([loss for _, loss in whole]), atol=1e-6, rtol=0)
     for name, tensor in whole_weights.items():
         torch.testing.assert_close(split_weights[name], tensor, atol=1e-6, rtol=0)
 
@@ -107,17 +118,24 @@ def test_length_grouping_keeps_the_samples_and_cuts_the_padding():
     lengths = [(i * 37) % 50 for i in range(200)]
     plain = ResumableBatchSampler(200, 8, seed=2)
     grouped = ResumableBatchSampler(200, 8, seed=2, lengths=lengths, group=5, bucket=10)
-    plain_batches, grouped_batches = (list(itertools.islice(iter(s), 25)) for s in (plain, grouped))  # one epoch
+    # one epoch
+    plain_batches, grouped_batches = (list(itertools.islice(iter(s), 25)) for s in (plain, grouped))
     assert sorted(i for b in grouped_batches for i in b) == list(range(200))
     for start in range(0, 25, 5):  # each window of 5 batches holds the plain stream's samples of that window
         window = grouped_batches[start : start + 5]
-        assert sorted(i for b in window for i in b) == sorted(i for b in plain_batches[start : start + 5] for i in b)
+        assert sorted(i for b in window for i in b) == sorted(
+            i for b in plain_batches[start : start + 5] for i in b
+        )
         spans = sorted((min(lengths[i] // 10 for i in b), max(lengths[i] // 10 for i in b)) for b in window)
         # sorted by bucket, cut in runs
         assert all(high <= next_low for (_, high), (next_low, _) in zip(spans, spans[1:]))
-    padded = [sum(len(b) * max(lengths[i] for i in b) for b in batches) for batches in (grouped_batches, plain_batches)]
+    padded = [
+        sum(len(b) * max(lengths[i] for i in b) for b in batches)
+        for batches in (grouped_batches, plain_batches)
+    ]
     assert padded[0] < 0.8 * padded[1]
-    assert grouped_batches != sorted(grouped_batches, key=lambda b: lengths[b[0]])  # windows' batches are shuffled
+    # windows' batches are shuffled
+    assert grouped_batches != sorted(grouped_batches, key=lambda b: lengths[b[0]])
 
 
 def test_length_grouped_batches_resume_and_split_across_ranks():
@@ -137,8 +155,9 @@ def test_length_grouped_batches_resume_and_split_across_ranks():
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 @pytest.mark.parametrize("loss_weight", ["token", "sample"])
 def test_a_step_descends_the_mean_answer_loss(loss_weight, packed):
-    """train_step against a float64 reference: the gradient of the mean over every answer token of the batch, or of
-    the mean over samples of each sample's mean answer-token loss; the same when the samples are packed into rows."""
+    """train_step against a float64 reference: the gradient of the mean over every answer token of the batch,
+    or of the mean over samples of each sample's mean answer-token loss; the same when the samples are packed
+    into rows."""
     model = tiny_vlm()
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 90, (3, 16), generator=generator)
@@ -148,7 +167,8 @@ def test_a_step_descends_the_mean_answer_loss(loss_weight, packed):
     # 8, 1 and 2 answer tokens
     targets[0, 5:13], targets[1, 9], targets[2, 11:13] = ids[0, 6:14], ids[1, 10], ids[2, 12:14]
     batch = {"input_ids": ids, "images": images, "attention_mask": torch.ones_like(ids), "targets": targets}
-    if packed:  # two rows: [sample 0, padding] and [sample 1, sample 2]; the mask numbers a row's samples 1, 2
+    # two rows: [sample 0, padding] and [sample 1, sample 2]; the mask numbers a row's samples 1, 2
+    if packed:
         batch = {"input_ids": torch.stack([torch.cat([ids[0], torch.zeros_like(ids[0])]), ids[1:].flatten()]),
                  "attention_mask": torch.tensor([[1] * 16 + [0] * 16, [1] * 16 + [2] * 16]),
                  "targets": torch.stack([torch.cat([targets[0], torch.full_like(targets[0], -100)]),
@@ -168,7 +188,9 @@ def test_a_step_descends_the_mean_answer_loss(loss_weight, packed):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     before = copy.deepcopy(model)
     config = RunConfig(train=TrainConfig(grad_clip=0, loss_weight=loss_weight))
-    loss, tokens, finite = train_step(Trainer(config, model, model, optimizer, scheduler, torch.device("cpu")), [batch])
+    loss, tokens, finite = train_step(
+        Trainer(config, model, model, optimizer, scheduler, torch.device("cpu")), [batch]
+    )
     assert finite and tokens == ids.numel()  # real tokens only
     assert loss == pytest.approx(expected.item(), rel=1e-5)
     for (name, after), old, ref in zip(model.named_parameters(), before.parameters(), reference.parameters()):
@@ -177,8 +199,8 @@ def test_a_step_descends_the_mean_answer_loss(loss_weight, packed):
 
 
 def test_a_run_ends_its_data_workers_when_it_returns(tmp_path):
-    """Left to the garbage collector, a run's DataLoader workers outlived it, and collecting them later (in the next
-    run of the same process, say) stalled ~5 s a worker."""
+    """Left to the garbage collector, a run's DataLoader workers outlived it, and collecting them later (in
+    the next run of the same process, say) stalled ~5 s a worker."""
     before = set(multiprocessing.active_children())
     train(small_config(tmp_path, **{"train.max_steps": "2", "train.save_every": "2", "train.eval_every": "2",
                                     "train.num_workers": "2"}))
@@ -186,7 +208,8 @@ def test_a_run_ends_its_data_workers_when_it_returns(tmp_path):
 
 
 def test_progress_to_a_file_is_plain_lines(tmp_path, capsys):
-    """Output that is not a terminal (a log file) gets a line every log_every steps, never a progress bar's '\\r'."""
+    """Output that is not a terminal (a log file) gets a line every log_every steps, never a progress bar's
+    '\\r'."""
     train(small_config(tmp_path, **{"train.max_steps": "5", "train.log_every": "2", "train.save_every": "5",
                                     "train.eval_every": "5"}))
     out, err = capsys.readouterr()
@@ -199,8 +222,8 @@ def test_progress_to_a_file_is_plain_lines(tmp_path, capsys):
 
 
 def test_activation_checkpointing_trains_the_same_run(tmp_path, capsys, monkeypatch):
-    """train.activation_checkpointing: the blocks are recomputed (counted), for the same losses and weights as without
-    (float32, the same batches); the log reports peak memory."""
+    """train.activation_checkpointing: the blocks are recomputed (counted), for the same losses and weights as
+    without (float32, the same batches); the log reports peak memory."""
     import models.language_model
     import models.vision_transformer
 
@@ -209,15 +232,19 @@ def test_activation_checkpointing_trains_the_same_run(tmp_path, capsys, monkeypa
         original = module.checkpoint
         monkeypatch.setattr(module, "checkpoint", lambda *args, original=original, **kwargs: (
             recomputed.append(1), original(*args, **kwargs))[1])
-    settings = {"train.max_steps": "3", "train.eval_every": "3", "train.save_every": "3", "train.lr_vision": "0.01"}
+    settings = {"train.max_steps": "3", "train.eval_every": "3", "train.save_every": "3",
+                "train.lr_vision": "0.01"}
     plain = train(small_config(tmp_path / "plain", **settings))
     assert not recomputed
     checkpointed = train(small_config(tmp_path / "checkpointed",
                                       **{**settings, "train.activation_checkpointing": "true"}))
     assert len(recomputed) >= 3 * 3  # every block of the LM (2) and the ViT (1), each of the 3 steps
-    (history, weights), (history_checkpointed, weights_checkpointed) = (_history(tmp_path / name)
-                                                                          for name in ("plain", "checkpointed"))
-    assert [loss for _, loss in history_checkpointed] == pytest.approx([loss for _, loss in history], abs=1e-6)
+    (history, weights), (history_checkpointed, weights_checkpointed) = (
+        _history(tmp_path / name) for name in ("plain", "checkpointed")
+    )
+    assert [loss for _, loss in history_checkpointed] == pytest.approx(
+        [loss for _, loss in history], abs=1e-6
+    )
     for name, tensor in weights.items():
         torch.testing.assert_close(weights_checkpointed[name], tensor, atol=1e-6, rtol=0, msg=name)
     assert plain["peak_memory_mib"] > 0 and checkpointed["peak_memory_mib"] > 0

@@ -1,4 +1,5 @@
-"""The tinyvlm_shapes tasks' document functions: a document is a line of evaluation/shapes_task.py's test.jsonl."""
+"""The tinyvlm_shapes tasks' document functions: a document is a line of evaluation/shapes_task.py's
+test.jsonl."""
 
 from PIL import Image
 
