@@ -7,7 +7,11 @@
 A step is forward + backward + AdamW on random data (random weights; the shape is what matters). MFU follows
 nanoGPT's estimate_mfu: 6 FLOPs per parameter per token (or patch) for every matrix multiply, plus attention's
 12 x layers x width x sequence per token, divided by the device's peak (--peak-tflops; known for
-H100/H200/A100). Writes benchmarks/results/train_throughput-<device>.{md,json}.
+H100/H200/A100). Side by side, the loss from the whole [batch, seq, vocab] logits (`logits`) and with
+train.chunked_loss (`chunked`: the head and the cross-entropy a chunk of positions at a time,
+models/linear_cross_entropy.py), with what each keeps for the backward pass (saved tensors) and, on a GPU,
+its peak memory.
+Writes benchmarks/results/train_throughput-<device>.{md,json}.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -74,14 +79,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=cuda, help="bf16 autocast")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--losses", nargs="+", choices=["logits", "chunked"], default=["logits", "chunked"])
     parser.add_argument("--peak-tflops", type=float, help="device peak for MFU (known for H100/H200/A100)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     return parser.parse_args()
 
 
-def training_step(config: VLMConfig, args: argparse.Namespace, device: torch.device):
+def training_step(config: VLMConfig, args: argparse.Namespace, device: torch.device, chunked: bool):
     """The model and one step (forward, backward, AdamW) on a fixed random batch with an image per row."""
+    torch.manual_seed(0)
     model = VisionLanguageModel(config).to(device).train()
+    model.chunked_loss = chunked
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     forward = torch.compile(model) if args.compile else model
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if args.bf16 and device.type == "cuda"
@@ -94,7 +102,7 @@ def training_step(config: VLMConfig, args: argparse.Namespace, device: torch.dev
 
     def step() -> None:
         with autocast:
-            _, loss = forward(ids, images, targets=targets)
+            _, loss = forward(ids, images, targets=targets, return_logits=False)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -102,29 +110,57 @@ def training_step(config: VLMConfig, args: argparse.Namespace, device: torch.dev
     return model, step
 
 
+def kept_for_backward_mib(step: Callable[[], None]) -> float:
+    """MiB of the tensors autograd keeps from the forward pass to the backward pass of one `step` (each
+    counted once)."""
+    kept = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        step()
+    return sum(kept.values()) / 2**20
+
+
+def measure(config: VLMConfig, args: argparse.Namespace, device: torch.device, loss: str) -> dict:
+    """One loss variant's step: time, throughput, MFU, memory kept for the backward pass, GPU peak."""
+    model, step = training_step(config, args, device, chunked=loss == "chunked")
+    seconds_per_call(step, args.warmup, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds = seconds_per_call(step, args.steps, device)
+    flops = flops_per_step(config, model, args.batch_size, args.seq_len)
+    peak = peak_flops(device, args.peak_tflops)
+    return dict(loss=loss, params_m=sum(p.numel() for p in model.parameters()) / 1e6,
+                ms_per_step=1000 * seconds, tokens_per_s=args.batch_size * args.seq_len / seconds,
+                samples_per_s=args.batch_size / seconds, achieved_tflops=flops / seconds / 1e12,
+                mfu=flops / seconds / peak if peak else None,
+                kept_mib=None if args.compile else kept_for_backward_mib(step),  # compiled: one saved graph
+                peak_mib=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None)
+
+
 def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
     config = shape(args.shape)
-    model, step = training_step(config, args, device)
-    seconds_per_call(step, args.warmup, device)
-    seconds = seconds_per_call(step, args.steps, device)
-    flops = flops_per_step(config, model, args.batch_size, args.seq_len)
-    peak = peak_flops(device, args.peak_tflops)
+    rows = [measure(config, args, device, loss) for loss in args.losses]
     machine = hardware(device)
-    result = dict(shape=args.shape, params_m=sum(p.numel() for p in model.parameters()) / 1e6,
-                  batch=args.batch_size, seq_len=args.seq_len, bf16=args.bf16, compile=args.compile,
-                  hardware=machine, ms_per_step=1000 * seconds,
-                  tokens_per_s=args.batch_size * args.seq_len / seconds,
-                  samples_per_s=args.batch_size / seconds, achieved_tflops=flops / seconds / 1e12,
-                  mfu=flops / seconds / peak if peak else None)
-    mfu = f"{100 * result['mfu']:.1f}%" if result["mfu"] else "– (pass --peak-tflops)"
-    table = ["| shape | params | batch x seq | bf16 | compile | hardware | ms/step | tokens/s | samples/s | "
-             "TFLOP/s | MFU |",
-             "|---|---|---|---|---|---|---|---|---|---|---|",
-             f"| {args.shape} | {result['params_m']:.1f}M | {args.batch_size} x {args.seq_len} | {args.bf16} "
-             f"| {args.compile} | {machine} | {result['ms_per_step']:.1f} | {result['tokens_per_s']:,.0f} | "
-             f"{result['samples_per_s']:,.1f} | {result['achieved_tflops']:.2f} | {mfu} |"]
+    table = [f"{args.shape}, batch {args.batch_size} x {args.seq_len}, bf16 {args.bf16}, "
+             f"compile {args.compile}, {machine}, torch {torch.__version__}", "",
+             "| loss | params | ms/step | tokens/s | samples/s | TFLOP/s | MFU | kept for backward | "
+             "GPU peak |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] else "– (--peak-tflops)"
+        kept = "–" if row["kept_mib"] is None else f"{row['kept_mib']:,.0f} MiB"
+        gpu = "–" if row["peak_mib"] is None else f"{row['peak_mib']:,.0f} MiB"
+        table.append(f"| {row['loss']} | {row['params_m']:.1f}M | {row['ms_per_step']:.1f} | "
+                     f"{row['tokens_per_s']:,.0f} | {row['samples_per_s']:,.1f} | "
+                     f"{row['achieved_tflops']:.2f} | {mfu} | {kept} | {gpu} |")
+    result = dict(shape=args.shape, batch=args.batch_size, seq_len=args.seq_len, bf16=args.bf16,
+                  compile=args.compile, hardware=machine, torch=torch.__version__, rows=rows)
     write_result(args.out, f"train_throughput-{device.type}", table, result)
 
 

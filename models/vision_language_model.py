@@ -23,6 +23,7 @@ from models.errors import InputError, TinyVLMError
 from models.idefics3 import read_idefics3
 from models.kv_cache import repeat_rows
 from models.language_model import LanguageModel
+from models.linear_cross_entropy import chunking_pays, linear_cross_entropy
 from models.modality_projector import ModalityProjector
 from models.nanovlm import read_nanovlm
 from models.sampling import SamplingParams, sample
@@ -54,6 +55,9 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         self.vision = VisionTransformer(config.vision)
         self.projector = ModalityProjector(config)
         self.language = LanguageModel(config.language)
+        # Training's loss without logits (forward(return_logits=False)): the head and the cross-entropy a
+        # chunk of positions at a time where the logits would be large (models/linear_cross_entropy.py).
+        self.chunked_loss = False
         self._compiled_steps: dict[str, CompiledDecodeStep] = {}  # device type -> compiled decode_step
 
     @classmethod
@@ -124,18 +128,29 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         return embeddings.masked_scatter(slots.unsqueeze(-1), features)
 
     def forward(self, input_ids: Tensor, images: Tensor | None = None, attention_mask: Tensor | None = None,
-                targets: Tensor | None = None,
-                reduction: Literal["mean", "sum", "none"] = "mean") -> tuple[Tensor, Tensor | None]:
+                targets: Tensor | None = None, reduction: Literal["mean", "sum", "none"] = "mean",
+                return_logits: bool = True) -> tuple[Tensor | None, Tensor | None]:
         """Logits [B, T, V] and, given `targets` [B, T] (the token to predict at each position, -100 to skip),
         the cross-entropy over the positions that have one: their mean, their sum (0 when there are none), or
-        (reduction="none") each position's own, [B, T] with 0 where there is no target."""
+        (reduction="none") each position's own, [B, T] with 0 where there is no target.
+
+        return_logits=False (training) returns None for the logits; with `self.chunked_loss` it then computes
+        the loss a chunk of positions at a time where they would be large (models/linear_cross_entropy.py):
+        no [B, T, V] tensor is kept for the backward pass, for one more head matmul in it."""
         hidden, _ = self.language(self.embed(input_ids, images), attention_mask)
-        logits = self.language.head(hidden)
+        head = self.language.head
+        chunked = self.chunked_loss and targets is not None and not return_logits
+        if chunked and chunking_pays(head, targets.numel()):
+            losses = linear_cross_entropy(hidden.flatten(0, 1), head.weight, targets.flatten())
+            if reduction == "none":
+                return None, losses.view(targets.shape)
+            return None, losses.sum() / ((targets != -100).sum() if reduction == "mean" else 1)
+        logits = head(hidden)
         if targets is None:
-            return logits, None
+            return logits if return_logits else None, None
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
                                reduction=reduction)
-        return logits, loss.view(targets.shape) if reduction == "none" else loss
+        return logits if return_logits else None, loss.view(targets.shape) if reduction == "none" else loss
 
     @torch.inference_mode()
     def stream(self, input_ids: Tensor, images: Tensor | None = None, attention_mask: Tensor | None = None, *,

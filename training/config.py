@@ -112,6 +112,10 @@ class TrainConfig(Config):
     # Recompute each block of the LM and the ViT in the backward pass instead of keeping its activations: the
     # same loss and gradients for less memory, for a second forward pass of each block.
     activation_checkpointing: bool = False
+    # The output head and the cross-entropy a chunk of positions at a time (models/linear_cross_entropy.py):
+    # the [batch, seq, vocabulary] logits are never kept for the backward pass, which computes each chunk's
+    # again.
+    chunked_loss: bool = False
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     # Under torchrun: DDP replicas, or FSDP2 shards for models too big for one GPU.
     parallel: Literal["ddp", "fsdp"] = "ddp"

@@ -35,7 +35,8 @@ def validation_loss(model: VisionLanguageModel, batches: Iterable[dict], device:
     for batch in batches:
         weights = target_weights(batch["targets"], batch["attention_mask"], per)
         with autocast:
-            losses = model(**{k: v.to(device) for k, v in batch.items()}, reduction="none")[1]
+            inputs = {k: v.to(device) for k, v in batch.items()}
+            _, losses = model(**inputs, reduction="none", return_logits=False)
         total += float((losses * weights.to(device)).sum())
         weight += float(weights.sum())
     return total / (weight or 1)

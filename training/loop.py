@@ -113,7 +113,7 @@ def train_step(trainer: Trainer, micro_batches: list[dict[str, torch.Tensor]]) -
     for i, (batch, weight) in enumerate(zip(micro_batches, weights)):
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}  # from pinned memory on GPU
         with gradient_sync(model, enabled=i == len(micro_batches) - 1), trainer.autocast:
-            _, losses = trainer.forward(**batch, reduction="none")
+            _, losses = trainer.forward(**batch, reduction="none", return_logits=False)
         loss = (losses * weight.to(device)).sum()
         # DDP and FSDP2 average gradients over ranks: scale by world_size so the step's gradient is the global
         # mean.

@@ -98,11 +98,12 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
 
 def _prepare_parts(model: VisionLanguageModel, train_config, device: torch.device) -> None:
     """The parts at learning rate 0 frozen, LoRA's adapters (and QLoRA's 4-bit base) in place, activation
-    checkpointing as the config says."""
+    checkpointing and the chunked loss as the config says."""
     freeze_parts(model, train_config)
     _adapt(model, train_config, device)
     for part in (model.language, model.vision):
         part.activation_checkpointing = train_config.activation_checkpointing
+    model.chunked_loss = train_config.chunked_loss
 
 
 def _validation_batches(collator: VQACollator, records: CheckedRecords, train_config) -> list[dict]:

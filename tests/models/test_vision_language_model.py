@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import models.linear_cross_entropy as chunked_loss
 from models import VisionLanguageModel
 from tests.models.helpers import tiny_vlm, tiny_vlm_config
 
@@ -130,13 +131,17 @@ def test_activation_checkpointing_keeps_less_for_the_same_loss_and_gradients():
         torch.testing.assert_close(grads_checkpointed[name], grad, atol=1e-6, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("activation_checkpointing", [False, True])
-def test_the_training_forward_compiles_as_one_graph_and_computes_what_eager_does(activation_checkpointing):
+@pytest.mark.parametrize("activation_checkpointing, chunked", [(False, False), (True, False), (False, True)])
+def test_the_training_forward_compiles_as_one_graph_and_computes_what_eager_does(
+        activation_checkpointing, chunked, monkeypatch):
     """torch.compile(fullgraph=True) of a training step's forward (packed records, padding, per-position
-    losses): no graph break anywhere (a break raises), and the same losses and gradients as eager. aot_eager
-    traces forward and backward as inductor would, without compiling kernels (seconds on a CPU)."""
+    losses; the loss a chunk at a time, or not): no graph break anywhere (a break raises), and the same losses
+    and gradients as eager. aot_eager traces forward and backward as inductor would, without compiling kernels
+    (seconds on a CPU)."""
+    monkeypatch.setattr(chunked_loss, "CHUNK_ELEMENTS", 10 * 96)  # 48 positions: 5 chunks
     torch._dynamo.reset()
     model = tiny_vlm(seed=4).train()
+    model.chunked_loss = chunked
     config = model.config
     ids = torch.randint(3, 90, (2, 24), generator=torch.Generator().manual_seed(0))
     ids[:, 1 : 1 + config.tokens_per_image] = config.image_token_id
@@ -150,10 +155,41 @@ def test_the_training_forward_compiles_as_one_graph_and_computes_what_eager_does
     results = []
     for forward in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
         model.zero_grad()
-        _, losses = forward(ids, images, mask, targets, reduction="none")
+        _, losses = forward(ids, images, mask, targets, reduction="none", return_logits=False)
         losses.sum().backward()
         results.append((losses.detach(), [p.grad.clone() for p in model.parameters()]))
     (eager, eager_grads), (compiled, compiled_grads) = results
     torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-6)
     for expected, got in zip(eager_grads, compiled_grads, strict=True):
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_the_loss_without_logits_equals_the_loss_from_them(tie, monkeypatch):
+    """return_logits=False with model.chunked_loss (train.chunked_loss) computes the head and the loss a chunk
+    of positions at a time where the logits would be large: the same losses, for every reduction, and the same
+    gradients."""
+    monkeypatch.setattr(chunked_loss, "CHUNK_ELEMENTS", 7 * 96)  # 2 x 16 positions: 5 chunks
+    model = tiny_vlm(seed=6, tie_word_embeddings=tie).train()
+    model.chunked_loss = True
+    ids = torch.randint(3, 90, (2, 16), generator=torch.Generator().manual_seed(1))
+    ids[:, 1:5] = IMAGE_ID
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    targets = ids.roll(-1, 1)
+    targets[:, :5] = -100
+    for reduction in ("none", "mean", "sum"):
+        results = []
+        for return_logits in (True, False):
+            model.zero_grad()
+            logits, loss = model(ids, images, targets=targets, reduction=reduction,
+                                 return_logits=return_logits)
+            assert (logits is None) == (not return_logits)
+            loss.sum().backward()
+            results.append((loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
+        (plain, plain_grads), (chunked, chunked_grads) = results
+        torch.testing.assert_close(chunked, plain, atol=1e-6, rtol=1e-6)
+        # float32 sums in another order: within 1e-5 of the gradients' scale (some, such as the keys' biases',
+        # are 0 but for rounding)
+        scale = max(float(grad.abs().max()) for grad in plain_grads.values())
+        for name, grad in plain_grads.items():
+            torch.testing.assert_close(chunked_grads[name], grad, atol=1e-5 * scale, rtol=1e-5, msg=name)
