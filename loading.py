@@ -129,6 +129,14 @@ def pick_device(name: str) -> torch.device:
 
 def load_for_inference(checkpoint: str | Path | None, device: torch.device, allow_pickle: bool = False,
                        runs: Path = RUNS):
+    """`load_with_processor`'s model and processor, the model's projections fused for inference
+    (`VisionLanguageModel.fuse_projections`: fewer kernels a step, the same outputs and state dict)."""
+    model, processor = load_with_processor(checkpoint, device, allow_pickle, runs)
+    return model.fuse_projections(), processor
+
+
+def load_with_processor(checkpoint: str | Path | None, device: torch.device, allow_pickle: bool = False,
+                        runs: Path = RUNS):
     """Model (eval mode, on `device`) and its chat processor (`encode(prompt, images)`, `.tokenizer`) for a
     checkpoint: tinyvlm's own, a SmolVLM / Idefics3 or a nanoVLM one; a directory, a hub id, or None for the
     newest under `runs`."""

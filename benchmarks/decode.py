@@ -3,8 +3,9 @@
     python benchmarks/decode.py       # CPU defaults: batch 1, 100-token prompt, 64 new tokens
     python benchmarks/decode.py --device cuda --batch-sizes 1 8 32 --new-tokens 256
 
-Methods: tinyvlm fast path (compiled, shape-static decode step), tinyvlm eager, tinyvlm without cache,
-transformers `generate` with its dynamic cache, transformers with a static cache + torch.compile. ms/step is
+Methods: tinyvlm fast path (compiled, shape-static decode step), tinyvlm eager, each also with fused q/k/v
+and gate/up projections (`fuse_projections`), tinyvlm without cache, transformers `generate` with its
+dynamic cache, transformers with a static cache + torch.compile. ms/step is
 the decode step, measured as (time(N new tokens) - time(1 new token)) / (N - 1), so the prefill cancels;
 tok/s = batch / step time.
 Also: time to first token for an image + 64-token prompt (nanovlm-222m shape), and cached vs uncached time
@@ -14,6 +15,7 @@ against the number of new tokens. Writes benchmarks/results/decode-<device>-<dty
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import statistics
@@ -27,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import LanguageConfig, VisionConfig, VisionLanguageModel, VLMConfig  # noqa: E402
 
-METHODS = ("tinyvlm fast", "tinyvlm eager", "tinyvlm no cache", "transformers dynamic",
-           "transformers static+compile")
+METHODS = ("tinyvlm fast", "tinyvlm fused fast", "tinyvlm eager", "tinyvlm fused eager", "tinyvlm no cache",
+           "transformers dynamic", "transformers static+compile")
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
@@ -55,12 +57,23 @@ def build_models(device: torch.device, dtype: torch.dtype):
     return reference.to(device, dtype), ours.to(device, dtype)
 
 
+_FUSED: dict[int, VisionLanguageModel] = {}
+
+
+def fused(ours: VisionLanguageModel) -> VisionLanguageModel:
+    """One copy of `ours` with fused projections per model, so that its compiled steps are reused."""
+    if id(ours) not in _FUSED:  # the copy starts with no compiled steps
+        _FUSED[id(ours)] = copy.deepcopy(ours, {id(ours._compiled_steps): {}}).fuse_projections()
+    return _FUSED[id(ours)]
+
+
 def make_runner(method: str, reference, ours):
     """A function (ids, new_tokens) -> generated ids [B, new_tokens] for one method."""
     if method.startswith("tinyvlm"):
-        settings = {"tinyvlm fast": dict(compile=True), "tinyvlm eager": {},
-                    "tinyvlm no cache": dict(use_cache=False)}[method]
-        return lambda ids, n: ours.generate(ids, None, max_new_tokens=n, greedy=True, **settings)
+        model = fused(ours) if "fused" in method else ours
+        kind = method.split()[-1]  # fast, eager, or (no) cache
+        settings = {"fast": dict(compile=True), "eager": {}, "cache": dict(use_cache=False)}[kind]
+        return lambda ids, n: model.generate(ids, None, max_new_tokens=n, greedy=True, **settings)
     from transformers import CompileConfig
 
     settings = dict(do_sample=False, pad_token_id=0)

@@ -322,6 +322,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     reference, ours = build_models(device, dtype)
+    ours.fuse_projections()  # as load_for_inference gives it to generate.py and the server
     title = (f"SmolLM2-135M shape, random weights, {args.dtype}, greedy, EOS ignored; engine: max_num_seqs "
              f"{args.max_num_seqs}, max_batch_tokens {args.max_batch_tokens}, {args.kv_blocks} blocks of "
              f"{args.block_size}; {hardware(device)}; torch {torch.__version__}")

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from models.attention import causal_mask, grouped_attention, paged_attention
 from models.config import LanguageConfig
+from models.fused_linear import fuse, project
 from models.gguf import read_gguf
 from models.kv_cache import KVCache, Paged, allocate, attended_slots, layout_of, write
 from models.weights import (
@@ -66,6 +67,9 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos.to(x.dtype) + torch.cat([-second, first], dim=-1) * sin.to(x.dtype)
 
 
+QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+
+
 # Grouped-query attention (Ainslie et al. 2023) over any cache layout (models/attention.py).
 class Attention(nn.Module):
     def __init__(self, config: LanguageConfig) -> None:
@@ -81,9 +85,10 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, kv_cache: KVCache | None,
                 start_pos: int | Tensor) -> tuple[Tensor, KVCache]:
         batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = project(self, x, "qkv_proj", QKV)
+        q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         kv_cache, k, v = write(kv_cache, k, v, start_pos)
         if isinstance(layout_of(kv_cache), Paged):  # the packed tokens of many sequences, one row
@@ -105,7 +110,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(self, x, "gate_up_proj", GATE_UP)
+        return self.down_proj(F.silu(gate) * up)
 
 
 # A pre-norm Llama decoder block.
@@ -191,6 +197,13 @@ class LanguageModel(nn.Module):
 
     def tied_weight_keys(self) -> list[str]:
         return ["head.weight"] if self.config.tie_word_embeddings else []
+
+    def fuse_projections(self) -> None:
+        """Each block's q/k/v and gate/up projections as one matmul each (models/fused_linear.py): for
+        inference; the state dict keeps the separate tensors."""
+        for block in self.blocks:
+            fuse(block.attn, "qkv_proj", QKV)
+            fuse(block.mlp, "gate_up_proj", GATE_UP)
 
     def forward(self, embeddings: Tensor, attention_mask: Tensor | None = None,
                 kv_cache: list[KVCache] | None = None,

@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from models.config import VisionConfig
 from models.errors import InputError
+from models.fused_linear import fuse, project
 from models.weights import (
     CheckpointError,
     load_checked,
@@ -21,6 +22,8 @@ from models.weights import (
     resolve,
     weight_patterns,
 )
+
+QKV = ("q_proj", "k_proj", "v_proj")
 
 
 # Multi-head self-attention over all patches (no mask), as in transformers' SiglipAttention.
@@ -35,8 +38,8 @@ class VisionAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         batch, seq, width = x.shape
-        q, k, v = (proj(x).view(batch, seq, self.num_heads, -1).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (projected.view(batch, seq, self.num_heads, -1).transpose(1, 2)
+                   for projected in project(self, x, "qkv_proj", QKV))
         out = F.scaled_dot_product_attention(q, k, v)
         return self.out_proj(out.transpose(1, 2).reshape(batch, seq, width))
 
@@ -131,6 +134,12 @@ class VisionTransformer(nn.Module):
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         return self.norm(x)
+
+    def fuse_projections(self) -> None:
+        """Each block's q/k/v projections as one matmul (models/fused_linear.py): for inference; the state
+        dict keeps the separate tensors."""
+        for block in self.blocks:
+            fuse(block.attn, "qkv_proj", QKV)
 
     @classmethod
     def from_pretrained(cls, source: str | Path, allow_pickle: bool = False) -> VisionTransformer:

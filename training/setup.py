@@ -17,7 +17,7 @@ from data import (
     token_id,
 )
 from data.chat_processors import ChatProcessor, CheckpointProcessor, ConversationEncoder
-from loading import PROCESSOR_FILES, SHARDED, find_checkpoint, load_for_inference
+from loading import PROCESSOR_FILES, SHARDED, find_checkpoint, load_with_processor
 from models import VisionLanguageModel, VLMConfig
 from models.lora import adapter_base, load_adapter
 from models.weights import CheckpointError, resolve
@@ -71,11 +71,11 @@ def adapted_checkpoint(init_from: str) -> str:
 
 
 def load_start(source: str, allow_pickle: bool = False) -> tuple[VisionLanguageModel, ConversationEncoder]:
-    """A whole VLM to train from, and its chat processor, loaded as inference loads them
-    (`load_for_inference`): tinyvlm's own checkpoint with its tokenizer, a nanoVLM one with the tokenizer it
+    """A whole VLM to train from, and its chat processor, loaded as inference loads them but unfused
+    (`load_with_processor`): tinyvlm's own checkpoint with its tokenizer, a nanoVLM one with the tokenizer it
     was trained with, a SmolVLM / Idefics3 one with its own processor (chat template, image processor). The
     model keeps its vocabulary: the tokenizer must fit it."""
-    model, processor = load_for_inference(source, torch.device("cpu"), allow_pickle)
+    model, processor = load_with_processor(source, torch.device("cpu"), allow_pickle)
     model.train()
     vocab, tokens = model.config.language.vocab_size, len(processor.tokenizer)
     if tokens > vocab:

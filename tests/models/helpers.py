@@ -3,6 +3,7 @@ format), and a tiny VLM of ours."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -37,6 +38,14 @@ def save_tiny_llama(directory: Path, tie: bool, vocab_size: int = 128, seed: int
                 p.normal_(0, 0.2)
     model.save_pretrained(directory)
     return model
+
+
+def fused_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` (a VisionLanguageModel, LanguageModel or VisionTransformer) with its projections
+    fused for inference (models/fused_linear.py)."""
+    fused = copy.deepcopy(model)
+    fused.fuse_projections()
+    return fused
 
 
 def tiny_vlm_config(**language) -> VLMConfig:

@@ -9,7 +9,7 @@ from gguf import GGUFWriter
 
 from models import LanguageModel
 from models.weights import CheckpointError
-from tests.models.helpers import save_tiny_llama
+from tests.models.helpers import fused_copy, save_tiny_llama
 
 LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -85,10 +85,13 @@ def test_a_gguf_llama_loads_with_transformers_logits(tmp_path, tie, matrices):
     assert (c.rope_theta, c.eos_token_id, c.tie_word_embeddings) == (5000.0, 3, tie)
     assert c.rms_norm_eps == pytest.approx(1e-5)  # GGUF keeps it as a float32
     ids = torch.randint(0, 128, (2, 40))
+    fused = fused_copy(ours)
     with torch.no_grad():
         expected = reference(ids).logits
         actual = ours.head(ours(ours.token_embedding(ids))[0])
+        actual_fused = fused.head(fused(fused.token_embedding(ids))[0])
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(actual_fused, expected, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from data.chat_processors import CheckpointProcessor
 from models import CheckpointError, VisionLanguageModel
 from models.idefics3 import config_from_idefics3, export_idefics3
-from tests.models.helpers import save_tiny_idefics3, tiny_vlm
+from tests.models.helpers import fused_copy, save_tiny_idefics3, tiny_vlm
 
 QUESTION = "what colour is the sky?"
 
@@ -47,7 +47,9 @@ def test_logits_match_transformers_on_split_images(idefics3, sizes):
     with torch.no_grad():
         expected = reference(**inputs).logits
         logits, _ = model(torch.tensor([ids]), pixels)
+        fused_logits, _ = fused_copy(model)(torch.tensor([ids]), pixels)
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(fused_logits, expected, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
@@ -151,6 +153,12 @@ def test_export_round_trip_matches_transformers(tmp_path):
     again = VisionLanguageModel.from_pretrained(tmp_path / "idefics3").eval()
     with torch.no_grad():
         torch.testing.assert_close(again(ids, pixels)[0], logits, atol=0, rtol=0)
+    # a model with fused projections exports the same tensors
+    export_idefics3(fused_copy(model), tmp_path / "fused")
+    exported = load_file(tmp_path / "idefics3" / "model.safetensors")
+    from_fused = load_file(tmp_path / "fused" / "model.safetensors")
+    assert exported.keys() == from_fused.keys()
+    assert all(torch.equal(from_fused[name], tensor) for name, tensor in exported.items())
 
 
 def test_a_model_that_does_not_fit_idefics3_is_refused_naming_the_field(tmp_path):

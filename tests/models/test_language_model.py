@@ -8,7 +8,7 @@ import torch
 from models import CheckpointError, LanguageModel
 from models.kv_cache import CacheCapacityError, Growing, Preallocated, allocate, with_layout
 from models.language_model import causal_mask
-from tests.models.helpers import save_tiny_llama
+from tests.models.helpers import fused_copy, save_tiny_llama
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
@@ -21,15 +21,19 @@ def llama_pair(request, tmp_path_factory):
 def test_logits_match_transformers(llama_pair):
     reference, ours = llama_pair
     ids = torch.randint(0, 128, (2, 40))
+    fused = fused_copy(ours)
     with torch.no_grad():
         expected = reference(ids).logits
         hidden, _ = ours(ours.token_embedding(ids))
         actual = ours.head(hidden)
+        actual_fused = fused.head(fused(fused.token_embedding(ids))[0])
     assert (
         ours.config.num_kv_heads == 2
         and ours.config.tie_word_embeddings == reference.config.tie_word_embeddings
     )
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(actual_fused, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(actual_fused, actual, atol=1e-5, rtol=0)
 
 
 def test_left_padded_logits_match_transformers(llama_pair):

@@ -26,6 +26,7 @@ from tests.models.helpers import (
     CHAT_TEMPLATE,
     EXTRA_TOKENS,
     base_tokenizer_dir,
+    fused_copy,
     nanovlm_config,
     save_backbones,
     tiny_fields,
@@ -87,7 +88,9 @@ def test_logits_match_the_backbones(checkpoints):
     with torch.no_grad():
         expected, _ = reference(ids, images)
         actual, _ = model(ids, images)
+        actual_fused, _ = fused_copy(model)(ids, images)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(actual_fused, expected, atol=1e-5, rtol=0)
     assert model.language.head.weight is model.language.token_embedding.weight if tied else \
         not torch.equal(model.language.head.weight, model.language.token_embedding.weight)
 

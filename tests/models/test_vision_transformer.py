@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from models import CheckpointError, VisionTransformer
+from tests.models.helpers import fused_copy
 
 
 def _siglip_vision_config():
@@ -31,8 +32,10 @@ def test_matches_siglip_vision_model(tmp_path):
     with torch.no_grad():
         expected = reference(pixel_values=images).last_hidden_state
         actual = ours(images)
+        actual_fused = fused_copy(ours)(images)
     assert ours.config.num_patches == 16 and actual.shape == expected.shape
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(actual_fused, expected, atol=1e-4, rtol=0)
 
 
 def test_loads_the_vision_tower_of_a_full_siglip_model(tmp_path):

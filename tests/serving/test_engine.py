@@ -9,7 +9,7 @@ import torch
 from serving.engine import Engine
 from serving.requests import Request, RequestError, RequestParams
 from tests.models.generation_helpers import IMAGE_ID, TOKENS_PER_IMAGE
-from tests.models.helpers import TRITON_ON_CPU, tiny_vlm
+from tests.models.helpers import TRITON_ON_CPU, fused_copy, tiny_vlm
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +90,15 @@ def test_continuous_batching_gives_each_request_its_greedy_tokens(
         assert engine.scheduler.num_preemptions > 0
     if budget == 10:
         assert engine.stats()["preemptions"] == 0
+
+
+def test_a_model_with_fused_projections_serves_the_tokens_of_the_unfused_one(model):
+    """load_for_inference fuses the projections of the models that generate.py and the server serve."""
+    requests = _requests()
+    engine = Engine(fused_copy(model), num_blocks=40, block_size=8, max_num_seqs=8, max_batch_tokens=10)
+    tokens = _serve(engine, requests, arrivals=[0, 0, 1, 3, 3, 4, 8, 9, 15, 15])
+    for i, (prompt, images, params) in enumerate(requests):
+        assert tokens[str(i)] == _alone(model, prompt, images, params)[0], i
 
 
 def test_requests_held_back_to_join_in_batches_keep_their_greedy_tokens(model):

@@ -1,0 +1,90 @@
+"""Linear layers that read the same input, fused into one matmul for inference: fewer and larger kernels per
+block (gpt-fast's wqkv, vLLM's QKVParallelLinear). The owner's state dict still holds the separate layers'
+tensors under their own names (its hooks split and join them), so saving, exporting and loading see the
+layout the checkpoints have.
+
+    fuse(block.attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+    q, k, v = project(block.attn, x, "qkv_proj", ("q_proj", "k_proj", "v_proj"))   # fused or not
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+# The parts' rows stacked in one weight (and bias); the output split back into the parts' outputs.
+class FusedLinear(nn.Linear):
+    def __init__(self, parts: dict[str, nn.Linear]) -> None:
+        layers = list(parts.values())
+        first = layers[0]
+        if any(type(layer) is not nn.Linear or layer.in_features != first.in_features
+               or (layer.bias is None) != (first.bias is None) for layer in layers):
+            found = ", ".join(f"{part} {type(layer).__module__}.{type(layer).__name__}"
+                              for part, layer in parts.items())
+            raise ValueError(f"only plain nn.Linear layers on one input fuse (not adapted or quantized "
+                             f"ones): {found}")
+        super().__init__(first.in_features, sum(layer.out_features for layer in layers),
+                         bias=first.bias is not None, device=first.weight.device, dtype=first.weight.dtype)
+        with torch.no_grad():
+            self.weight.copy_(torch.cat([layer.weight for layer in layers]))
+            if self.bias is not None:
+                self.bias.copy_(torch.cat([layer.bias for layer in layers]))
+        self.requires_grad_(first.weight.requires_grad)
+        self.parts = {part: layer.out_features for part, layer in parts.items()}  # in output order
+
+    def forward(self, x: Tensor) -> tuple[Tensor, ...]:
+        return super().forward(x).split(list(self.parts.values()), dim=-1)
+
+
+def _fused_children(owner: nn.Module) -> list[tuple[str, FusedLinear]]:
+    return [(name, child) for name, child in owner.named_children() if isinstance(child, FusedLinear)]
+
+
+def _split_parts(owner: nn.Module, state: dict, prefix: str, _metadata) -> None:
+    """State-dict hook: each fused tensor written as its parts' (copies: no views of one another), in the
+    owner's order. The owner's entries are the last ones written, so they are taken out and put back."""
+    fused = {f"{prefix}{name}.": child for name, child in _fused_children(owner)}
+    owned = {key: state.pop(key) for key in [key for key in state if key.startswith(prefix)]}
+    for key, tensor in owned.items():
+        layer_prefix = next((p for p in fused if key.startswith(p)), None)
+        if layer_prefix is None:
+            state[key] = tensor
+        elif key == layer_prefix + "weight":  # each part's weight, then its bias, as separate layers write
+            sizes = list(fused[layer_prefix].parts.values())
+            pieces = {kind: owned[layer_prefix + kind].split(sizes) for kind in ("weight", "bias")
+                      if layer_prefix + kind in owned}
+            for i, part in enumerate(fused[layer_prefix].parts):
+                for kind, split in pieces.items():
+                    state[f"{prefix}{part}.{kind}"] = split[i].clone()
+
+
+def _join_parts(owner: nn.Module, state: dict, prefix: str, *_) -> None:
+    """Load hook: the parts' tensors, where a state dict holds them, read as the fused ones."""
+    for name, fused in _fused_children(owner):
+        for kind in ("weight", "bias"):
+            keys = [f"{prefix}{part}.{kind}" for part in fused.parts]
+            if all(key in state for key in keys):
+                state[f"{prefix}{name}.{kind}"] = torch.cat([state.pop(key) for key in keys])
+
+
+def fuse(owner: nn.Module, name: str, parts: tuple[str, ...]) -> None:
+    """Replace `owner`'s linear layers `parts` with one FusedLinear called `name` (no-op if already fused)."""
+    if name in owner._modules:
+        return
+    if not _fused_children(owner):
+        owner.register_state_dict_post_hook(_split_parts)
+        owner.register_load_state_dict_pre_hook(_join_parts)
+    layer = FusedLinear({part: getattr(owner, part) for part in parts})
+    # in the first part's place, so that the state dict keeps the separate layers' order
+    children = [(name, layer) if child == parts[0] else (child, module)
+                for child, module in owner._modules.items() if child not in parts[1:]]
+    owner._modules.clear()
+    owner._modules.update(children)
+
+
+def project(owner: nn.Module, x: Tensor, name: str, parts: tuple[str, ...]) -> tuple[Tensor, ...]:
+    """Each of `parts`' outputs for `x`: from the fused layer `name` where `owner` has one, else layer by
+    layer."""
+    fused = owner._modules.get(name)
+    return fused(x) if fused is not None else tuple(getattr(owner, part)(x) for part in parts)
