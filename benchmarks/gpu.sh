@@ -7,6 +7,9 @@
 #                                      # 256 and 1,024 requests and nano-vllm's workload against static and transformers
 #   bash benchmarks/gpu.sh engine OUT  # issue 41, shorter: the GPU tests, the engine against the compiled static batch
 #                                      # at 1,024 and 256 requests, and its decode step split into host and device time
+#   bash benchmarks/gpu.sh fast OUT    # issues 44 and 46: QLoRA's GPU test; decode with and without fused projections
+#                                      # (batch 1 and 32, time to first token); nanovlm-222m compiled training with
+#                                      # the plain and the chunked loss
 #
 # Each writes its tables and logs under OUT (then copy them to benchmarks/results/).
 #
@@ -17,8 +20,8 @@
 #     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pyarrow==26.0.1 fsspec==2026.9.0
 # They are installed into /tmp/site, with gpu_site/sitecustomize.py (see there why).
 set -uo pipefail
-mode=${1:?usage: benchmarks/gpu.sh seeds|speed|serving|engine OUT}
-out=${2:?usage: benchmarks/gpu.sh seeds|speed|serving|engine OUT}
+mode=${1:?usage: benchmarks/gpu.sh seeds|speed|serving|engine|fast OUT}
+out=${2:?usage: benchmarks/gpu.sh seeds|speed|serving|engine|fast OUT}
 mkdir -p "$out"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -67,5 +70,14 @@ engine)
   timeout "${STEP_TIMEOUT:-120}" python3 benchmarks/host_overhead.py --device cuda --model smollm2-135m \
     --running 16 64 256 --steps 30 --out "$out" 2>&1 | tee "$out/host_overhead.log"
   ;;
-*) echo "unknown mode $mode: seeds, speed, serving or engine" >&2; exit 2 ;;
+fast)
+  timeout "${TESTS_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/training/test_lora.py 2>&1 \
+    | tee "$out/gpu-tests.log"
+  timeout "${DECODE_TIMEOUT:-240}" python3 benchmarks/decode.py --device cuda --batch-sizes 1 32 --repeats 3 \
+    --methods "tinyvlm fast" "tinyvlm fused fast" "transformers static+compile" --curve-tokens --out "$out" 2>&1 \
+    | tee "$out/decode.log"
+  timeout "${TRAIN_TIMEOUT:-200}" python3 benchmarks/train_throughput.py --shape nanovlm-222m --device cuda --compile \
+    --out "$out" 2>&1 | tee "$out/train.log"
+  ;;
+*) echo "unknown mode $mode: seeds, speed, serving, engine or fast" >&2; exit 2 ;;
 esac
