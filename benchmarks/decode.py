@@ -7,7 +7,8 @@ Methods: tinyvlm fast path (compiled, shape-static decode step), tinyvlm eager, 
 and gate/up projections (`fuse_projections`), tinyvlm without cache, transformers `generate` with its
 dynamic cache, transformers with a static cache + torch.compile. ms/step is
 the decode step, measured as (time(N new tokens) - time(1 new token)) / (N - 1), so the prefill cancels;
-tok/s = batch / step time.
+tok/s = batch / step time; kernels/step the same difference of the kernels the profiler sees (on a CPU, the
+operators that compute).
 Also: time to first token for an image + 64-token prompt (nanovlm-222m shape), and cached vs uncached time
 against the number of new tokens. Writes benchmarks/results/decode-<device>-<dtype>.{md,json,png}.
 """
@@ -103,6 +104,42 @@ def timed(run, ids, new_tokens: int, repeats: int, device: torch.device) -> tupl
     return statistics.median(times), out
 
 
+# Metadata-only operators: no kernel runs for them on any device.
+VIEWS = {"aten::" + name for name in (
+    "view", "_unsafe_view", "as_strided", "alias", "t", "transpose", "expand", "narrow", "slice", "select",
+    "split", "split_with_sizes", "unsqueeze", "squeeze", "permute", "reshape", "detach", "lift_fresh",
+    "unbind", "chunk", "empty", "empty_strided", "resolve_conj", "resolve_neg", "_reshape_alias")}
+# Operators that compute only through what they call (a copy when a cast or a layout needs one).
+WRAPPERS = {"aten::to", "aten::contiguous", "aten::flatten", "aten::type_as"}
+
+
+def kernels(run, ids, new_tokens: int, device: torch.device) -> int:
+    """Kernels one call of `run` launches: on a GPU the profiler's device events (kernels, copies, sets; those
+    inside CUDA graphs included); on a CPU, as a proxy for an eager run, the operators the model calls (not
+    those they call in turn; views aside), each of which is at least one kernel on a GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as profiler:
+        run(ids, new_tokens)
+        synchronize(device)
+    events = profiler.events()
+    if cuda:
+        return sum(1 for event in events if event.device_type == torch.autograd.DeviceType.CUDA)
+
+    def called_by_the_model(event) -> bool:
+        parent = event.cpu_parent
+        return not (parent and parent.name.startswith("aten::")) or parent.name in WRAPPERS
+
+    return sum(1 for event in events if event.name.startswith("aten::")
+               and event.name not in VIEWS | WRAPPERS and called_by_the_model(event))
+
+
+def kernels_per_step(run, ids, new_tokens: int, device: torch.device) -> float:
+    """Kernels of one decode step: (kernels(N new tokens) - kernels(1)) / (N - 1), so the prefill cancels."""
+    return (kernels(run, ids, new_tokens, device) - kernels(run, ids, 1, device)) / (new_tokens - 1)
+
+
 @torch.inference_mode()
 def decode_table(reference, ours, args, device) -> list[dict]:
     rows = []
@@ -120,11 +157,15 @@ def decode_table(reference, ours, args, device) -> list[dict]:
             step_ms = 1000 * (full - first) / (args.new_tokens - 1)
             baseline_tokens = tokens if baseline_tokens is None else baseline_tokens
             same = float((tokens == baseline_tokens).float().mean())
+            # a compiled graph's kernels are not operators the profiler sees on a CPU
+            compiled = "fast" in method or "compile" in method
+            kernels = (None if compiled and device.type == "cpu"
+                       else kernels_per_step(run, ids, args.new_tokens, device))
             rows.append(dict(batch=batch, method=method, ms_per_step=step_ms,
-                             tokens_per_s=1000 * batch / step_ms, total_s=full,
+                             tokens_per_s=1000 * batch / step_ms, total_s=full, kernels_per_step=kernels,
                              same_tokens_as_first_method=same))
             print(f"batch {batch:>3}  {method:<28} {step_ms:9.2f} ms/step {1000 * batch / step_ms:10.1f} "
-                  f"tok/s  same tokens: {same:.3f}", flush=True)
+                  f"tok/s  {kernels or 0:6.0f} kernels/step  same tokens: {same:.3f}", flush=True)
     for row in rows:
         base = next((r for r in rows if r["batch"] == row["batch"] and r["method"] == "transformers dynamic"),
                     None)
@@ -184,12 +225,16 @@ def write_results(rows, ttft_ms, curve, floor, args, device, out: Path) -> None:
     title = (f"Decode, SmolLM2-135M shape, random weights, {args.dtype}, greedy, {args.prompt_len}-token "
              f"prompt, {args.new_tokens} new tokens; {hardware}; torch {torch.__version__}")
     lines = [f"**{title}**", "",
-             "| batch | method | ms/step | tok/s | x transformers dynamic | same tokens |",
-             "|---|---|---|---|---|---|"]
+             "| batch | method | ms/step | tok/s | x transformers dynamic | kernels/step (a layer) "
+             "| same tokens |",
+             "|---|---|---|---|---|---|---|"]
+    layers = SMOLLM2["num_hidden_layers"]
     for r in rows:
         ratio = f"{r['speedup_vs_transformers_dynamic']:.2f}" if r["speedup_vs_transformers_dynamic"] else "–"
+        count = r["kernels_per_step"]
+        kernels = "–" if count is None else f"{count:.0f} ({count / layers:.1f})"
         lines.append(f"| {r['batch']} | {r['method']} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:.1f} | "
-                     f"{ratio} | {r['same_tokens_as_first_method']:.3f} |")
+                     f"{ratio} | {kernels} | {r['same_tokens_as_first_method']:.3f} |")
     gb_per_s, floor_ms = floor
     lines += ["", f"Bandwidth floor, batch 1 (reading every weight once per step at the {gb_per_s:.1f} GB/s "
                   f"this device reads a buffer of the same size): {floor_ms:.2f} ms/step"]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from models import LanguageConfig, VisionConfig, VisionLanguageModel, VLMConfig
+from tests.models.helpers import tiny_vlm
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,3 +42,16 @@ def test_every_method_generates_the_reference_tokens():
                                       pad_token_id=0)[:, ids.shape[1]:]
         for method in decode.METHODS:  # the static+compile one raised TypeError with transformers >= 5.17
             assert torch.equal(decode.make_runner(method, reference, ours)(ids, 6), expected), method
+
+
+def test_kernels_per_step_sees_the_three_matmuls_a_block_saves_by_fusing():
+    """The benchmark's kernel count (on a CPU: the operators an eager step calls) drops by exactly three a
+    block (q/k/v -> one, gate/up -> one) with fused projections."""
+    decode = load_benchmark()
+    model = tiny_vlm()
+    ids = torch.randint(3, 90, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        counts = {method: decode.kernels_per_step(decode.make_runner(method, None, model), ids, 6,
+                                                  torch.device("cpu"))
+                  for method in ("tinyvlm eager", "tinyvlm fused eager")}
+    assert counts["tinyvlm eager"] - counts["tinyvlm fused eager"] == 3 * model.config.language.num_layers
