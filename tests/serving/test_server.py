@@ -38,9 +38,11 @@ def _data_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
-def _message(text: str, *images: bytes) -> list[dict]:
+def _message(text: str, *images: bytes | str) -> list[dict]:
+    """A user message of `text` and images: encoded bytes (sent as data URLs) or URLs as they are."""
     parts = [{"type": "text", "text": text}]
-    parts += [{"type": "image_url", "image_url": {"url": _data_url(image)}} for image in images]
+    urls = [image if isinstance(image, str) else _data_url(image) for image in images]
+    parts += [{"type": "image_url", "image_url": {"url": url}} for url in urls]
     return [{"role": "user", "content": parts}]
 
 
@@ -346,36 +348,9 @@ BAD = [
     ("max_tokens zero", {"messages": _message("hi"), "max_tokens": 0}, "max_tokens"),
     ("past the context", {"messages": _message("hi"), "max_tokens": 600}, "exceeds the context"),
     ("prompt too long", {"messages": _message("sky " * 600)}, "exceeds the context"),
-    (
-        "image URL on a loopback address",
-        {
-            "messages": [
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "text", "text": "hi"},
-                        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/a.png"}},
-                    ],
-                }
-            ]
-        },
-        "loopback, private or link-local",
-    ),
-    (
-        "local image path",
-        {
-            "messages": [
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "text", "text": "hi"},
-                        {"type": "image_url", "image_url": {"url": "/etc/hostname"}},
-                    ],
-                }
-            ]
-        },
-        "--allowed-local-media-path",
-    ),
+    ("image URL on a loopback address", {"messages": _message("hi", "http://127.0.0.1:9/a.png")},
+     "loopback, private or link-local"),
+    ("local image path", {"messages": _message("hi", "/etc/hostname")}, "--allowed-local-media-path"),
     ("undecodable image", {"messages": _message("hi", b"not an image at all")}, "not an image"),
     ("too many images", {"messages": _message("hi", *[_png()] * 5)}, "at most 4"),
     ("no messages", {"messages": []}, "messages"),
