@@ -23,7 +23,7 @@ from models.errors import InputError, TinyVLMError
 from models.idefics3 import read_idefics3
 from models.kv_cache import repeat_rows
 from models.language_model import LanguageModel
-from models.linear_cross_entropy import chunking_pays, linear_cross_entropy
+from models.linear_cross_entropy import IGNORE_INDEX, chunking_pays, linear_cross_entropy
 from models.modality_projector import ModalityProjector
 from models.nanovlm import read_nanovlm
 from models.sampling import SamplingParams, sample
@@ -154,11 +154,11 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
             losses = linear_cross_entropy(hidden.flatten(0, 1), head.weight, targets.flatten())
             if reduction == "none":
                 return None, losses.view(targets.shape)
-            return None, losses.sum() / ((targets != -100).sum() if reduction == "mean" else 1)
+            return None, losses.sum() / ((targets != IGNORE_INDEX).sum() if reduction == "mean" else 1)
         logits = head(hidden)
         if targets is None:
             return logits if return_logits else None, None
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
                                reduction=reduction)
         return logits if return_logits else None, loss.view(targets.shape) if reduction == "none" else loss
 
