@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -127,7 +128,10 @@ def kept_for_backward_mib(step: Callable[[], None]) -> float:
 def measure(config: VLMConfig, args: argparse.Namespace, device: torch.device, loss: str) -> dict:
     """One loss variant's step: time, throughput, MFU, memory kept for the backward pass, GPU peak."""
     model, step = training_step(config, args, device, chunked=loss == "chunked")
+    started = time.perf_counter()
     seconds_per_call(step, args.warmup, device)
+    print(f"{loss}: {args.warmup} warm-up steps (with compiling) took {time.perf_counter() - started:.0f} s",
+          flush=True)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     seconds = seconds_per_call(step, args.steps, device)
@@ -145,7 +149,11 @@ def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
     config = shape(args.shape)
-    rows = [measure(config, args, device, loss) for loss in args.losses]
+    rows = []
+    for loss in args.losses:
+        rows.append(measure(config, args, device, loss))
+        print(f"{loss}: {rows[-1]['ms_per_step']:.1f} ms/step, {rows[-1]['tokens_per_s']:,.0f} tokens/s, "
+              f"MFU {rows[-1]['mfu'] or 0:.1%}", flush=True)
     machine = hardware(device)
     table = [f"{args.shape}, batch {args.batch_size} x {args.seq_len}, bf16 {args.bf16}, "
              f"compile {args.compile}, {machine}, torch {torch.__version__}", "",

@@ -57,8 +57,11 @@ def quantize_frozen(model: nn.Module, device: torch.device, compute_dtype: torch
                     blocks: str = r"(language|vision)\.blocks\.\d+\..*") -> int:
     """Replace every nn.Linear whose full name matches `blocks` (by default the LM's and ViT's blocks: nearly
     all of their weights) with a frozen bitsandbytes NF4 Linear4bit on `device` (double-quantized statistics,
-    matmuls in `compute_dtype`), before `add_adapters`. Returns the number of layers quantized. Needs
+    matmuls in `compute_dtype`), before `add_adapters` (ValueError after: the adapters would be quantized
+    too, and peft's layers for a 4-bit base not used). Returns the number of layers quantized. Needs
     bitsandbytes."""
+    if has_adapters(model):
+        raise ValueError("quantize_frozen: the model has adapters; quantize its base before adding them")
     import bitsandbytes as bnb
 
     layers = [(name, module) for name, module in model.named_modules()

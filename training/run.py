@@ -17,7 +17,7 @@ from data.batches import training_batches
 from data.chat_processors import ChatProcessor
 from data.sampler import ResumableBatchSampler
 from models import VisionLanguageModel
-from models.lora import WholeModuleError, add_adapters, has_adapters, quantize_frozen, train_only_adapters
+from models.lora import WholeModuleError, adapter_base, add_adapters, load_adapter, quantize_frozen
 from training import distributed, loop
 from training.answer_pretraining import pretrain_vision_on_answers, read_question_types
 from training.checkpoint import RUN_CONFIG, load_training_state
@@ -60,7 +60,7 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     if config.pretrain_steps() and not resume:
         _pretrain_vision(config, model, processor, train_records, device, say)
         distributed.broadcast_parameters(model.vision)  # GPU kernels need not be bit-exact across ranks
-    _prepare_parts(model, train_config, device)
+    _prepare_parts(model, train_config, device, resume)
     model = distributed.wrap(model.to(device), train_config.parallel, ranks, device)
     optimizer = build_optimizer(distributed.unwrap(model), train_config, device)
     state = loop.TrainState.resumed(load_training_state(resume, model, optimizer, ranks),
@@ -96,11 +96,12 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
         return write_results(final_model, trainer, state, validation_records, stop)
 
 
-def _prepare_parts(model: VisionLanguageModel, train_config, device: torch.device) -> None:
+def _prepare_parts(model: VisionLanguageModel, train_config, device: torch.device,
+                   resume: Path | None) -> None:
     """The parts at learning rate 0 frozen, LoRA's adapters (and QLoRA's 4-bit base) in place, activation
     checkpointing and the chunked loss as the config says."""
     freeze_parts(model, train_config)
-    _adapt(model, train_config, device)
+    _adapt(model, train_config, device, resume)
     for part in (model.language, model.vision):
         part.activation_checkpointing = train_config.activation_checkpointing
     model.chunked_loss = train_config.chunked_loss
@@ -127,24 +128,27 @@ def _description(config: RunConfig, model: VisionLanguageModel, train_data, vali
             + (f"; {ranks.world_size} ranks ({config.train.parallel})" if ranks.distributed else ""))
 
 
-def _adapt(model: VisionLanguageModel, train_config, device: torch.device) -> None:
-    """train.lora on the model: its frozen base quantized (QLoRA), then its adapters (a resumed LoRA run's
-    checkpoint brought them: they only need to train again)."""
+def _adapt(model: VisionLanguageModel, train_config, device: torch.device, resume: Path | None) -> None:
+    """train.lora on the model: its frozen base quantized (QLoRA), then its adapters: new ones, or those of
+    the LoRA run it resumes (in that order either way: a resumed run is built as it first was)."""
     if train_config.lora.quantize_base:
-        check(device.type == "cuda",
-              f"train.lora.quantize_base: a 4-bit base (QLoRA, bitsandbytes) trains on a CUDA "
-              f"GPU; this run's device is {device.type}")
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError:
-            raise ConfigError(
-                "train.lora.quantize_base needs bitsandbytes: pip install bitsandbytes"
-            ) from None
-        quantize_frozen(model, device)
-    if has_adapters(model):
-        train_only_adapters(model)
+        _quantize_base(model, device)
+    if resume is not None and adapter_base(resume) is not None:
+        load_adapter(model, resume)
     elif train_config.lora.rank:
         _add_adapters(model, train_config)
+
+
+def _quantize_base(model: VisionLanguageModel, device: torch.device) -> None:
+    """QLoRA's frozen 4-bit base (bitsandbytes, on a CUDA GPU), before any adapter goes on it."""
+    check(device.type == "cuda",
+          f"train.lora.quantize_base: a 4-bit base (QLoRA, bitsandbytes) trains on a CUDA "
+          f"GPU; this run's device is {device.type}")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ConfigError("train.lora.quantize_base needs bitsandbytes: pip install bitsandbytes") from None
+    quantize_frozen(model, device)
 
 
 def _add_adapters(model: VisionLanguageModel, train_config) -> None:

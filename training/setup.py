@@ -19,7 +19,7 @@ from data import (
 from data.chat_processors import ChatProcessor, CheckpointProcessor, ConversationEncoder
 from loading import PROCESSOR_FILES, SHARDED, find_checkpoint, load_with_processor
 from models import VisionLanguageModel, VLMConfig
-from models.lora import adapter_base, load_adapter
+from models.lora import adapter_base
 from models.weights import CheckpointError, resolve
 from training import distributed
 from training.config import RunConfig
@@ -102,10 +102,10 @@ def load_for_resume(checkpoint: Path) -> tuple[VisionLanguageModel, Conversation
     from transformers import AutoTokenizer
 
     base = adapter_base(checkpoint)
-    # a LoRA run's checkpoint: the model it adapts, loaded as the run loaded it, + its adapters
+    # a LoRA run's checkpoint: the model it adapts, loaded as the run loaded it (the run puts the
+    # checkpoint's adapters back on it after quantizing it if it did: training/run.py _adapt)
     if base is not None:
         model, _ = load_start(base)
-        load_adapter(model, checkpoint)
         model.lora_base = base
     elif (checkpoint / SHARDED).is_dir():
         model = VisionLanguageModel(VLMConfig.from_json(checkpoint / "config.json"))

@@ -11,9 +11,18 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import generate
+import training.run
 from loading import load_checkpoint
 from models import VisionLanguageModel
-from models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LANGUAGE_PROJECTIONS, add_adapters, merge_adapters
+from models.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    LANGUAGE_PROJECTIONS,
+    add_adapters,
+    has_adapters,
+    merge_adapters,
+    quantize_frozen,
+)
 from tests.models.helpers import save_tiny_llama, tiny_vlm
 from tests.training.helpers import small_config
 from training import export
@@ -285,6 +294,26 @@ def test_a_4bit_base_computes_with_its_dequantized_weights_and_only_the_adapters
 def test_a_4bit_base_off_a_gpu_or_without_adapters_is_a_one_line_error(base, tmp_path, settings, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         _lora_run(base, tmp_path / "qlora", steps=2, **settings)
+
+
+def test_quantizing_a_model_that_has_adapters_is_refused():
+    model = tiny_vlm(seed=0)
+    add_adapters(model, rank=4, alpha=8, target_modules=LANGUAGE_PROJECTIONS)
+    with pytest.raises(ValueError, match="the model has adapters"):
+        quantize_frozen(model, torch.device("cpu"))
+
+
+def test_a_resumed_qlora_run_quantizes_its_base_before_its_adapters_go_back(base, tmp_path, monkeypatch):
+    # A resumed run once quantized the base with the checkpoint's adapters on it: they became 4-bit too and
+    # the run stopped (seen on an H100). bitsandbytes' layers need a GPU: a stand-in records the order.
+    adapted_when_quantized = []
+    monkeypatch.setattr(training.run, "_quantize_base",
+                        lambda model, device: adapted_when_quantized.append(has_adapters(model)))
+    _lora_run(base, tmp_path / "run", steps=2, **{"train.lora.quantize_base": "true"})
+    from train import main
+
+    assert main(["--resume", str(tmp_path / "run" / "step_000002"), "--train.max_steps", "4"]) == 0
+    assert adapted_when_quantized == [False, False]
 
 
 @pytest.mark.gpu
