@@ -5,19 +5,24 @@
 #   bash benchmarks/gpu.sh speed OUT   # decode, time to first token, training throughput and serving, side by side
 #   bash benchmarks/gpu.sh serving OUT # issue 41: the engine's GPU tests (CUDA graphs, no syncs), then serving at
 #                                      # 256 and 1,024 requests and nano-vllm's workload against static and transformers
-#   bash benchmarks/gpu.sh engine OUT  # issue 41, shorter: the GPU tests, the engine against the compiled static batch
-#                                      # at 1,024 and 256 requests, and its decode step split into host and device time
-#   bash benchmarks/gpu.sh fast OUT    # issues 44 and 46: QLoRA's GPU test; decode with and without fused projections
-#                                      # (batch 1 and 32, time to first token); nanovlm-222m compiled training with
-#                                      # the plain and the chunked loss
+#   bash benchmarks/gpu.sh engine OUT  # issue 41, shorter (~9 min): the GPU tests, the engine eager-in-graphs and
+#                                      # compiled-then-captured against the compiled static batch at 256 requests,
+#                                      # and the compiled engine's decode step split into host and device time
+#   bash benchmarks/gpu.sh fast OUT    # issues 44 and 46 (~8 min): QLoRA's GPU test; decode at batch 32 with and
+#                                      # without fused projections, time to first token; nanovlm-222m compiled
+#                                      # training with the plain and the chunked loss (batch 1 and transformers'
+#                                      # static cache: benchmarks/results/fast-paths-cuda.md)
 #
 # Each writes its tables and logs under OUT (then copy them to benchmarks/results/).
 #
-# The lent machines (python3 3.12, torch 2.11) have no `datasets`. Download its wheels here first, into .whl/
-# (ignored through .git/info/exclude), and carry ".whl" with the call:
+# The lent machines (python3 3.12, torch 2.11) have no `datasets` (training, any mode's tests) and no bitsandbytes
+# (QLoRA's test). Download their wheels here first, into .whl/ (ignored through .git/info/exclude), and carry
+# ".whl" with the call:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
-#     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pyarrow==26.0.1 fsspec==2026.9.0
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pyarrow==26.0.1 fsspec==2026.9.0 bitsandbytes==0.50.2
+#   zip -d .whl/bitsandbytes-*.whl 'bitsandbytes/libbitsandbytes_cuda1[12]*' 'bitsandbytes/libbitsandbytes_rocm*' \
+#     'bitsandbytes/libbitsandbytes_xpu*'     # its CUDA 13 libraries alone: the carry's limit is 64 MiB
 # They are installed into /tmp/site, with gpu_site/sitecustomize.py (see there why).
 set -uo pipefail
 mode=${1:?usage: benchmarks/gpu.sh seeds|speed|serving|engine|fast OUT}
@@ -62,22 +67,21 @@ serving)
     | tee "$out/serving.log"
   ;;
 engine)
-  timeout "${TESTS_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/serving/test_gpu.py 2>&1 \
+  timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/serving/test_gpu.py 2>&1 \
     | tee "$out/gpu-tests.log"
-  timeout "${SERVING_TIMEOUT:-300}" python3 benchmarks/serving.py --device cuda --workloads 1024 256 \
-    --max-num-seqs 256 --kv-blocks 40000 --max-batch-tokens 8192 --compile-static --methods engine static \
-    --out "$out" 2>&1 | tee "$out/serving.log"
-  timeout "${STEP_TIMEOUT:-120}" python3 benchmarks/host_overhead.py --device cuda --model smollm2-135m \
-    --running 16 64 256 --steps 30 --out "$out" 2>&1 | tee "$out/host_overhead.log"
+  timeout "${SERVING_TIMEOUT:-270}" python3 benchmarks/serving.py --device cuda --workloads 256 \
+    --max-num-seqs 256 --kv-blocks 40000 --max-batch-tokens 8192 --compile-static \
+    --methods engine engine-compiled static --out "$out" 2>&1 | tee "$out/serving.log"
+  timeout "${STEP_TIMEOUT:-120}" python3 benchmarks/host_overhead.py --device cuda --model smollm2-135m --compile \
+    --running 16 256 --steps 30 --profile --out "$out" 2>&1 | tee "$out/host_overhead.log"
   ;;
 fast)
-  timeout "${TESTS_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/training/test_lora.py 2>&1 \
+  timeout "${TESTS_TIMEOUT:-60}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/training/test_lora.py 2>&1 \
     | tee "$out/gpu-tests.log"
-  timeout "${DECODE_TIMEOUT:-240}" python3 benchmarks/decode.py --device cuda --batch-sizes 1 32 --repeats 3 \
-    --methods "tinyvlm fast" "tinyvlm fused fast" "transformers static+compile" --curve-tokens --out "$out" 2>&1 \
-    | tee "$out/decode.log"
-  timeout "${TRAIN_TIMEOUT:-200}" python3 benchmarks/train_throughput.py --shape nanovlm-222m --device cuda --compile \
-    --out "$out" 2>&1 | tee "$out/train.log"
+  timeout "${DECODE_TIMEOUT:-200}" python3 benchmarks/decode.py --device cuda --batch-sizes 32 --repeats 2 \
+    --methods "tinyvlm fast" "tinyvlm fused fast" --curve-tokens --out "$out" 2>&1 | tee "$out/decode.log"
+  timeout "${TRAIN_TIMEOUT:-260}" python3 benchmarks/train_throughput.py --shape nanovlm-222m --device cuda --compile \
+    --steps 10 --warmup 3 --out "$out" 2>&1 | tee "$out/train.log"
   ;;
 *) echo "unknown mode $mode: seeds, speed, serving, engine or fast" >&2; exit 2 ;;
 esac

@@ -10,12 +10,13 @@ everything outside the forward.
     # the real shape on a GPU (bf16, CUDA graphs); --profile adds the device's kernels
     python benchmarks/host_overhead.py --device cuda --model smollm2-135m
     python benchmarks/host_overhead.py --device cuda --model smollm2-135m --running 16 256 --profile
+    python benchmarks/host_overhead.py --device cuda --model smollm2-135m --compile   # the decode compiled
 
 On a GPU, forward is the launch of the step's CUDA graph and sample includes the wait for the device: host
 work next to a step's whole time shows whether the step is host-bound.
 
 Target (issue 41): <= 10 us per sequence and <= 1 ms fixed, outside the forward. Writes
-benchmarks/results/host_overhead-<device>.{md,json}.
+benchmarks/results/host_overhead-<device>[-compiled].{md,json}.
 """
 
 from __future__ import annotations
@@ -74,12 +75,13 @@ def timed(owner, name: str, totals: dict, key: str) -> None:
     setattr(owner, name, wrapper)
 
 
-def measure(model, running: int, params: RequestParams, steps: int, kernels: list[str] | None = None
-            ) -> dict[str, float]:
+def measure(model, running: int, params: RequestParams, steps: int, kernels: list[str] | None = None,
+            compile_decode: bool = False) -> dict[str, float]:
     """Median over `steps` decode steps of each phase's time (ms), with `running` sequences decoding; the
     device's kernels appended to `kernels`, if given."""
     engine = Engine(model, num_blocks=running * ((PROMPT + MAX_TOKENS) // BLOCK_SIZE + 2) + 1,
-                    block_size=BLOCK_SIZE, max_num_seqs=running, max_batch_tokens=max(2048, running))
+                    block_size=BLOCK_SIZE, max_num_seqs=running, max_batch_tokens=max(2048, running),
+                    compile_decode=compile_decode)
     for i in range(running):
         engine.add_request(Request([3 + (i * 7 + t) % 120 for t in range(PROMPT)], None, params))
     while engine.scheduler.waiting or not all(s.decoding for g in engine.scheduler.running for s in g.live):
@@ -142,6 +144,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model", choices=["micro", "smollm2-135m"], default="micro")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--compile", action="store_true", help="the engine's decode forward compiled")
     parser.add_argument("--profile", action="store_true",
                         help="list the device kernels of greedy decode steps")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -155,14 +158,14 @@ def main() -> None:
         shape = "SmolLM2-135M's shape"
     hardware = (torch.cuda.get_device_name(device) if device.type == "cuda"
                 else f"{platform.processor() or 'CPU'}, {args.threads} thread(s)")
-    title = (f"Engine decode step on {shape}, medians of {args.steps} steps; {hardware}; torch "
-             f"{torch.__version__}")
+    title = (f"Engine decode step on {shape}{', compiled' if args.compile else ''}, medians of {args.steps} "
+             f"steps; {hardware}; torch {torch.__version__}")
     lines = [f"**{title}**", "", "| requests | running | step ms | " + " | ".join(f"{p} ms" for p in PHASES)
              + " | host us / sequence |", "|---" * (len(PHASES) + 4) + "|"]
     results, kernels = {}, []
     for name, params in SETTINGS.items():
         watch = kernels if args.profile and name == "greedy" else None
-        rows = [measure(model, running, params, args.steps, watch) for running in args.running]
+        rows = [measure(model, running, params, args.steps, watch, args.compile) for running in args.running]
         results[name] = dict(zip(map(str, args.running), rows))
         for running, row in zip(args.running, rows):
             lines.append(
@@ -179,7 +182,7 @@ def main() -> None:
             )
     args.out.mkdir(parents=True, exist_ok=True)
     lines += kernels
-    stem = args.out / f"host_overhead-{device.type}"
+    stem = args.out / f"host_overhead-{device.type}{'-compiled' if args.compile else ''}"
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     stem.with_suffix(".json").write_text(json.dumps(dict(title=title, results=results), indent=2))
     print("\n".join(lines))

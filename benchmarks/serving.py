@@ -15,6 +15,8 @@ prefix). Methods:
   paged attention kernel and a CUDA graph per batch bucket, captured when the engine starts, before the
   clock);
 - engine-eager: the same without CUDA graphs (GPU only);
+- engine-compiled: the same with its decode forward through torch.compile (before the graphs' capture on a
+  GPU; compiled when the engine starts, before the clock);
 - static: tinyvlm's `generate` on left-padded batches of up to max-num-seqs requests, one after the other (the
   longest output sets a batch's steps); --compile-static uses the compiled, CUDA-graph decode step (compiled
   first);
@@ -51,7 +53,7 @@ from serving.requests import (
     RequestParams,  # noqa: E402
 )
 
-METHODS = ("engine", "engine-eager", "static", "hf-one", "hf-batch", "hf-cb")
+METHODS = ("engine", "engine-eager", "engine-compiled", "static", "hf-one", "hf-batch", "hf-cb")
 HF_METHODS = ("hf-one", "hf-batch", "hf-cb")
 SLOW = (*HF_METHODS, "engine-eager")
 PREFIX = 64
@@ -91,11 +93,15 @@ def greedy(n: int) -> RequestParams:
     return RequestParams(greedy=True, max_tokens=n, ignore_eos=True)
 
 
-def run_engine(model, requests, args, device, cuda_graphs: bool | None = None) -> dict:
+def run_engine(model, requests, args, device, cuda_graphs: bool | None = None,
+               compile_decode: bool = False) -> dict:
     context = model.config.language.max_position_embeddings
+    started = time.perf_counter()
     engine = Engine(model, num_blocks=args.kv_blocks, block_size=args.block_size,
                     max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
-                    cuda_graphs=cuda_graphs)
+                    cuda_graphs=cuda_graphs, compile_decode=compile_decode)
+    print(f"engine start-up (graphs {engine.runner.graphs is not None}, compiled {compile_decode}): "
+          f"{time.perf_counter() - started:.1f} s", flush=True)
     # warm-up on other prompts (kernels compiled, nothing shared with the workload's prefix)
     rng = random.Random(1)
     engine.generate([Request([rng.randrange(100, 49000) for _ in range(min(300, context - 20))], None,
@@ -208,6 +214,7 @@ def run_hf_cb(reference, requests, args, device) -> dict:
 
 
 RUNNERS = {"engine": run_engine, "engine-eager": lambda *args: run_engine(*args, cuda_graphs=False),
+           "engine-compiled": lambda *args: run_engine(*args, compile_decode=True),
            "static": run_static, "hf-one": run_hf_one, "hf-batch": run_hf_batch, "hf-cb": run_hf_cb}
 
 

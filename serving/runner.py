@@ -35,9 +35,11 @@ def triton_usable(device: torch.device) -> bool:
 class ModelRunner:
     def __init__(self, model: VisionLanguageModel, num_blocks: int, block_size: int, max_num_seqs: int = 64,
                  max_batch_tokens: int = 512, attention: str = "auto",
-                 cuda_graphs: bool | None = None) -> None:
+                 cuda_graphs: bool | None = None, compile_decode: bool = False) -> None:
         """`attention`: "gather", "triton", or "auto" (triton on a GPU, gather on a CPU). `cuda_graphs`:
-        capture the decode step per batch bucket (default: on a GPU)."""
+        capture the decode step per batch bucket (default: on a GPU). `compile_decode`: the decode forward
+        through torch.compile (Inductor fuses its elementwise work into far fewer kernels), before any
+        capture: compiled once for a batch of many rows (its sizes symbolic) and once for one row."""
         config, weight = model.config.language, model.language.token_embedding.weight
         self.model = model
         self.block_size = block_size
@@ -65,10 +67,17 @@ class ModelRunner:
             cuda_graphs = self.device.type == "cuda" and attention == "triton"
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
+        self.compile_decode = compile_decode
+        self.decode_hidden = (
+            torch.compile(self._decode_hidden, fullgraph=True) if compile_decode else self._decode_hidden
+        )
         self.graphs = None
-        if cuda_graphs:
-            with torch.inference_mode():
+        with torch.inference_mode():
+            if cuda_graphs:
                 self.graphs = DecodeGraphs(self._graphed_decode, max_num_seqs)
+            elif compile_decode:  # compiled now, as a capture compiles it, not in the first requests' steps
+                for rows in sorted({min(2, max_num_seqs), 1}, reverse=True):
+                    self._graphed_decode(rows)  # rows of the null seat: they write the null block alone
 
     @staticmethod
     def bytes_per_block(model: VisionLanguageModel, block_size: int) -> int:
@@ -113,7 +122,9 @@ class ModelRunner:
                     [self._features(sequence)[lo:hi] for sequence, lo, hi in inputs.image_chunks]
                 )
             embeddings = self.model.embed(inputs.tokens[None], features=features, slots=inputs.image_slots)
-            hidden.append(self._blocks(embeddings, inputs)[inputs.last])
+            layout = Paged(inputs.block_table, inputs.slot_mapping, inputs.positions, inputs.query_start,
+                           inputs.context_lens, inputs.max_query_len, self.attention)
+            hidden.append(self._blocks(embeddings, layout)[inputs.last])
         return self.model.language.head(hidden[0] if len(hidden) == 1 else torch.cat(hidden))
 
     @torch.inference_mode()
@@ -198,15 +209,26 @@ class ModelRunner:
         return host.tolist()
 
     def _decode(self, inputs: StepInputs) -> Tensor:
-        return self._blocks(self.model.language.token_embedding(inputs.tokens)[None], inputs)
+        tensors = (inputs.tokens, inputs.block_table, inputs.slot_mapping, inputs.positions,
+                   inputs.query_start, inputs.context_lens)
+        if self.compile_decode:  # sizes symbolic from the first call on: one compile for all batches
+            for tensor in tensors:
+                for dim in range(tensor.dim()):
+                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        return self.decode_hidden(*tensors)
+
+    def _decode_hidden(self, tokens: Tensor, block_table: Tensor, slot_mapping: Tensor, positions: Tensor,
+                       query_start: Tensor, context_lens: Tensor) -> Tensor:
+        """The final hidden states [S, hidden] of S decode rows (one token each): a function of tensors
+        alone, for torch.compile."""
+        layout = Paged(block_table, slot_mapping, positions, query_start, context_lens, 1, self.attention)
+        return self._blocks(self.model.language.token_embedding(tokens)[None], layout)
 
     def _graphed_decode(self, rows: int) -> Tensor:
         return self._decode(self.inputs.decode_views(rows, self.inputs.max_blocks))
 
-    def _blocks(self, embeddings: Tensor, inputs: StepInputs) -> Tensor:
+    def _blocks(self, embeddings: Tensor, layout: Paged) -> Tensor:
         """The language model's final hidden states [N, hidden] of one packed row of tokens."""
-        layout = Paged(inputs.block_table, inputs.slot_mapping, inputs.positions, inputs.query_start,
-                       inputs.context_lens, inputs.max_query_len, self.attention)
         hidden, _ = self.model.language(
             embeddings, kv_cache=[{**pool, "layout": layout} for pool in self.pools]
         )

@@ -421,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(auto: Triton on a GPU)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs for the decode step (as vLLM's)")
+    parser.add_argument("--compile", action="store_true",
+                        help="the decode forward through torch.compile (at start-up, before any CUDA graph "
+                             "capture: fewer, fused kernels a step)")
     parser.add_argument("--api-key", default=os.environ.get("TINYVLM_API_KEY"),
                         help="require `Authorization: Bearer KEY` on every /v1 route (default: "
                              "$TINYVLM_API_KEY)")
@@ -451,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     engine = Engine(model, processor,
                     **engine_settings(model, args.kv_cache_mib, max_num_seqs=args.max_num_seqs),
-                    attention=args.attention, cuda_graphs=False if args.enforce_eager else None)
+                    attention=args.attention, cuda_graphs=False if args.enforce_eager else None,
+                    compile_decode=args.compile)
     name = args.model_name or (Path(args.checkpoint).name if args.checkpoint else "tinyvlm")
     async_engine = AsyncEngine(engine, args.max_in_flight,
                                log=lambda line: print(line, file=sys.stderr, flush=True))

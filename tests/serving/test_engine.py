@@ -101,6 +101,24 @@ def test_a_model_with_fused_projections_serves_the_tokens_of_the_unfused_one(mod
         assert tokens[str(i)] == _alone(model, prompt, images, params)[0], i
 
 
+def test_the_compiled_decode_forward_serves_the_eager_tokens_compiled_twice_at_start_up(model):
+    """compile_decode through the gather path (a CPU's): batches of 2 to 8 rows and tables of changing width;
+    compiled as the engine starts, once for many rows (symbolic sizes) and once for one row."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    requests = _requests()
+    engine = Engine(fused_copy(model), num_blocks=40, block_size=8, max_num_seqs=8, max_batch_tokens=10,
+                    compile_decode=True)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # compiled as the engine starts
+    tokens = _serve(engine, requests, arrivals=[0, 0, 1, 3, 3, 4, 8, 9, 15, 15])
+    for i, (prompt, images, params) in enumerate(requests):
+        assert tokens[str(i)] == _alone(model, prompt, images, params)[0], i
+    # rows 2-8, tables 2-5 blocks wide: no compile while serving
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+
+
 def test_requests_held_back_to_join_in_batches_keep_their_greedy_tokens(model):
     requests = _requests()
     engine = Engine(model, num_blocks=200, block_size=8, max_num_seqs=4, max_batch_tokens=64,

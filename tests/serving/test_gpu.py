@@ -1,6 +1,7 @@
 """The engine's GPU fast path (skipped without CUDA): the decode step replayed from a CUDA graph per batch
-bucket gives the eager step's tokens for every bucket, nothing is captured after start-up, and a decode step
-syncs with the device only for its one copy of the sampled ids."""
+bucket (eager or torch.compile'd before the capture) gives the eager step's tokens for every bucket, nothing
+is captured after start-up, and a decode step syncs with the device only for its one copy of the sampled
+ids."""
 
 import pytest
 import torch
@@ -26,9 +27,9 @@ def model():
     return tiny_vlm(seed=1).cuda()
 
 
-def _engine(model, cuda_graphs: bool) -> Engine:
+def _engine(model, cuda_graphs: bool, compile_decode: bool = False) -> Engine:
     return Engine(model, num_blocks=600, block_size=16, max_num_seqs=MAX_NUM_SEQS, max_batch_tokens=4096,
-                  attention="triton", cuda_graphs=cuda_graphs)
+                  attention="triton", cuda_graphs=cuda_graphs, compile_decode=compile_decode)
 
 
 def test_graphed_decode_equals_eager_for_every_bucket_without_capturing_again(model):
@@ -41,6 +42,23 @@ def test_graphed_decode_equals_eager_for_every_bucket_without_capturing_again(mo
             r.token_ids for r in eager.generate(requests)
         ], count
     assert graphed.runner.graphs.graphs == graphs  # the same graph objects: no capture after start-up
+
+
+def test_the_compiled_decode_captured_per_bucket_gives_the_eager_tokens_and_compiles_twice(model):
+    """torch.compile'd before the capture (the Triton kernel inside the compiled graph): one compile for
+    the buckets of many rows, one for a single row."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, eager = _engine(model, True, compile_decode=True), _engine(model, cuda_graphs=False)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    for count in (1, 3, 8, 13, 32, 40):
+        requests = _requests(count)
+        assert [r.token_ids for r in compiled.generate(requests)] == [
+            r.token_ids for r in eager.generate(requests)
+        ], count
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
 
 
 def test_graphed_engine_equals_generate_alone_in_float32(model):
