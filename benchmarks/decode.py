@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import platform
 import statistics
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import LanguageConfig, VisionConfig, VisionLanguageModel, VLMConfig  # noqa: E402
@@ -64,7 +66,7 @@ _FUSED: dict[int, VisionLanguageModel] = {}
 def fused(ours: VisionLanguageModel) -> VisionLanguageModel:
     """One copy of `ours` with fused projections per model, so that its compiled steps are reused."""
     if id(ours) not in _FUSED:  # the copy starts with no compiled steps
-        _FUSED[id(ours)] = copy.deepcopy(ours, {id(ours._compiled_steps): {}}).fuse_projections()
+        _FUSED[id(ours)] = copy.deepcopy(ours, {id(ours._compiled): {}}).fuse_projections()
     return _FUSED[id(ours)]
 
 
@@ -191,17 +193,25 @@ def bandwidth_floor_ms(model, device: torch.device, repeats: int = 5) -> tuple[f
 
 
 @torch.inference_mode()
-def time_to_first_token(device: torch.device, dtype: torch.dtype, repeats: int) -> float:
-    """Image (SigLIP-B/16-224) + 64-token prompt through the nanovlm-222m shape, to the first sampled
-    token."""
+def generate_first(model: VisionLanguageModel, image: Tensor, ids: Tensor, n: int, compile: bool) -> Tensor:
+    return model.generate(ids, image, max_new_tokens=n, greedy=True, compile=compile)
+
+
+def time_to_first_token(device: torch.device, dtype: torch.dtype, repeats: int) -> dict[str, float]:
+    """Image (SigLIP-B/16-224) + 64-token prompt through the nanovlm-222m shape, to the first sampled token
+    (ms): eager, and compiled (generate(compile=True)'s prefill, compiled beforehand)."""
     config = VLMConfig(vision=VisionConfig(), language=LanguageConfig(vocab_size=49216), image_token_id=49152)
     model = VisionLanguageModel(config).eval().to(device, dtype)
     ids = torch.randint(100, 49000, (1, 64 + config.tokens_per_image))
     ids[0, 1 : 1 + config.tokens_per_image] = config.image_token_id
     ids, image = ids.to(device), torch.randn(1, 3, 224, 224, device=device, dtype=dtype)
-    run = lambda i, n: model.generate(i, image, max_new_tokens=n, greedy=True)  # noqa: E731
-    run(ids, 1)
-    return 1000 * timed(run, ids, 1, repeats, device)[0]
+    result = {}
+    for name, compile in (("eager", False), ("compiled", True)):
+        run = functools.partial(generate_first, model, image, compile=compile)
+        run(ids, 1)
+        result[name] = 1000 * timed(run, ids, 1, repeats, device)[0]
+        print(f"time to first token, {name}: {result[name]:.1f} ms", flush=True)
+    return result
 
 
 @torch.inference_mode()
@@ -219,7 +229,7 @@ def cache_curve(ours, args, device) -> list[dict]:
     return points
 
 
-def write_results(rows, ttft_ms, curve, floor, args, device, out: Path) -> None:
+def write_results(rows, ttft_ms: dict[str, float] | None, curve, floor, args, device, out: Path) -> None:
     hardware = (torch.cuda.get_device_name(device) if device.type == "cuda"
                 else f"{platform.processor() or 'CPU'}, {torch.get_num_threads()} threads")
     title = (f"Decode, SmolLM2-135M shape, random weights, {args.dtype}, greedy, {args.prompt_len}-token "
@@ -239,8 +249,8 @@ def write_results(rows, ttft_ms, curve, floor, args, device, out: Path) -> None:
     lines += ["", f"Bandwidth floor, batch 1 (reading every weight once per step at the {gb_per_s:.1f} GB/s "
                   f"this device reads a buffer of the same size): {floor_ms:.2f} ms/step"]
     if ttft_ms is not None:
-        lines += ["", f"Time to first token, image + 64-token prompt (nanovlm-222m shape, tinyvlm eager): "
-                      f"{ttft_ms:.1f} ms"]
+        lines += ["", f"Time to first token, image + 64-token prompt (nanovlm-222m shape): eager "
+                      f"{ttft_ms['eager']:.1f} ms, compiled prefill {ttft_ms['compiled']:.1f} ms"]
     if curve:
         lines += ["", "| new tokens | cached s | uncached s | uncached / cached |", "|---|---|---|---|"]
         lines += [f"| {p['new_tokens']} | {p['cached_s']:.2f} | {p['uncached_s']:.2f} | "

@@ -78,9 +78,9 @@ engine)
 fast)
   timeout "${TESTS_TIMEOUT:-60}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/training/test_lora.py 2>&1 \
     | tee "$out/gpu-tests.log"
-  timeout "${DECODE_TIMEOUT:-200}" python3 benchmarks/decode.py --device cuda --batch-sizes 32 --repeats 2 \
+  timeout "${DECODE_TIMEOUT:-240}" python3 benchmarks/decode.py --device cuda --batch-sizes 32 --repeats 2 \
     --methods "tinyvlm fast" "tinyvlm fused fast" --curve-tokens --out "$out" 2>&1 | tee "$out/decode.log"
-  timeout "${TRAIN_TIMEOUT:-260}" python3 benchmarks/train_throughput.py --shape nanovlm-222m --device cuda --compile \
+  timeout "${TRAIN_TIMEOUT:-240}" python3 benchmarks/train_throughput.py --shape nanovlm-222m --device cuda --compile \
     --steps 10 --warmup 3 --out "$out" 2>&1 | tee "$out/train.log"
   ;;
 *) echo "unknown mode $mode: seeds, speed, serving, engine or fast" >&2; exit 2 ;;

@@ -1,17 +1,19 @@
-"""The shape-static decode step behind `generate(compile=True)`: the eager `decode_step` through
-torch.compile.
+"""What `generate(compile=True)` runs through torch.compile: the shape-static decode step and the prefill.
 
-As gpt-fast and CUDA-graph servers do it: the position lives in a device tensor and attention spans the whole
-preallocated cache under a mask, so every step of a call has one shape; the cache's capacity is rounded up to
-`CACHE_BUCKET` tokens and the batch to a power of two (padded rows are masked out and dropped), so a process
-that sees many prompt lengths and batch sizes compiles a handful of graphs. Past dynamo's recompile limit a
-new shape decodes eagerly, with a one-time warning, instead of failing.
+The decode step as gpt-fast and CUDA-graph servers do it: the position lives in a device tensor and attention
+spans the whole preallocated cache under a mask, so every step of a call has one shape; the cache's capacity
+is rounded up to `CACHE_BUCKET` tokens and the batch to a power of two (padded rows are masked out and
+dropped), so a process that sees many prompt lengths and batch sizes compiles a handful of graphs (CUDA graphs
+on a GPU). The prefill (image + prompt into the cache) is compiled with its sizes symbolic (prompt length,
+batch, images, capacity): one graph serves every prompt, without CUDA graphs. Past dynamo's recompile limit a
+new shape runs eagerly, with a one-time warning, instead of failing.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -46,42 +48,66 @@ def shape_static(mask: Tensor | None, cache: list[dict], rows: int,
                     bucket)
     cache = with_layout([{name: pad_rows(t, bucket) for name, t in tensors(block_cache).items()}
                          for block_cache in cache], Preallocated(shape_static=True))
-    CompiledDecodeStep.mark_static(cache)
+    mark_static(cache)
     return mask, cache
 
 
-class CompiledDecodeStep:
-    """`step(token [B], mask [B, S], cache, position)` compiled with fullgraph=True, dynamic=False (CUDA
-    graphs on GPU); shapes the recompile limit refuses run `step` itself."""
+class CompiledCall:
+    """`function` compiled with fullgraph=True (and `options`); a call whose shape (`shape_of(*args)`) the
+    recompile limit refuses runs `function` itself, with a one-time warning."""
 
-    def __init__(self, step: Callable[..., Tensor], device_type: str) -> None:
-        self.step = step
-        self.compiled = torch.compile(step, mode="reduce-overhead" if device_type == "cuda" else None,
-                                      fullgraph=True, dynamic=False)
-        self.eager_shapes: set[tuple[int, int]] = set()
+    def __init__(self, function: Callable[..., Any], what: str, shape_of: Callable[..., tuple],
+                 **options: Any) -> None:
+        self.function, self.what, self.shape_of = function, what, shape_of
+        self.compiled = torch.compile(function, fullgraph=True, **options)
+        self.eager_shapes: set[tuple] = set()
         # Imported here, not at the top: importing torch._dynamo takes ~2 s, which eager decoding need not
         # pay.
         from torch._dynamo.exc import FailOnRecompileLimitHit
 
         self.recompile_limit_hit = FailOnRecompileLimitHit
 
-    def __call__(self, token: Tensor, mask: Tensor, cache: list[dict[str, Tensor]],
-                 position: Tensor) -> Tensor:
-        shape = tuple(mask.shape)
+    def __call__(self, *args: Any) -> Any:
+        shape = self.shape_of(*args)
         if shape not in self.eager_shapes:
             try:
-                return self.compiled(token, mask, cache, position)
+                return self.compiled(*args)
             except self.recompile_limit_hit:
                 self.eager_shapes.add(shape)
-                warnings.warn(f"torch.compile's recompile limit is reached: decode steps of shape {shape} "
-                              "(batch, cache) run eagerly (raise torch._dynamo.config.recompile_limit to "
-                              "compile more shapes)",
-                              stacklevel=2)
-        return self.step(token, mask, cache, position)
+                warnings.warn(f"torch.compile's recompile limit is reached: {self.what} of shape "
+                              f"{tuple(shape)} run eagerly (raise torch._dynamo.config.recompile_limit to "
+                              "compile more shapes)", stacklevel=2)
+        return self.function(*args)
 
-    @staticmethod
-    def mark_static(cache: list[dict[str, Tensor]]) -> None:
-        """Lets CUDA graphs write the cache in place instead of copying it each step."""
-        for block_cache in cache:
-            for tensor in (block_cache["key"], block_cache["value"]):
-                torch._dynamo.mark_static_address(tensor)
+
+def compiled_decode_step(step: Callable[..., Tensor], device_type: str) -> CompiledCall:
+    """`step(token [B], mask [B, S], cache, position)` compiled shape-static (dynamic=False; CUDA graphs on a
+    GPU)."""
+    return CompiledCall(step, "decode steps (batch, cache)", lambda token, mask, cache, position: mask.shape,
+                        mode="reduce-overhead" if device_type == "cuda" else None, dynamic=False)
+
+
+def compiled_prefill(prefill: Callable[..., Any]) -> CompiledCall:
+    """`prefill(input_ids [B, T], images [N, ...] | None, mask [B, S] | None, cache)` compiled with its sizes
+    symbolic (`mark_dynamic_prefill` marks them on each call's tensors): no CUDA graphs, whose one shape a
+    prompt would not reuse."""
+    return CompiledCall(prefill, "prefills (batch, prompt, images, mask)", lambda ids, images, mask, cache: (
+        *ids.shape, None if images is None else len(images), mask is not None))
+
+
+def mark_dynamic_prefill(input_ids: Tensor, images: Tensor | None, mask: Tensor | None,
+                         cache: list[dict[str, Tensor]]) -> None:
+    """The prefill's sizes symbolic from its first compile on (batch, prompt length, images, capacity), so
+    that new prompts reuse its graph (a size of 1 still takes its own)."""
+    marks = [(input_ids, (0, 1)), (images, (0,)), (mask, (0, 1))]
+    marks += [(block_cache[name], (0, 2)) for block_cache in cache for name in ("key", "value")]
+    for tensor, dims in marks:
+        for dim in dims if tensor is not None else ():
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+def mark_static(cache: list[dict[str, Tensor]]) -> None:
+    """Lets CUDA graphs write the cache in place instead of copying it each step."""
+    for block_cache in cache:
+        for tensor in (block_cache["key"], block_cache["value"]):
+            torch._dynamo.mark_static_address(tensor)

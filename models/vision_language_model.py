@@ -17,7 +17,15 @@ import torch.nn.functional as F
 from huggingface_hub import PyTorchModelHubMixin
 from torch import Tensor, nn
 
-from models.compiled_decode import CompiledDecodeStep, bucket_capacity, pad_rows, shape_static
+from models.compiled_decode import (
+    CompiledCall,
+    bucket_capacity,
+    compiled_decode_step,
+    compiled_prefill,
+    mark_dynamic_prefill,
+    pad_rows,
+    shape_static,
+)
 from models.config import VLMConfig
 from models.errors import InputError, TinyVLMError
 from models.idefics3 import read_idefics3
@@ -58,7 +66,8 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         # Training's loss without logits (forward(return_logits=False)): the head and the cross-entropy a
         # chunk of positions at a time where the logits would be large (models/linear_cross_entropy.py).
         self.chunked_loss = False
-        self._compiled_steps: dict[str, CompiledDecodeStep] = {}  # device type -> compiled decode_step
+        # ("decode" | "prefill", device type) -> decode_step / prefill_logits through torch.compile
+        self._compiled: dict[tuple[str, str], CompiledCall] = {}
 
     @classmethod
     def from_backbones(cls, config: VLMConfig, allow_pickle: bool = False) -> VisionLanguageModel:
@@ -87,7 +96,7 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         merge LoRA adapters first (models/lora.py), and do not fuse a model to train."""
         self.language.fuse_projections()
         self.vision.fuse_projections()
-        self._compiled_steps.clear()  # compiled for the unfused modules
+        self._compiled.clear()  # compiled for the unfused modules
         return self
 
     def resize_token_embeddings(self, vocab_size: int, image_token_id: int | None = None) -> None:
@@ -102,6 +111,17 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         """The LM-space embeddings of `images` [N, C, H, W]: [N, tokens_per_image, hidden]."""
         return self.projector(self.vision(images.to(self.language.token_embedding.weight.dtype)))
 
+    def _image_slots(self, input_ids: Tensor) -> Tensor:
+        """[B, T] bool: the image-token placeholders of `input_ids`."""
+        return input_ids == (-1 if self.config.image_token_id is None else self.config.image_token_id)
+
+    def _check_image_tokens(self, num_slots: int, num_features: int) -> None:
+        """InputError unless the prompts hold one placeholder per image feature."""
+        if num_slots != num_features:
+            per_image = self.config.tokens_per_image
+            raise InputError(f"the prompts hold {num_slots} image tokens but the images give {num_features} "
+                             f"({num_features // per_image} image(s) of {per_image} tokens)")
+
     def embed(self, input_ids: Tensor, images: Tensor | None = None, features: Tensor | None = None,
               slots: Tensor | None = None) -> Tensor:
         """Token embeddings [B, T, C] with the projected image patches written at the image-token positions,
@@ -113,21 +133,18 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         anything back from the device."""
         embeddings = self.language.token_embedding(input_ids)
         if slots is None:
-            slots = input_ids == (-1 if self.config.image_token_id is None else self.config.image_token_id)
+            slots = self._image_slots(input_ids)
         if features is None and images is not None and len(images):
             features = self.image_features(images)
         num_features = 0 if features is None else features.shape[:-1].numel()
         # Counting a mask's placeholders reads a value back from the device: eager calls only (train.compile's
         # graph would break here; its batches come from the collator, which places one placeholder per image
-        # token).
+        # token; generate(compile=True) counts them before its compiled prefill).
         if slots.dtype != torch.bool:
             num_slots = slots.numel()
         else:
             num_slots = num_features if torch.compiler.is_compiling() else int(slots.sum())
-        if num_slots != num_features:
-            per_image = self.config.tokens_per_image
-            raise InputError(f"the prompts hold {num_slots} image tokens but the images give {num_features} "
-                             f"({num_features // per_image} image(s) of {per_image} tokens)")
+        self._check_image_tokens(num_slots, num_features)
         if num_features == 0:
             return embeddings
         # Under autocast the projector returns bfloat16 while embeddings stay float32: splice in the
@@ -188,13 +205,13 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
                                device=input_ids.device, dtype=torch.long)
         pad_token_id = pad_token_id if pad_token_id is not None else (int(eos_ids[0]) if len(eos_ids) else 0)
         logits, embeddings, mask, cache = self._prefill(
-            input_ids, images, attention_mask, capacity, num_samples, use_cache
+            input_ids, images, attention_mask, capacity, num_samples, use_cache, compile
         )
         rows = logits.shape[0]
         step_fn, position = self.decode_step, prompt_len
         # shape-static: rows padded to a bucket (masked out), the position a device tensor
         if compile and use_cache:
-            step_fn = self._compiled_decode_step()
+            step_fn = self._compiled_call("decode")
             position = torch.tensor(prompt_len, device=input_ids.device)
             mask, cache = shape_static(mask, cache, rows, capacity)
         done = torch.zeros(rows, dtype=torch.bool, device=logits.device)
@@ -217,20 +234,26 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
                 logits = self.language.head(hidden[:, -1])
 
     def _prefill(self, input_ids: Tensor, images: Tensor | None, attention_mask: Tensor | None, capacity: int,
-                 num_samples: int,
-                 use_cache: bool) -> tuple[Tensor, Tensor, Tensor | None, list[dict] | None]:
+                 num_samples: int, use_cache: bool,
+                 compile: bool = False) -> tuple[Tensor, Tensor, Tensor | None, list[dict] | None]:
         """Image + prompt tokens in one pass into a cache of `capacity` positions: the last position's logits,
         the input embeddings, the attention mask over the whole capacity and the cache, each repeated for
-        `num_samples` (one prefill serves every sample: its cache rows are copied, not recomputed)."""
+        `num_samples` (one prefill serves every sample: its cache rows are copied, not recomputed). With
+        `compile` (and a cache) the pass runs through torch.compile."""
         batch, prompt_len = input_ids.shape
-        embeddings = self.embed(input_ids, images)
         mask = None
         if attention_mask is not None:
             mask = torch.ones(batch, capacity, dtype=torch.long, device=input_ids.device)
             mask[:, :prompt_len] = attention_mask
         cache = self.language.allocate_kv_cache(batch, capacity) if use_cache else None
-        hidden, cache = self.language(embeddings, mask, cache)
-        logits = self.language.head(hidden[:, -1])
+        prefill = self.prefill_logits
+        if compile and use_cache:
+            # the compiled graph takes the image tokens' count on trust: counted here, eagerly
+            self._check_image_tokens(int(self._image_slots(input_ids).sum()),
+                                     0 if images is None else len(images) * self.config.tokens_per_image)
+            mark_dynamic_prefill(input_ids, images, mask, cache)
+            prefill = self._compiled_call("prefill")
+        logits, embeddings = prefill(input_ids, images, mask, cache)
         if num_samples > 1:
             logits = logits.repeat_interleave(num_samples, 0)
             embeddings = embeddings.repeat_interleave(num_samples, 0)
@@ -259,19 +282,28 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         )
         return self.language.head(hidden[:, -1])
 
-    def _compiled_decode_step(self) -> CompiledDecodeStep:
-        """`decode_step` through torch.compile (see models/compiled_decode.py), built once per device type and
-        reused across calls (a model compiled on the CPU and then moved to a GPU gets its CUDA-graph
-        version)."""
-        device_type = next(self.parameters()).device.type
-        if device_type not in self._compiled_steps:
-            self._compiled_steps[device_type] = CompiledDecodeStep(self.decode_step, device_type)
-        return self._compiled_steps[device_type]
+    def prefill_logits(self, input_ids: Tensor, images: Tensor | None, mask: Tensor | None,
+                       cache: list[dict] | None) -> tuple[Tensor, Tensor]:
+        """Image + prompt tokens through the model, their K/V written into `cache` in place: the last
+        position's logits [B, V] and the input embeddings [B, T, C]."""
+        embeddings = self.embed(input_ids, images)
+        hidden, _ = self.language(embeddings, mask, cache)
+        return self.language.head(hidden[:, -1]), embeddings
+
+    def _compiled_call(self, name: str) -> CompiledCall:
+        """`decode_step` ("decode") or `prefill_logits` ("prefill") through torch.compile (see
+        models/compiled_decode.py), built once per device type and reused across calls (a model compiled on
+        the CPU and then moved to a GPU gets its CUDA-graph decode step)."""
+        key = (name, next(self.parameters()).device.type)
+        if key not in self._compiled:
+            self._compiled[key] = (compiled_decode_step(self.decode_step, key[1]) if name == "decode"
+                                   else compiled_prefill(self.prefill_logits))
+        return self._compiled[key]
 
     def __getstate__(self) -> dict:
         """Copies (copy.deepcopy, pickle) leave the compiled steps behind: they call this model's
         `decode_step`, so a copy that kept them would decode with the original's weights."""
-        return {**super().__getstate__(), "_compiled_steps": {}}
+        return {**super().__getstate__(), "_compiled": {}}
 
     def generate(self, input_ids: Tensor, images: Tensor | None = None, attention_mask: Tensor | None = None,
                  **settings) -> Tensor:

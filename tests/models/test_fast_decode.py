@@ -1,11 +1,13 @@
-"""The compiled, shape-static decode path gives the eager path's tokens, and compiles once per generate
-call."""
+"""generate(compile=True) gives the eager path's tokens: its shape-static decode step compiles once per cache
+bucket and batch bucket, its prefill once for every prompt (each call compiles a prefill graph and a decode
+graph the first time)."""
 
 from copy import deepcopy
 
 import pytest
 import torch
 
+from models.errors import InputError
 from models.kv_cache import CacheCapacityError, Preallocated, with_layout
 from tests.models.generation_helpers import left_padded_batch
 from tests.models.helpers import tiny_vlm
@@ -65,9 +67,9 @@ def test_compiled_decode_equals_eager_without_recompiling(model):
     compiled = model.generate(ids, images, mask, max_new_tokens=16, greedy=True, compile=True)
     assert torch.equal(compiled, eager)
     frames = sum(counters["frames"].values())
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # the prefill, the decode step
     again = model.generate(ids, images, mask, max_new_tokens=16, greedy=True, compile=True)
-    assert (torch.equal(again, eager) and counters["stats"]["unique_graphs"] == 1
+    assert (torch.equal(again, eager) and counters["stats"]["unique_graphs"] == 2
             and not counters["recompiles"]), dict(counters)
     assert sum(counters["frames"].values()) >= frames
 
@@ -75,15 +77,15 @@ def test_compiled_decode_equals_eager_without_recompiling(model):
 @pytest.mark.slow
 def test_compiled_decode_takes_one_graph_per_cache_bucket():
     """Capacities (prompt + new tokens) are rounded up to 256-token buckets: lengths on both sides of the 256
-    boundary take exactly one graph each, later lengths in a bucket reuse it, and every call gives the eager
-    tokens."""
+    boundary take exactly one decode graph each, later lengths in a bucket reuse it, and every call gives the
+    eager tokens (one prefill graph serves every capacity)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     model = tiny_vlm(max_position_embeddings=1024)
     ids, mask, images = left_padded_batch()  # 17 positions
     counters.clear()
-    for new_tokens, graphs in [(200, 1), (239, 1), (240, 2), (100, 2)]:  # capacities 217, 256 | 257; 117
+    for new_tokens, graphs in [(200, 2), (239, 2), (240, 3), (100, 3)]:  # capacities 217, 256 | 257; 117
         eager = model.generate(ids, images, mask, max_new_tokens=new_tokens, greedy=True)
         compiled = model.generate(ids, images, mask, max_new_tokens=new_tokens, greedy=True, compile=True)
         assert torch.equal(compiled, eager), new_tokens
@@ -93,8 +95,8 @@ def test_compiled_decode_takes_one_graph_per_cache_bucket():
 @pytest.mark.slow
 def test_compiled_decode_serves_more_batch_sizes_than_the_recompile_limit(model):
     """Regression: one graph per batch size hit dynamo's recompile limit (8) at the 9th size and raised.
-    Batches are now padded to powers of two: sizes 1..11 take 5 graphs, and each size gives the eager
-    tokens."""
+    Batches are now padded to powers of two: sizes 1..11 take 5 decode graphs (+ the one prompt's prefill),
+    and each size gives the eager tokens."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -107,7 +109,30 @@ def test_compiled_decode_serves_more_batch_sizes_than_the_recompile_limit(model)
         compiled = model.generate(ids[:1], images[:1], mask[:1], compile=True,
                                   generator=torch.Generator().manual_seed(samples), **settings)
         assert torch.equal(compiled, eager), samples
-    assert counters["stats"]["unique_graphs"] == 5, dict(counters["stats"])
+    assert counters["stats"]["unique_graphs"] == 6, dict(counters["stats"])
+
+
+@pytest.mark.slow
+def test_the_compiled_prefill_takes_new_prompt_lengths_without_recompiling(model):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    ids, mask, images = left_padded_batch()
+    counters.clear()
+    for extra in (0, 5, 11):  # text appended: prompts of 17, 22 and 28 tokens
+        text = torch.randint(3, 90, (3, extra), generator=torch.Generator().manual_seed(extra))
+        longer, longer_mask = torch.cat([ids, text], 1), torch.cat([mask, torch.ones_like(text)], 1)
+        eager = model.generate(longer, images, longer_mask, max_new_tokens=4, greedy=True)
+        compiled = model.generate(longer, images, longer_mask, max_new_tokens=4, greedy=True, compile=True)
+        assert torch.equal(compiled, eager), extra
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # one prefill, one decode step
+
+
+def test_a_compiled_generation_still_checks_the_image_tokens(model):
+    """The compiled prefill cannot read the placeholders' count back: it is counted before it, eagerly."""
+    ids, mask, images = left_padded_batch()
+    with pytest.raises(InputError, match="image tokens but the images give"):
+        model.generate(ids, images[:1], mask, max_new_tokens=2, compile=True)
 
 
 @pytest.mark.slow
