@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -115,10 +116,10 @@ VIEWS = {"aten::" + name for name in (
 WRAPPERS = {"aten::to", "aten::contiguous", "aten::flatten", "aten::type_as"}
 
 
-def kernels(run, ids, new_tokens: int, device: torch.device) -> int:
-    """Kernels one call of `run` launches: on a GPU the profiler's device events (kernels, copies, sets; those
-    inside CUDA graphs included); on a CPU, as a proxy for an eager run, the operators the model calls (not
-    those they call in turn; views aside), each of which is at least one kernel on a GPU."""
+def kernels(run, ids, new_tokens: int, device: torch.device) -> Counter[str]:
+    """Kernels one call of `run` launches, by name: on a GPU the profiler's device events (kernels, copies,
+    sets; those inside CUDA graphs included); on a CPU, as a proxy for an eager run, the operators the model
+    calls (not those they call in turn; views aside), each of which is at least one kernel on a GPU."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -127,19 +128,22 @@ def kernels(run, ids, new_tokens: int, device: torch.device) -> int:
         synchronize(device)
     events = profiler.events()
     if cuda:
-        return sum(1 for event in events if event.device_type == torch.autograd.DeviceType.CUDA)
+        return Counter(event.name for event in events if event.device_type == torch.autograd.DeviceType.CUDA)
 
     def called_by_the_model(event) -> bool:
         parent = event.cpu_parent
         return not (parent and parent.name.startswith("aten::")) or parent.name in WRAPPERS
 
-    return sum(1 for event in events if event.name.startswith("aten::")
-               and event.name not in VIEWS | WRAPPERS and called_by_the_model(event))
+    return Counter(event.name for event in events if event.name.startswith("aten::")
+                   and event.name not in VIEWS | WRAPPERS and called_by_the_model(event))
 
 
-def kernels_per_step(run, ids, new_tokens: int, device: torch.device) -> float:
-    """Kernels of one decode step: (kernels(N new tokens) - kernels(1)) / (N - 1), so the prefill cancels."""
-    return (kernels(run, ids, new_tokens, device) - kernels(run, ids, 1, device)) / (new_tokens - 1)
+def kernels_per_step(run, ids, new_tokens: int, device: torch.device) -> dict[str, float]:
+    """Each kernel's launches in one decode step: (launches(N new tokens) - launches(1)) / (N - 1), so the
+    prefill cancels."""
+    many, one = kernels(run, ids, new_tokens, device), kernels(run, ids, 1, device)
+    return {name: (many[name] - one[name]) / (new_tokens - 1)
+            for name in many | one if many[name] != one[name]}
 
 
 @torch.inference_mode()
@@ -161,11 +165,12 @@ def decode_table(reference, ours, args, device) -> list[dict]:
             same = float((tokens == baseline_tokens).float().mean())
             # a compiled graph's kernels are not operators the profiler sees on a CPU
             compiled = "fast" in method or "compile" in method
-            kernels = (None if compiled and device.type == "cpu"
+            by_name = (None if compiled and device.type == "cpu"
                        else kernels_per_step(run, ids, args.new_tokens, device))
+            kernels = None if by_name is None else sum(by_name.values())
             rows.append(dict(batch=batch, method=method, ms_per_step=step_ms,
                              tokens_per_s=1000 * batch / step_ms, total_s=full, kernels_per_step=kernels,
-                             same_tokens_as_first_method=same))
+                             kernels_by_name=by_name, same_tokens_as_first_method=same))
             print(f"batch {batch:>3}  {method:<28} {step_ms:9.2f} ms/step {1000 * batch / step_ms:10.1f} "
                   f"tok/s  {kernels or 0:6.0f} kernels/step  same tokens: {same:.3f}", flush=True)
     for row in rows:
@@ -229,6 +234,21 @@ def cache_curve(ours, args, device) -> list[dict]:
     return points
 
 
+def kernel_breakdown(rows: list[dict], layers: int, top: int = 25) -> list[str]:
+    """The kernels of each compiled method's decode step, by name, at the smallest batch measured: where the
+    launches of a launch-bound step go."""
+    lines, smallest = [], min(row["batch"] for row in rows)
+    for r in rows:
+        compiled = "fast" in r["method"] or "compile" in r["method"]
+        if not compiled or not r["kernels_by_name"] or r["batch"] != smallest:
+            continue
+        lines += ["", f"**Kernels a decode step, {r['method']}, batch {r['batch']}**", "",
+                  "| launches a step | a layer | kernel |", "|---|---|---|"]
+        ranked = sorted(r["kernels_by_name"].items(), key=lambda item: -item[1])
+        lines += [f"| {count:.1f} | {count / layers:.2f} | {name[:100]} |" for name, count in ranked[:top]]
+    return lines
+
+
 def write_results(rows, ttft_ms: dict[str, float] | None, curve, floor, args, device, out: Path) -> None:
     hardware = (torch.cuda.get_device_name(device) if device.type == "cuda"
                 else f"{platform.processor() or 'CPU'}, {torch.get_num_threads()} threads")
@@ -248,6 +268,7 @@ def write_results(rows, ttft_ms: dict[str, float] | None, curve, floor, args, de
     gb_per_s, floor_ms = floor
     lines += ["", f"Bandwidth floor, batch 1 (reading every weight once per step at the {gb_per_s:.1f} GB/s "
                   f"this device reads a buffer of the same size): {floor_ms:.2f} ms/step"]
+    lines += kernel_breakdown(rows, layers)
     if ttft_ms is not None:
         lines += ["", f"Time to first token, image + 64-token prompt (nanovlm-222m shape): eager "
                       f"{ttft_ms['eager']:.1f} ms, compiled prefill {ttft_ms['compiled']:.1f} ms"]

@@ -8,10 +8,10 @@
 #   bash benchmarks/gpu.sh engine OUT  # issue 41, shorter (~9 min): the GPU tests, the engine eager-in-graphs and
 #                                      # compiled-then-captured against the compiled static batch at 256 requests,
 #                                      # and the compiled engine's decode step split into host and device time
-#   bash benchmarks/gpu.sh fast OUT    # issues 44 and 46 (~8 min): QLoRA's GPU test; decode at batch 32 with and
-#                                      # without fused projections, time to first token; nanovlm-222m compiled
-#                                      # training with the plain and the chunked loss (batch 1 and transformers'
-#                                      # static cache: benchmarks/results/fast-paths-cuda.md)
+#   bash benchmarks/gpu.sh fast OUT    # issues 44 and 46 (~8 min): QLoRA's GPU test; decode with fused projections
+#                                      # at batch 1 and 32 with its kernels by name, time to first token (eager,
+#                                      # compiled); nanovlm-222m compiled training with the plain and the chunked
+#                                      # loss (the unfused step and transformers': results/fast-paths-cuda.md)
 #
 # Each writes its tables and logs under OUT (then copy them to benchmarks/results/).
 #
@@ -78,8 +78,8 @@ engine)
 fast)
   timeout "${TESTS_TIMEOUT:-60}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/training/test_lora.py 2>&1 \
     | tee "$out/gpu-tests.log"
-  timeout "${DECODE_TIMEOUT:-240}" python3 benchmarks/decode.py --device cuda --batch-sizes 32 --repeats 2 \
-    --methods "tinyvlm fast" "tinyvlm fused fast" --curve-tokens --out "$out" 2>&1 | tee "$out/decode.log"
+  timeout "${DECODE_TIMEOUT:-240}" python3 benchmarks/decode.py --device cuda --batch-sizes 1 32 --repeats 2 \
+    --methods "tinyvlm fused fast" --curve-tokens --out "$out" 2>&1 | tee "$out/decode.log"
   timeout "${TRAIN_TIMEOUT:-240}" python3 benchmarks/train_throughput.py --shape nanovlm-222m --device cuda --compile \
     --steps 10 --warmup 3 --out "$out" 2>&1 | tee "$out/train.log"
   ;;
