@@ -26,15 +26,12 @@ def causal_mask(start_pos: int | Tensor, num_queries: int, num_keys: int, device
 # Grouped-query attention (Ainslie et al. 2023) through PyTorch's scaled_dot_product_attention.
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """q [B, H, T, D] against k, v [B, Hkv, S, D] under a boolean mask [B or 1, 1, T, S], each kv head serving
-    its query heads without repeating K/V: the query heads of a group are folded into the sequence axis. With
-    one query per row (a decode step) every folded row sees the same keys: the mask broadcasts, uncopied."""
+    its query heads without repeating K/V: the query heads of a group are folded into the sequence axis."""
     batch, heads, seq, dim = q.shape
     kv_heads = k.shape[1]
     groups = heads // kv_heads
     q = q.reshape(batch, kv_heads, groups * seq, dim)
-    mask = mask.expand(batch, 1, seq, k.shape[2])
-    if seq > 1:
-        mask = mask.unsqueeze(2).expand(-1, -1, groups, -1, -1).flatten(2, 3)
+    mask = mask.expand(batch, 1, seq, k.shape[2]).unsqueeze(2).expand(-1, -1, groups, -1, -1).flatten(2, 3)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(batch, heads, seq, dim)
 
 

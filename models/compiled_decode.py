@@ -5,8 +5,9 @@ spans the whole preallocated cache under a mask, so every step of a call has one
 is rounded up to `CACHE_BUCKET` tokens and the batch to a power of two (padded rows are masked out and
 dropped), so a process that sees many prompt lengths and batch sizes compiles a handful of graphs (CUDA graphs
 on a GPU). The prefill (image + prompt into the cache) is compiled with its sizes symbolic (prompt length,
-batch, images, capacity): one graph serves every prompt, without CUDA graphs. Past dynamo's recompile limit a
-new shape runs eagerly, with a one-time warning, instead of failing.
+batch, images, capacity), without CUDA graphs: new prompts reuse its graphs (a size of 1, and calls with or
+without a mask or images, take their own). Past dynamo's recompile limit a new shape runs eagerly, with a one-
+time warning, instead of failing.
 """
 
 from __future__ import annotations
@@ -88,22 +89,11 @@ def compiled_decode_step(step: Callable[..., Tensor], device_type: str) -> Compi
 
 
 def compiled_prefill(prefill: Callable[..., Any]) -> CompiledCall:
-    """`prefill(input_ids [B, T], images [N, ...] | None, mask [B, S] | None, cache)` compiled with its sizes
-    symbolic (`mark_dynamic_prefill` marks them on each call's tensors): no CUDA graphs, whose one shape a
-    prompt would not reuse."""
+    """`prefill(input_ids [B, T], images [N, ...] | None, mask [B, S] | None, cache)` compiled with every size
+    symbolic (dynamic=True: no marks on the caller's tensors, which the decode step then takes shape-static),
+    without CUDA graphs, whose one shape a prompt would not reuse."""
     return CompiledCall(prefill, "prefills (batch, prompt, images, mask)", lambda ids, images, mask, cache: (
-        *ids.shape, None if images is None else len(images), mask is not None))
-
-
-def mark_dynamic_prefill(input_ids: Tensor, images: Tensor | None, mask: Tensor | None,
-                         cache: list[dict[str, Tensor]]) -> None:
-    """The prefill's sizes symbolic from its first compile on (batch, prompt length, images, capacity), so
-    that new prompts reuse its graph (a size of 1 still takes its own)."""
-    marks = [(input_ids, (0, 1)), (images, (0,)), (mask, (0, 1))]
-    marks += [(block_cache[name], (0, 2)) for block_cache in cache for name in ("key", "value")]
-    for tensor, dims in marks:
-        for dim in dims if tensor is not None else ():
-            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        *ids.shape, None if images is None else len(images), mask is not None), dynamic=True)
 
 
 def mark_static(cache: list[dict[str, Tensor]]) -> None:

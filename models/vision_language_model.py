@@ -22,7 +22,6 @@ from models.compiled_decode import (
     bucket_capacity,
     compiled_decode_step,
     compiled_prefill,
-    mark_dynamic_prefill,
     pad_rows,
     shape_static,
 )
@@ -196,7 +195,7 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         compile=True runs the same decode step shape-static through torch.compile (models/compiled_decode.py:
         the position in a device tensor, attention over the whole preallocated cache under a mask, the batch
         and the cache rounded up to buckets): no recompilation and no host sync between steps (CUDA graphs on
-        GPU)."""
+        GPU); the prefill runs through torch.compile too, its sizes symbolic."""
         params = SamplingParams(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
         prompt_len = input_ids.shape[1]
         capacity = self._capacity(prompt_len, max_new_tokens, num_samples, static=compile and use_cache)
@@ -251,7 +250,6 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
             # the compiled graph takes the image tokens' count on trust: counted here, eagerly
             self._check_image_tokens(int(self._image_slots(input_ids).sum()),
                                      0 if images is None else len(images) * self.config.tokens_per_image)
-            mark_dynamic_prefill(input_ids, images, mask, cache)
             prefill = self._compiled_call("prefill")
         logits, embeddings = prefill(input_ids, images, mask, cache)
         if num_samples > 1:

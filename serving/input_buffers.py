@@ -125,7 +125,7 @@ class InputBuffers:
         """One token per sequence at position num_computed. With `rows` (a CUDA-graph
         bucket >= len(sequences)) the batch is padded to that many rows, which read and write only the null
         block, and the block table keeps its full width (the graph's static shape); without, it is cut to the
-        longest table."""
+        longest table (two blocks at least)."""
         self._send_rows()
         n = len(sequences)
         size = self.block_size
@@ -159,7 +159,9 @@ class InputBuffers:
         for region, pad in enumerate((0, 0, 0, 1, self.null_seat, 0, 0)):
             buffer[region * stride + n : region * stride + padded] = pad
         self.decode.upload(0, 7 * stride)
-        return self.decode_views(padded, self.max_blocks if rows else int(length.max()))
+        # at least two columns (the second the null block's): a compiled step would take a new graph for one
+        return self.decode_views(padded, self.max_blocks if rows else min(max(2, int(length.max())),
+                                                                           self.max_blocks))
 
     def decode_views(self, rows: int, columns: int) -> StepInputs:
         """The decode inputs of the first `rows` rows, read from the device buffer (fixed addresses): each

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from models import VisionLanguageModel
+from models.compiled_decode import CompiledCall
 from models.kv_cache import Paged
 from models.sampling import sample_rows
 from serving.decode_graphs import DecodeGraphs
@@ -68,9 +69,10 @@ class ModelRunner:
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self.compile_decode = compile_decode
-        self.decode_hidden = (
-            torch.compile(self._decode_hidden, fullgraph=True) if compile_decode else self._decode_hidden
-        )
+        self.decode_hidden = self._decode_hidden
+        if compile_decode:  # past the recompile limit a new shape runs eagerly (with a warning)
+            self.decode_hidden = CompiledCall(self._decode_hidden, "engine decode steps (rows, table width)",
+                                              lambda tokens, block_table, *rest: block_table.shape)
         self.graphs = None
         with torch.inference_mode():
             if cuda_graphs:

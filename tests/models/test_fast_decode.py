@@ -128,6 +128,25 @@ def test_the_compiled_prefill_takes_new_prompt_lengths_without_recompiling(model
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # one prefill, one decode step
 
 
+@pytest.mark.slow
+def test_the_decode_step_stays_shape_static_after_a_compiled_prefill():
+    """Regression: the prefill marked its tensors' sizes dynamic, and at a batch that needs no padding the
+    decode step took those very cache and mask tensors, so its graph turned symbolic in the cache length (one
+    graph for every capacity instead of one per bucket)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = tiny_vlm(max_position_embeddings=1024)
+    ids, mask, images = left_padded_batch()
+    counters.clear()
+    for new_tokens in (20, 300):  # capacities in the 256 and 512 buckets
+        eager = model.generate(ids[:1], images[:1], mask[:1], max_new_tokens=new_tokens, greedy=True)
+        compiled = model.generate(ids[:1], images[:1], mask[:1], max_new_tokens=new_tokens, greedy=True,
+                                  compile=True)
+        assert torch.equal(compiled, eager), new_tokens
+    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])  # a prefill, a decode per bucket
+
+
 def test_a_compiled_generation_still_checks_the_image_tokens(model):
     """The compiled prefill cannot read the placeholders' count back: it is counted before it, eagerly."""
     ids, mask, images = left_padded_batch()

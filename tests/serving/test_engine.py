@@ -102,7 +102,7 @@ def test_a_model_with_fused_projections_serves_the_tokens_of_the_unfused_one(mod
 
 
 def test_the_compiled_decode_forward_serves_the_eager_tokens_compiled_twice_at_start_up(model):
-    """compile_decode through the gather path (a CPU's): batches of 2 to 8 rows and tables of changing width;
+    """compile_decode through the gather path (a CPU's): batches of 1 to 8 rows and tables of changing width;
     compiled as the engine starts, once for many rows (symbolic sizes) and once for one row."""
     from torch._dynamo.utils import counters
 
@@ -115,7 +115,11 @@ def test_the_compiled_decode_forward_serves_the_eager_tokens_compiled_twice_at_s
     tokens = _serve(engine, requests, arrivals=[0, 0, 1, 3, 3, 4, 8, 9, 15, 15])
     for i, (prompt, images, params) in enumerate(requests):
         assert tokens[str(i)] == _alone(model, prompt, images, params)[0], i
-    # rows 2-8, tables 2-5 blocks wide: no compile while serving
+    # a request alone whose table is one block: one row, a table padded to two columns (a width of one was a
+    # new compile in the middle of serving)
+    short = [(_prompt(3, 50, 0), None, RequestParams(greedy=True, max_tokens=3))]
+    assert _serve(engine, short, arrivals=[0])["0"] == _alone(model, *short[0])[0]
+    # rows 1-8, tables 1-5 blocks: no compile while serving
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
 
 
