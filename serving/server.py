@@ -403,7 +403,7 @@ class Reply:
                 self.engine.abort(self.request_id)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint",
@@ -437,7 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompt-chars", type=int, default=100_000,
                         help="prompt length limit (characters)")
     parser.add_argument("--max-images", type=int, default=4, help="images per request")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
         import uvicorn
 
