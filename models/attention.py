@@ -9,6 +9,8 @@ pool in place (models/paged_attention_triton.py: GPUs, and tests through Triton'
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -49,23 +51,52 @@ def paged_attention(q: Tensor, cache: KVCache) -> Tensor:
 def gathered_paged_attention(q: Tensor, key_pool: Tensor, value_pool: Tensor, layout: Paged) -> Tensor:
     """The reference: each sequence's blocks gathered ([S, Hkv, blocks * block_size, D]), its queries padded
     to `max_query_len`, SDPA under a causal mask at the queries' positions, the padding dropped again. No host
-    sync: every shape comes from the layout's tensors and its host-known `max_query_len`."""
-    num_tokens, heads, dim = q.shape
-    num_seqs, width = layout.block_table.shape
-    # index_select copies whole blocks (4x faster than pool[table] on a CPU)
-    blocks = layout.block_table.flatten()
-    keys, values = (pool.index_select(0, blocks).view(num_seqs, width * pool.shape[1], *pool.shape[2:])
-                    .transpose(1, 2).to(q.dtype) for pool in (key_pool, value_pool))
+    sync: every shape comes from the layout's tensors and its host-known `max_query_len` and gather plan (a
+    decode call's row groups each gather only their own longest table)."""
+    plan, table, lens = layout.gather, layout.block_table, layout.context_lens
+    if plan is None or layout.max_query_len > 1:  # one gather for the whole call
+        return _gathered(q, key_pool, value_pool, layout, table, lens, None if plan is None else plan.space)
+    parts, start = [], 0
+    for end, width in zip(plan.group_ends, plan.group_widths):  # decode rows: one query each
+        parts.append(_gathered(q[start:end], key_pool, value_pool, layout, table[start:end, :width],
+                               lens[start:end], plan.space))
+        start = end
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _gathered(q: Tensor, key_pool: Tensor, value_pool: Tensor, layout: Paged, block_table: Tensor,
+              context_lens: Tensor, space: Tensor | None) -> Tensor:
+    """Attention of the sequences in `block_table` (the layout's, or a group of a decode call's rows)."""
+    keys, values = (gathered.to(q.dtype) for gathered in _gather(key_pool, value_pool, block_table, space))
+    slots = torch.arange(keys.shape[2], device=q.device)
+    context_lens = context_lens.long()
+    if layout.max_query_len == 1:  # a decode step: one query per sequence, the last of its context
+        mask = slots <= (context_lens - 1)[:, None]  # [S, slots]
+        return grouped_attention(q[:, :, None], keys, values, mask[:, None, None])[:, :, 0]
+    num_tokens = q.shape[0]
     starts = layout.query_start.long()
-    query_lens, context_lens = starts[1:] - starts[:-1], layout.context_lens.long()
-    width = layout.max_query_len
-    offsets = torch.arange(width, device=q.device)
-    query_positions = (context_lens - query_lens)[:, None] + offsets  # [S, width]
-    mask = torch.arange(keys.shape[2], device=q.device) <= query_positions[..., None]  # [S, width, slots]
-    if width == 1:  # a decode step: one query per sequence
-        return grouped_attention(q[:, :, None], keys, values, mask[:, None])[:, :, 0]
+    offsets = torch.arange(layout.max_query_len, device=q.device)
+    query_positions = (context_lens - (starts[1:] - starts[:-1]))[:, None] + offsets  # [S, width]
+    mask = slots <= query_positions[..., None]  # [S, width, slots]
     padded = q[(starts[:-1, None] + offsets).clamp(max=num_tokens - 1)].transpose(1, 2)  # [S, H, width, D]
     out = grouped_attention(padded, keys, values, mask[:, None]).transpose(1, 2)  # [S, width, H, D]
     tokens = torch.arange(num_tokens, device=q.device)
     sequence = torch.searchsorted(starts[1:], tokens, right=True)
     return out[sequence, tokens - starts[sequence]]
+
+
+def _gather(key_pool: Tensor, value_pool: Tensor, block_table: Tensor, space: Tensor | None) -> list[Tensor]:
+    """Each row's blocks as keys and values [S, Hkv, blocks * block_size, D], written into `space` when given
+    (the keys, then the values). index_select copies whole blocks (4x faster than pool[table] on a CPU)."""
+    num_seqs, width = block_table.shape
+    blocks = block_table.flatten()
+    gathered = []
+    for i, pool in enumerate((key_pool, value_pool)):
+        if space is None:
+            rows = pool.index_select(0, blocks)
+        else:
+            size = blocks.numel() * math.prod(pool.shape[1:])
+            out = space[i * size : (i + 1) * size].view(blocks.numel(), *pool.shape[1:])
+            rows = torch.index_select(pool, 0, blocks, out=out)
+        gathered.append(rows.view(num_seqs, width * pool.shape[1], *pool.shape[2:]).transpose(1, 2))
+    return gathered

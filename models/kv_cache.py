@@ -58,6 +58,18 @@ class Preallocated:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class GatherPlan:
+    """How the gathered path runs a call, known on the host (eager calls only; inference only, since every
+    layer overwrites `space`). A decode call's sequences, sorted by table length, come in groups [previous
+    end, end) that each gather only the blocks their longest table spans (a prefill call is one group); every
+    layer gathers into one buffer (on a CPU a fresh buffer a layer page-faults on every element)."""
+
+    group_ends: tuple[int, ...]  # the last group ends at S
+    group_widths: tuple[int, ...]  # blocks gathered for each group's rows
+    space: Tensor  # flat, the pools' dtype: room for the keys and values of the largest group
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Paged:
     """Where the tokens of a packed call live in a shared block pool (see the module docstring). Sequences
     s = 0 .. S-1 own queries query_start[s] .. query_start[s + 1] - 1 of the call, the last ones of their
@@ -72,6 +84,7 @@ class Paged:
     context_lens: Tensor  # [S] int: each sequence's tokens in the cache once this call has written
     max_query_len: int
     attention: str = "gather"
+    gather: GatherPlan | None = None  # the gathered path's groups and buffer (None: one fresh gather)
 
     def __post_init__(self) -> None:
         if self.attention not in PAGED_ATTENTION:

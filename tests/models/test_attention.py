@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from models.attention import gathered_paged_attention, paged_attention
-from models.kv_cache import Paged
+from models.kv_cache import GatherPlan, Paged
 from tests.models.helpers import TRITON_ON_CPU
 
 
@@ -58,3 +58,37 @@ def test_paged_attention_equals_float64(attention, heads, kv_heads, dim, block_s
     if attention == "triton":  # and the two implementations agree with each other
         reference = gathered_paged_attention(q, key_pool, value_pool, layout)
         torch.testing.assert_close(out, reference, atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("query_lens, context_lens, ends", [
+    ([1] * 6, [3, 5, 9, 17, 40, 70], (2, 4, 6)),  # a decode call, sorted by length, in three groups
+    ([5, 3, 1, 20], [13, 3, 9, 90], (4,)),  # a prefill call: one group
+], ids=["decode-groups", "prefill"])
+def test_a_gather_plan_gives_the_attention_of_one_gather(query_lens, context_lens, ends):
+    """Groups of rows gathering only their own longest tables, every call into one reused buffer (left
+    holding another call's values), give what one gather of every row's whole table gives, and float64's."""
+    heads, kv_heads, dim, block_size = 6, 2, 16, 4
+    generator = torch.Generator().manual_seed(1)
+    blocks = [-(-c // block_size) for c in context_lens]
+    width = max(blocks)
+    key_pool = torch.randn(sum(blocks) + 1, block_size, kv_heads, dim, generator=generator)
+    value_pool = torch.randn(sum(blocks) + 1, block_size, kv_heads, dim, generator=generator)
+    order = (torch.randperm(sum(blocks), generator=generator) + 1).tolist()
+    tables = [order[sum(blocks[:i]) : sum(blocks[: i + 1])] for i in range(len(blocks))]
+    block_table = torch.zeros(len(tables), width, dtype=torch.long)
+    for row, table in enumerate(tables):
+        block_table[row, : len(table)] = torch.tensor(table)
+    q = torch.randn(sum(query_lens), heads, dim, generator=generator)
+    positions = torch.cat([torch.arange(c - n, c) for n, c in zip(query_lens, context_lens)])
+    args = (block_table, torch.zeros(len(q), dtype=torch.long), positions,
+            torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()]), torch.tensor(context_lens),
+            max(query_lens))
+    decode = max(query_lens) == 1
+    widths = tuple(max(blocks[start:end]) if decode else width for start, end in zip((0, *ends[:-1]), ends))
+    space = torch.randn(2 * len(tables) * width * block_size * kv_heads * dim, generator=generator)
+    planned = Paged(*args, gather=GatherPlan(ends, widths, space))
+    out = gathered_paged_attention(q, key_pool, value_pool, planned)
+    torch.testing.assert_close(out, gathered_paged_attention(q, key_pool, value_pool, Paged(*args)),
+                               atol=1e-6, rtol=0)
+    expected = _float64_attention(q, key_pool, value_pool, tables, query_lens, context_lens)
+    torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)

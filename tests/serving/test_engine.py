@@ -101,6 +101,24 @@ def test_a_model_with_fused_projections_serves_the_tokens_of_the_unfused_one(mod
         assert tokens[str(i)] == _alone(model, prompt, images, params)[0], i
 
 
+def test_decode_rows_gathered_in_groups_of_their_own_widths_keep_their_greedy_tokens(model, monkeypatch):
+    """With many sequences of many lengths running, the eager gathered decode sorts its rows into groups that
+    gather only their own longest tables (into one buffer every layer reuses); the tokens stay generate's."""
+    import serving.runner
+
+    groups = []
+    row_groups = serving.runner.row_groups
+    monkeypatch.setattr(serving.runner, "row_groups", lambda lengths: groups.append(row_groups(lengths)) or
+                        groups[-1])
+    requests = [(_prompt(3 + 7 * i % 60, 50 + i, int(i % 3 == 0)), _images(int(i % 3 == 0), 50 + i),
+                 RequestParams(greedy=True, max_tokens=6 + 3 * i % 17)) for i in range(32)]
+    engine = Engine(model, num_blocks=600, block_size=4, max_num_seqs=32, max_batch_tokens=2048)
+    tokens = _serve(engine, requests, arrivals=[0] * 32)
+    for i, (prompt, images, params) in enumerate(requests):
+        assert tokens[str(i)] == _alone(model, prompt, images, params)[0], i
+    assert max(len(set(widths)) for _, widths in groups) >= 3  # groups of different widths ran
+
+
 def test_the_compiled_decode_forward_serves_the_eager_tokens_compiled_twice_at_start_up(model):
     """compile_decode through the gather path (a CPU's): batches of 1 to 8 rows and tables of changing width;
     compiled as the engine starts, once for many rows (symbolic sizes) and once for one row."""
