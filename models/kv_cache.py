@@ -18,8 +18,9 @@ Paged (PagedAttention, Kwon et al. 2023; built and managed by serving/): the tok
 one row, [1, N], packed without padding; the pool is shared by every sequence, and the layout says where each
 sequence's tokens live (its block table), where each new token goes (`slot_mapping`), and which queries belong
 to which sequence (`query_start`, as flash attention's cu_seqlens) at which positions. Attention reads the
-pool through the block tables (models/attention.py): gathered + SDPA (exact, the reference and the CPU path),
-or a Triton kernel in place.
+pool through the block tables (models/attention.py): gathered + SDPA (exact, the reference and the CPU path;
+an optional GatherPlan groups a decode call's rows by length and reuses one buffer), or a Triton kernel in
+place.
 
 Memory (the formula from the KV-cache articles, with grouped-query attention's fewer kv heads):
     bytes = 2 (K and V) x layers x kv_heads x head_dim x tokens x batch x bytes_per_element

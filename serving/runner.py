@@ -5,7 +5,8 @@ and the step's one device-to-host copy (the sampled ids).
 The pool holds, per layer, keys and values [num_blocks, block_size, kv_heads, head_dim]; the model's own
 blocks run every forward with a paged layout (models/kv_cache.py) built from the persistent input rows
 (serving/input_buffers.py). Attention reads the pool through the block tables: gathered + SDPA ("gather":
-exact, the CPU path) or in place with a Triton kernel ("triton": GPUs; the default there).
+exact, the CPU path; an eager decode sorts its rows by table length so that groups of them gather only what
+they need) or in place with a Triton kernel ("triton": GPUs; the default there).
 """
 
 from __future__ import annotations
