@@ -66,7 +66,8 @@ def gathered_paged_attention(q: Tensor, key_pool: Tensor, value_pool: Tensor, la
 
 def _gathered(q: Tensor, key_pool: Tensor, value_pool: Tensor, layout: Paged, block_table: Tensor,
               context_lens: Tensor, space: Tensor | None) -> Tensor:
-    """Attention of the sequences in `block_table` (the layout's, or a group of a decode call's rows)."""
+    """Attention of the sequences in `block_table` with `context_lens` (the layout's own, or a group of a
+    decode call's rows); of the layout it reads only `query_start` and `max_query_len`."""
     keys, values = (gathered.to(q.dtype) for gathered in _gather(key_pool, value_pool, block_table, space))
     slots = torch.arange(keys.shape[2], device=q.device)
     context_lens = context_lens.long()

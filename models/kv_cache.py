@@ -19,8 +19,8 @@ one row, [1, N], packed without padding; the pool is shared by every sequence, a
 sequence's tokens live (its block table), where each new token goes (`slot_mapping`), and which queries belong
 to which sequence (`query_start`, as flash attention's cu_seqlens) at which positions. Attention reads the
 pool through the block tables (models/attention.py): gathered + SDPA (exact, the reference and the CPU path;
-an optional GatherPlan groups a decode call's rows by length and reuses one buffer), or a Triton kernel in
-place.
+an optional GatherPlan runs a decode call's rows in groups of their own widths, into one reused buffer), or a
+Triton kernel in place.
 
 Memory (the formula from the KV-cache articles, with grouped-query attention's fewer kv heads):
     bytes = 2 (K and V) x layers x kv_heads x head_dim x tokens x batch x bytes_per_element
@@ -61,9 +61,11 @@ class Preallocated:
 @dataclasses.dataclass(frozen=True, eq=False)
 class GatherPlan:
     """How the gathered path runs a call, known on the host (eager calls only; inference only, since every
-    layer overwrites `space`). A decode call's sequences, sorted by table length, come in groups [previous
-    end, end) that each gather only the blocks their longest table spans (a prefill call is one group); every
-    layer gathers into one buffer (on a CPU a fresh buffer a layer page-faults on every element)."""
+    layer overwrites `space`). The rows of a decode call (one query each) run in groups [previous end, end),
+    each gathering the first `width` blocks of its rows' tables: every row's context must fit in its group's
+    width (the caller sorts rows by table length so that little is padding). A prefill call gathers all its
+    tables at once. Every layer gathers into `space` (on a CPU a fresh buffer a layer page-faults on every
+    element)."""
 
     group_ends: tuple[int, ...]  # the last group ends at S
     group_widths: tuple[int, ...]  # blocks gathered for each group's rows

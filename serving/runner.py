@@ -247,8 +247,8 @@ class ModelRunner:
 
     def _decode_hidden(self, tokens: Tensor, block_table: Tensor, slot_mapping: Tensor, positions: Tensor,
                        query_start: Tensor, context_lens: Tensor, gather: GatherPlan | None = None) -> Tensor:
-        """The final hidden states [S, hidden] of S decode rows (one token each): a function of tensors
-        alone, for torch.compile (which passes no gather plan)."""
+        """The final hidden states [S, hidden] of S decode rows (one token each). Compiled, a function of
+        tensors alone: only the eager gathered path passes a gather plan."""
         layout = Paged(block_table, slot_mapping, positions, query_start, context_lens, 1, self.attention,
                        gather)
         return self._blocks(self.model.language.token_embedding(tokens)[None], layout)
