@@ -12,6 +12,9 @@
 #                                      # at batch 1 and 32 with its kernels by name, time to first token (eager,
 #                                      # compiled); nanovlm-222m compiled training with the plain and the chunked
 #                                      # loss (the unfused step and transformers': results/fast-paths-cuda.md)
+#   bash benchmarks/gpu.sh flex OUT    # issue 44 (~7 min): FlexAttention's GPU test (compiled, packed rows: the
+#                                      # losses and gradients of SDPA under the dense mask), then nanovlm-222m
+#                                      # compiled training on rows packing 4 samples, dense mask vs FlexAttention
 #
 # Each writes its tables and logs under OUT (then copy them to benchmarks/results/).
 #
@@ -25,8 +28,8 @@
 #     'bitsandbytes/libbitsandbytes_xpu*'     # its CUDA 13 libraries alone: the carry's limit is 64 MiB
 # They are installed into /tmp/site, with gpu_site/sitecustomize.py (see there why).
 set -uo pipefail
-mode=${1:?usage: benchmarks/gpu.sh seeds|speed|serving|engine|fast OUT}
-out=${2:?usage: benchmarks/gpu.sh seeds|speed|serving|engine|fast OUT}
+mode=${1:?usage: benchmarks/gpu.sh seeds|speed|serving|engine|fast|flex OUT}
+out=${2:?usage: benchmarks/gpu.sh seeds|speed|serving|engine|fast|flex OUT}
 mkdir -p "$out"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -83,5 +86,13 @@ fast)
   timeout "${TRAIN_TIMEOUT:-240}" python3 benchmarks/train_throughput.py --shape nanovlm-222m --device cuda --compile \
     --steps 10 --warmup 3 --out "$out" 2>&1 | tee "$out/train.log"
   ;;
-*) echo "unknown mode $mode: seeds, speed, serving, engine or fast" >&2; exit 2 ;;
+flex)
+  timeout "${TESTS_TIMEOUT:-90}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/models/test_vision_language_model.py 2>&1 | tee "$out/gpu-tests.log"
+  for flex in "" --flex; do
+    timeout "${TRAIN_TIMEOUT:-180}" python3 benchmarks/train_throughput.py --shape nanovlm-222m --device cuda \
+      --compile --packed 4 $flex --losses logits --steps 10 --warmup 3 --out "$out" 2>&1 | tee -a "$out/train.log"
+  done
+  ;;
+*) echo "unknown mode $mode: seeds, speed, serving, engine, fast or flex" >&2; exit 2 ;;
 esac

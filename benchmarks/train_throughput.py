@@ -3,6 +3,8 @@
     python benchmarks/train_throughput.py                                   # tiny default on CPU
     python benchmarks/train_throughput.py --shape nanovlm-222m --batch-size 64 --seq-len 128 --device cuda \\
         --compile
+    # rows packing 4 samples each: SDPA under the dense mask, then FlexAttention
+    python benchmarks/train_throughput.py --shape nanovlm-222m --device cuda --compile --packed 4 [--flex]
 
 A step is forward + backward + AdamW on random data (random weights; the shape is what matters). MFU follows
 nanoGPT's estimate_mfu: 6 FLOPs per parameter per token (or patch) for every matrix multiply, plus attention's
@@ -11,7 +13,7 @@ H100/H200/A100). Side by side, the loss from the whole [batch, seq, vocab] logit
 train.chunked_loss (`chunked`: the head and the cross-entropy a chunk of positions at a time,
 models/linear_cross_entropy.py), with what each keeps for the backward pass (saved tensors) and, on a GPU,
 its peak memory.
-Writes benchmarks/results/train_throughput-<device>.{md,json}.
+Writes benchmarks/results/train_throughput-<device>[-packed<n>[-flex]].{md,json}.
 """
 
 from __future__ import annotations
@@ -81,9 +83,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=cuda, help="bf16 autocast")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--losses", nargs="+", choices=["logits", "chunked"], default=["logits", "chunked"])
+    parser.add_argument("--packed", type=int, default=0,
+                        help="samples packed into each row (an attention mask of sequence numbers); 0: none")
+    parser.add_argument("--flex", action="store_true",
+                        help="packed rows attend through FlexAttention (train.flex_attention; CUDA)")
     parser.add_argument("--peak-tflops", type=float, help="device peak for MFU (known for H100/H200/A100)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.flex and (not args.packed or args.device == "cpu"):
+        parser.error("--flex needs --packed and a CUDA device (FlexAttention has no backward pass on a CPU)")
+    return args
 
 
 def training_step(config: VLMConfig, args: argparse.Namespace, device: torch.device, chunked: bool):
@@ -91,6 +100,7 @@ def training_step(config: VLMConfig, args: argparse.Namespace, device: torch.dev
     torch.manual_seed(0)
     model = VisionLanguageModel(config).to(device).train()
     model.chunked_loss = chunked
+    model.language.flex_attention = args.flex
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     forward = torch.compile(model) if args.compile else model
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if args.bf16 and device.type == "cuda"
@@ -100,10 +110,13 @@ def training_step(config: VLMConfig, args: argparse.Namespace, device: torch.dev
     targets = ids.roll(-1, 1).masked_fill(ids.roll(-1, 1) == config.image_token_id, -100)
     images = torch.randn(args.batch_size, 3, config.vision.image_size, config.vision.image_size,
                          device=device)
+    # --packed n: each row's positions split among n samples (numbered 1 .. n), as data/packing.py gives them
+    mask = (torch.arange(args.seq_len, device=device) * args.packed // args.seq_len + 1).expand(
+        args.batch_size, -1) if args.packed else None
 
     def step() -> None:
         with autocast:
-            _, loss = forward(ids, images, targets=targets, return_logits=False)
+            _, loss = forward(ids, images, mask, targets=targets, return_logits=False)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -155,8 +168,10 @@ def main() -> None:
         print(f"{loss}: {rows[-1]['ms_per_step']:.1f} ms/step, {rows[-1]['tokens_per_s']:,.0f} tokens/s, "
               f"MFU {rows[-1]['mfu'] or 0:.1%}", flush=True)
     machine = hardware(device)
+    packing = f"{args.packed} samples a row ({'FlexAttention' if args.flex else 'SDPA, dense mask'})"
     table = [f"{args.shape}, batch {args.batch_size} x {args.seq_len}, bf16 {args.bf16}, "
-             f"compile {args.compile}, {machine}, torch {torch.__version__}", "",
+             f"compile {args.compile}, {packing if args.packed else 'unpacked'}, {machine}, "
+             f"torch {torch.__version__}", "",
              "| loss | params | ms/step | tokens/s | samples/s | TFLOP/s | MFU | kept for backward | "
              "GPU peak |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -168,8 +183,10 @@ def main() -> None:
                      f"{row['tokens_per_s']:,.0f} | {row['samples_per_s']:,.1f} | "
                      f"{row['achieved_tflops']:.2f} | {mfu} | {kept} | {gpu} |")
     result = dict(shape=args.shape, batch=args.batch_size, seq_len=args.seq_len, bf16=args.bf16,
-                  compile=args.compile, hardware=machine, torch=torch.__version__, rows=rows)
-    write_result(args.out, f"train_throughput-{device.type}", table, result)
+                  compile=args.compile, packed=args.packed, flex=args.flex, hardware=machine,
+                  torch=torch.__version__, rows=rows)
+    suffix = f"-packed{args.packed}{'-flex' if args.flex else ''}" if args.packed else ""
+    write_result(args.out, f"train_throughput-{device.type}{suffix}", table, result)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from models.kv_cache import KVCache, Paged
 
@@ -35,6 +36,26 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     q = q.reshape(batch, kv_heads, groups * seq, dim)
     mask = mask.expand(batch, 1, seq, k.shape[2]).unsqueeze(2).expand(-1, -1, groups, -1, -1).flatten(2, 3)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(batch, heads, seq, dim)
+
+
+# FlexAttention (Dong et al. 2024): packed or padded rows' attention as tiles, the fully masked ones skipped.
+def sequence_block_mask(sequence: Tensor) -> BlockMask:
+    """The mask of rows [B, T] of sequence numbers (1, 2, ... for a packed row's samples, 0 for padding) as
+    a BlockMask: a token sees the earlier tokens of its own sequence, and a pad only itself (the rule of
+    LanguageModel's dense mask)."""
+
+    def mask_mod(b: Tensor, h: Tensor, query: Tensor, key: Tensor) -> Tensor:
+        same = (sequence[b, query] == sequence[b, key]) & (sequence[b, key] > 0)
+        return (key <= query) & (same | (key == query))
+
+    batch, length = sequence.shape
+    return create_block_mask(mask_mod, batch, None, length, length, device=sequence.device)
+
+
+def flex_grouped_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask) -> Tensor:
+    """q [B, H, T, D] against k, v [B, Hkv, T, D] under `block_mask` (compiled in a compiled model; a
+    CUDA device for the backward pass)."""
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
 # PagedAttention (Kwon et al., SOSP 2023): each sequence's K/V read through its block table.

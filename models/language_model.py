@@ -14,9 +14,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.checkpoint import checkpoint
 
-from models.attention import causal_mask, grouped_attention, paged_attention
+from models.attention import (
+    causal_mask,
+    flex_grouped_attention,
+    grouped_attention,
+    paged_attention,
+    sequence_block_mask,
+)
 from models.config import LanguageConfig
 from models.fused_linear import fuse, project
 from models.gguf import read_gguf
@@ -96,6 +103,8 @@ class Attention(nn.Module):
             out = paged_attention(q[0].transpose(0, 1), kv_cache).transpose(0, 1)[None]
         elif mask is None and k.shape[2] == seq:  # plain causal self-attention: the fastest kernels
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        elif isinstance(mask, BlockMask):  # packed or padded rows through FlexAttention (training)
+            out = flex_grouped_attention(q, k, v, mask)
         else:
             out = grouped_attention(q, k, v, causal_mask(start_pos, seq, k.shape[2], x.device) if mask is None
                                     else mask)
@@ -126,8 +135,9 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None,
                 kv_cache: KVCache | None = None, start_pos: int | Tensor = 0) -> tuple[Tensor, KVCache]:
-        """`mask` [B or 1, 1, T, S] bool (None: causal). Without a cache, returns a new one holding this
-        call's K/V; with one, writes K/V at slots start_pos .. start_pos + T and attends over the cache."""
+        """`mask` [B or 1, 1, T, S] bool, or a FlexAttention BlockMask (None: causal). Without a cache,
+        returns a new one holding this call's K/V; with one, writes K/V at slots start_pos .. start_pos + T
+        and attends over the cache."""
         attended, kv_cache = self.attn(self.attn_norm(x), cos, sin, mask, kv_cache, start_pos)
         x = x + attended
         return x + self.mlp(self.mlp_norm(x)), kv_cache
@@ -187,6 +197,10 @@ class LanguageModel(nn.Module):
         # Training without a cache: keep each block's input only and recompute the block in the backward pass
         # (activation checkpointing; the same loss and gradients for less memory).
         self.activation_checkpointing = False
+        # Packed or padded rows without a cache attend through FlexAttention (a BlockMask whose fully masked
+        # tiles are skipped) instead of SDPA under a dense mask, which no flash kernel takes: for compiled
+        # training on a GPU (FlexAttention has no backward pass on a CPU).
+        self.flex_attention = False
         self.apply(self._init_weights)
         if config.tie_word_embeddings:
             self.head.weight = self.token_embedding.weight
@@ -228,8 +242,9 @@ class LanguageModel(nn.Module):
             positions, mask = layout.positions[None], None
         else:
             num_keys = attended_slots(caches[0], start_pos, seq)
+            flex = self.flex_attention and kv_cache is None and isinstance(start_pos, int) and start_pos == 0
             positions, mask = self._positions_and_mask(attention_mask, start_pos, batch, seq, num_keys,
-                                                       embeddings.device)
+                                                       embeddings.device, flex)
         cos, sin = self.rotary(positions)
         x, new_caches = embeddings, []
         if self.activation_checkpointing and kv_cache is None and torch.is_grad_enabled():
@@ -244,8 +259,10 @@ class LanguageModel(nn.Module):
 
     @staticmethod
     def _positions_and_mask(attention_mask: Tensor | None, start_pos: int | Tensor, batch: int, seq: int,
-                            num_keys: int, device: torch.device) -> tuple[Tensor, Tensor | None]:
-        """Rotary positions [B, T] and the attention mask [B, 1, T, S] (None for plain causal attention).
+                            num_keys: int, device: torch.device, flex: bool = False
+                            ) -> tuple[Tensor, Tensor | BlockMask | None]:
+        """Rotary positions [B, T] and the attention mask [B, 1, T, S] (None for plain causal attention; with
+        `flex`, a call of T tokens from slot 0 with an attention mask takes FlexAttention's BlockMask).
 
         A token's position is the number of real tokens before it in its own sequence (a packed row's
         sequences are numbered 1, 2, ... in order); a token sees the earlier tokens of its sequence, and a pad
@@ -263,6 +280,8 @@ class LanguageModel(nn.Module):
                                    device=device).scatter_add_(1, sequence, real.long())
         earlier = (per_sequence.cumsum(-1) - per_sequence).gather(1, sequence)
         positions = (real.long().cumsum(-1) - 1 - earlier).clamp(min=0).gather(1, slots.expand(batch, seq))
+        if flex:
+            return positions, sequence_block_mask(sequence)
         query_sequence = sequence.gather(1, slots.expand(batch, seq))
         same_sequence = (query_sequence[:, :, None] == sequence[:, None, :]) & real[:, None, :]
         own_slot = torch.arange(num_keys, device=device) == slots[:, None]

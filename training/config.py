@@ -116,6 +116,10 @@ class TrainConfig(Config):
     # the [batch, seq, vocabulary] logits are never kept for the backward pass, which computes each chunk's
     # again.
     chunked_loss: bool = False
+    # Packed and padded batches attend through FlexAttention (a block mask, its fully masked tiles skipped)
+    # instead of SDPA under a dense mask, which no flash kernel takes: CUDA only (FlexAttention has no
+    # backward pass on a CPU), and meant for train.compile (uncompiled, it runs an unfused reference).
+    flex_attention: bool = False
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     # Under torchrun: DDP replicas, or FSDP2 shards for models too big for one GPU.
     parallel: Literal["ddp", "fsdp"] = "ddp"

@@ -99,12 +99,16 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
 def _prepare_parts(model: VisionLanguageModel, train_config, device: torch.device,
                    resume: Path | None) -> None:
     """The parts at learning rate 0 frozen, LoRA's adapters (and QLoRA's 4-bit base) in place, activation
-    checkpointing and the chunked loss as the config says."""
+    checkpointing, the chunked loss and FlexAttention as the config says."""
     freeze_parts(model, train_config)
     _adapt(model, train_config, device, resume)
     for part in (model.language, model.vision):
         part.activation_checkpointing = train_config.activation_checkpointing
     model.chunked_loss = train_config.chunked_loss
+    if train_config.flex_attention:
+        check(device.type == "cuda", "train.flex_attention trains on a CUDA GPU (FlexAttention has no "
+              f"backward pass on a CPU); this run's device is {device.type}")
+        model.language.flex_attention = True
 
 
 def _validation_batches(collator: VQACollator, records: CheckedRecords, train_config) -> list[dict]:

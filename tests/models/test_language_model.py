@@ -224,3 +224,27 @@ def test_sharded_checkpoints_load_through_their_index(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(ours.head(ours(ours.token_embedding(ids))[0]), reference(ids).logits,
                                    atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_flex_attention_gives_the_dense_masks_logits(llama_pair, compiled):
+    """LanguageModel.flex_attention (train.flex_attention): packed and padded rows through FlexAttention's
+    block mask give the logits of SDPA under the dense mask (itself checked against separate passes above),
+    compiled as one graph too. Forward only: FlexAttention has no backward pass on a CPU (tests on a GPU check
+    the gradients)."""
+    _, ours = llama_pair
+    rows = [[40, 61, 30], [90, 50]]  # the sequences' lengths in each row, across flex's 128-token tiles
+    ids = torch.randint(0, 128, (2, 150), generator=torch.Generator().manual_seed(3))
+    mask = torch.tensor([[n for n, length in enumerate(row, 1) for _ in range(length)]
+                         + [0] * (150 - sum(row)) for row in rows])
+    torch._dynamo.reset()
+    forward = torch.compile(ours, fullgraph=True, backend="aot_eager") if compiled else ours
+    try:
+        with torch.no_grad():
+            dense = ours.head(ours(ours.token_embedding(ids), attention_mask=mask)[0])
+            ours.flex_attention = True
+            flex = ours.head(forward(ours.token_embedding(ids), attention_mask=mask)[0])
+    finally:
+        ours.flex_attention = False
+    torch.testing.assert_close(flex, dense, atol=5e-5, rtol=0)  # float32 sums in another order
+

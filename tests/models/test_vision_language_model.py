@@ -193,3 +193,34 @@ def test_the_loss_without_logits_equals_the_loss_from_them(tie, monkeypatch):
         scale = max(float(grad.abs().max()) for grad in plain_grads.values())
         for name, grad in plain_grads.items():
             torch.testing.assert_close(chunked_grads[name], grad, atol=1e-5 * scale, rtol=1e-5, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward pass needs a CUDA GPU")
+def test_flex_attention_trains_as_the_dense_mask_does_on_a_gpu():
+    """A compiled training forward and backward of packed, padded rows through FlexAttention: the losses and
+    gradients of eager SDPA under the dense mask (float32)."""
+    torch._dynamo.reset()
+    model = tiny_vlm(seed=4).cuda().train()
+    config = model.config
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 90, (2, 160), generator=generator)
+    ids[:, 1 : 1 + config.tokens_per_image] = config.image_token_id
+    images = torch.randn(2, 3, config.vision.image_size, config.vision.image_size, generator=generator)
+    targets = ids.roll(-1, 1)
+    targets[:, : 1 + config.tokens_per_image] = -100
+    mask = torch.ones(2, 160, dtype=torch.long)
+    mask[:, 70:140] = 2  # a second record packed into each row, across a 128-token tile
+    mask[1, 140:] = 0  # and padding
+    ids, images, targets, mask = (t.cuda() for t in (ids, images, targets, mask))
+    results = []
+    for flex, forward in ((False, model), (True, torch.compile(model, fullgraph=True))):
+        model.language.flex_attention = flex
+        model.zero_grad()
+        _, losses = forward(ids, images, mask, targets, reduction="none", return_logits=False)
+        losses.sum().backward()
+        results.append((losses.detach(), [p.grad.clone() for p in model.parameters()]))
+    (dense, dense_grads), (flex, flex_grads) = results
+    torch.testing.assert_close(flex, dense, atol=1e-4, rtol=1e-4)
+    for expected, got in zip(dense_grads, flex_grads, strict=True):
+        torch.testing.assert_close(got, expected, atol=5e-4, rtol=1e-3)

@@ -21,6 +21,7 @@ from training.config import RunConfig, TrainConfig
 from training.loop import Trainer, train_step
 from training.run import train
 from training.vision_pretraining import pretrain_vision
+from typed_config import ConfigError
 
 
 def _history(run_dir):
@@ -274,3 +275,12 @@ def test_the_chunked_loss_trains_the_same_run(tmp_path, monkeypatch):
     # The softmax ignores the keys' biases: their gradients are 0 but for float32 rounding, which differs with
     # the order of the sums, and AdamW turns any such noise into a step of the learning rate's size.
     _assert_same_run(tmp_path / "chunked", tmp_path / "plain", atol=1e-5, unless=r"attn\.k_proj\.bias$")
+
+
+def test_flex_attention_off_a_gpu_is_a_one_line_error(tmp_path):
+    """train.flex_attention: FlexAttention has no backward pass on a CPU, so a CPU run stops before training
+    with one line that says so."""
+    message = ("train.flex_attention trains on a CUDA GPU (FlexAttention has no backward pass on a CPU); "
+               "this run's device is cpu")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        train(small_config(tmp_path / "flex", **{"train.flex_attention": "true", "train.max_steps": "1"}))
