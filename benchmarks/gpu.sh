@@ -14,7 +14,8 @@
 #                                      # loss (the unfused step and transformers': results/fast-paths-cuda.md)
 #   bash benchmarks/gpu.sh flex OUT    # issue 44 (~7 min): FlexAttention's GPU test (compiled, packed rows: the
 #                                      # losses and gradients of SDPA under the dense mask), then nanovlm-222m
-#                                      # compiled training on rows packing 4 samples, dense mask vs FlexAttention
+#                                      # compiled training on 512-token rows packing 4 samples, dense mask vs
+#                                      # FlexAttention
 #
 # Each writes its tables and logs under OUT (then copy them to benchmarks/results/).
 #
@@ -87,11 +88,12 @@ fast)
     --steps 10 --warmup 3 --out "$out" 2>&1 | tee "$out/train.log"
   ;;
 flex)
-  timeout "${TESTS_TIMEOUT:-90}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+  timeout "${TESTS_TIMEOUT:-180}" python3 -m pytest -q -p no:cacheprovider -m gpu \
     tests/models/test_vision_language_model.py 2>&1 | tee "$out/gpu-tests.log"
-  for flex in "" --flex; do
+  for flex in "" --flex; do  # rows of 512 tokens, 4 samples of 128 each: FlexAttention skips 6 of the 10 tiles
     timeout "${TRAIN_TIMEOUT:-180}" python3 benchmarks/train_throughput.py --shape nanovlm-222m --device cuda \
-      --compile --packed 4 $flex --losses logits --steps 10 --warmup 3 --out "$out" 2>&1 | tee -a "$out/train.log"
+      --compile --batch-size 16 --seq-len 512 --packed 4 $flex --losses logits --steps 10 --warmup 3 \
+      --out "$out" 2>&1 | tee -a "$out/train.log"
   done
   ;;
 *) echo "unknown mode $mode: seeds, speed, serving, engine, fast or flex" >&2; exit 2 ;;

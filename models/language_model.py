@@ -197,9 +197,10 @@ class LanguageModel(nn.Module):
         # Training without a cache: keep each block's input only and recompute the block in the backward pass
         # (activation checkpointing; the same loss and gradients for less memory).
         self.activation_checkpointing = False
-        # Packed or padded rows without a cache attend through FlexAttention (a BlockMask whose fully masked
-        # tiles are skipped) instead of SDPA under a dense mask, which no flash kernel takes: for compiled
-        # training on a GPU (FlexAttention has no backward pass on a CPU).
+        # In training mode, packed or padded rows without a cache attend through FlexAttention (a BlockMask,
+        # its fully masked tiles skipped) instead of SDPA under a dense mask, which no flash kernel takes: for
+        # compiled training on a GPU (FlexAttention has no backward pass on a CPU; evaluation, which runs
+        # uncompiled, keeps the dense mask).
         self.flex_attention = False
         self.apply(self._init_weights)
         if config.tie_word_embeddings:
@@ -242,7 +243,8 @@ class LanguageModel(nn.Module):
             positions, mask = layout.positions[None], None
         else:
             num_keys = attended_slots(caches[0], start_pos, seq)
-            flex = self.flex_attention and kv_cache is None and isinstance(start_pos, int) and start_pos == 0
+            flex = (self.flex_attention and self.training and kv_cache is None and isinstance(start_pos, int)
+                    and start_pos == 0)
             positions, mask = self._positions_and_mask(attention_mask, start_pos, batch, seq, num_keys,
                                                        embeddings.device, flex)
         cos, sin = self.rotary(positions)

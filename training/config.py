@@ -118,7 +118,7 @@ class TrainConfig(Config):
     chunked_loss: bool = False
     # Packed and padded batches attend through FlexAttention (a block mask, its fully masked tiles skipped)
     # instead of SDPA under a dense mask, which no flash kernel takes: CUDA only (FlexAttention has no
-    # backward pass on a CPU), and meant for train.compile (uncompiled, it runs an unfused reference).
+    # backward pass on a CPU) and with train.compile (uncompiled, it runs an unfused reference).
     flex_attention: bool = False
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     # Under torchrun: DDP replicas, or FSDP2 shards for models too big for one GPU.
@@ -150,6 +150,8 @@ class TrainConfig(Config):
         check(self.vision_pretrain_lr > 0,
               f"train.vision_pretrain_lr must be positive, got {self.vision_pretrain_lr}")
         check(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
+        check(not self.flex_attention or self.compile, "train.flex_attention needs train.compile: true "
+              "(uncompiled, FlexAttention runs an unfused reference, slower than the dense mask)")
         check(0 <= self.min_lr_tail_fraction < 1,
               f"train.min_lr_tail_fraction must lie in [0, 1), got {self.min_lr_tail_fraction}")
         check(0 < self.adam_beta2 < 1, f"train.adam_beta2 must lie in (0, 1), got {self.adam_beta2}")

@@ -48,7 +48,8 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and train_config.bf16
                 else contextlib.nullcontext())
     say, report = distributed.main_rank_only(ranks, print), distributed.main_rank_only(ranks, tqdm.write)
-
+    check(not train_config.flex_attention or device.type == "cuda", "train.flex_attention trains on a CUDA "
+          f"GPU (FlexAttention has no backward pass on a CPU); this run's device is {device.type}")
     if not resume:
         check_fresh_start(config)
     train_data, validation_data = build_datasets(config.data)
@@ -105,10 +106,7 @@ def _prepare_parts(model: VisionLanguageModel, train_config, device: torch.devic
     for part in (model.language, model.vision):
         part.activation_checkpointing = train_config.activation_checkpointing
     model.chunked_loss = train_config.chunked_loss
-    if train_config.flex_attention:
-        check(device.type == "cuda", "train.flex_attention trains on a CUDA GPU (FlexAttention has no "
-              f"backward pass on a CPU); this run's device is {device.type}")
-        model.language.flex_attention = True
+    model.language.flex_attention = train_config.flex_attention
 
 
 def _validation_batches(collator: VQACollator, records: CheckedRecords, train_config) -> list[dict]:

@@ -204,14 +204,16 @@ def test_flex_attention_trains_as_the_dense_mask_does_on_a_gpu():
     model = tiny_vlm(seed=4).cuda().train()
     config = model.config
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 90, (2, 160), generator=generator)
+    ids = torch.randint(3, 90, (2, 300), generator=generator)
     ids[:, 1 : 1 + config.tokens_per_image] = config.image_token_id
     images = torch.randn(2, 3, config.vision.image_size, config.vision.image_size, generator=generator)
     targets = ids.roll(-1, 1)
     targets[:, : 1 + config.tokens_per_image] = -100
-    mask = torch.ones(2, 160, dtype=torch.long)
-    mask[:, 70:140] = 2  # a second record packed into each row, across a 128-token tile
-    mask[1, 140:] = 0  # and padding
+    mask = torch.ones(2, 300, dtype=torch.long)
+    # a second record packed into each row from 130 on: the keys' first 128-token tile is all masked for the
+    # queries of the third, which the kernel skips
+    mask[:, 130:] = 2
+    mask[1, 280:] = 0  # and padding
     ids, images, targets, mask = (t.cuda() for t in (ids, images, targets, mask))
     results = []
     for flex, forward in ((False, model), (True, torch.compile(model, fullgraph=True))):
@@ -222,5 +224,6 @@ def test_flex_attention_trains_as_the_dense_mask_does_on_a_gpu():
         results.append((losses.detach(), [p.grad.clone() for p in model.parameters()]))
     (dense, dense_grads), (flex, flex_grads) = results
     torch.testing.assert_close(flex, dense, atol=1e-4, rtol=1e-4)
-    for expected, got in zip(dense_grads, flex_grads, strict=True):
-        torch.testing.assert_close(got, expected, atol=5e-4, rtol=1e-3)
+    for expected, got in zip(dense_grads, flex_grads, strict=True):  # float32 rounding grows with gradients
+        scale = max(1.0, expected.abs().max().item())
+        torch.testing.assert_close(got, expected, atol=5e-5 * scale, rtol=1e-3)

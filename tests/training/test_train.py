@@ -277,10 +277,14 @@ def test_the_chunked_loss_trains_the_same_run(tmp_path, monkeypatch):
     _assert_same_run(tmp_path / "chunked", tmp_path / "plain", atol=1e-5, unless=r"attn\.k_proj\.bias$")
 
 
-def test_flex_attention_off_a_gpu_is_a_one_line_error(tmp_path):
-    """train.flex_attention: FlexAttention has no backward pass on a CPU, so a CPU run stops before training
-    with one line that says so."""
-    message = ("train.flex_attention trains on a CUDA GPU (FlexAttention has no backward pass on a CPU); "
-               "this run's device is cpu")
+@pytest.mark.parametrize("compiled, message", [
+    ("false", "train.flex_attention needs train.compile: true"),
+    ("true", "train.flex_attention trains on a CUDA GPU (FlexAttention has no backward pass on a CPU); this "
+             "run's device is cpu"),
+], ids=["uncompiled", "cpu"])
+def test_flex_attention_uncompiled_or_off_a_gpu_is_a_one_line_error(tmp_path, monkeypatch, compiled, message):
+    """train.flex_attention: uncompiled it would run FlexAttention's unfused reference, and a CPU has no
+    backward pass for it: either stops the run before any data is read, with one line."""
+    monkeypatch.setattr(run, "build_datasets", lambda *_: pytest.fail("read data"))
     with pytest.raises(ConfigError, match=re.escape(message)):
-        train(small_config(tmp_path / "flex", **{"train.flex_attention": "true", "train.max_steps": "1"}))
+        train(small_config(tmp_path / "flex", **{"train.flex_attention": "true", "train.compile": compiled}))
