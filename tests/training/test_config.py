@@ -67,6 +67,7 @@ TINY_CHANGES = {
     # must divide the 6x6 grid
     "model.projector.pixel_shuffle_factor": {"model.projector.pixel_shuffle_factor": 3},
     "data.source": {"data.source": "jsonl", "data.path": "data.jsonl"},
+    "train.flex_attention": {"train.flex_attention": True, "train.compile": True},  # it needs compiling
     "data.validation_path": {
         "data.source": "jsonl",
         "data.path": "data.jsonl",
