@@ -131,6 +131,16 @@ def test_activation_checkpointing_keeps_less_for_the_same_loss_and_gradients():
         torch.testing.assert_close(grads_checkpointed[name], grad, atol=1e-6, rtol=0, msg=name)
 
 
+def _losses_and_gradients(model, forward, ids, images, mask, targets
+                          ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A training forward's per-position losses through `forward` (the model or its compiled form), and the
+    gradients of their sum."""
+    model.zero_grad()
+    _, losses = forward(ids, images, mask, targets, reduction="none", return_logits=False)
+    losses.sum().backward()
+    return losses.detach(), [p.grad.clone() for p in model.parameters()]
+
+
 @pytest.mark.parametrize("activation_checkpointing, chunked", [(False, False), (True, False), (False, True)])
 def test_the_training_forward_compiles_as_one_graph_and_computes_what_eager_does(
         activation_checkpointing, chunked, monkeypatch):
@@ -152,13 +162,10 @@ def test_the_training_forward_compiles_as_one_graph_and_computes_what_eager_does
     mask[:, 14:20] = 2  # a second record packed into each row
     mask[1, 20:] = 0  # and padding
     model.language.activation_checkpointing = model.vision.activation_checkpointing = activation_checkpointing
-    results = []
-    for forward in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
-        model.zero_grad()
-        _, losses = forward(ids, images, mask, targets, reduction="none", return_logits=False)
-        losses.sum().backward()
-        results.append((losses.detach(), [p.grad.clone() for p in model.parameters()]))
-    (eager, eager_grads), (compiled, compiled_grads) = results
+    eager, eager_grads = _losses_and_gradients(model, model, ids, images, mask, targets)
+    compiled, compiled_grads = _losses_and_gradients(
+        model, torch.compile(model, fullgraph=True, backend="aot_eager"), ids, images, mask, targets
+    )
     torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-6)
     for expected, got in zip(eager_grads, compiled_grads, strict=True):
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
@@ -215,14 +222,10 @@ def test_flex_attention_trains_as_the_dense_mask_does_on_a_gpu():
     mask[:, 130:] = 2
     mask[1, 280:] = 0  # and padding
     ids, images, targets, mask = (t.cuda() for t in (ids, images, targets, mask))
-    results = []
-    for flex, forward in ((False, model), (True, torch.compile(model, fullgraph=True))):
-        model.language.flex_attention = flex
-        model.zero_grad()
-        _, losses = forward(ids, images, mask, targets, reduction="none", return_logits=False)
-        losses.sum().backward()
-        results.append((losses.detach(), [p.grad.clone() for p in model.parameters()]))
-    (dense, dense_grads), (flex, flex_grads) = results
+    dense, dense_grads = _losses_and_gradients(model, model, ids, images, mask, targets)
+    model.language.flex_attention = True
+    flex, flex_grads = _losses_and_gradients(model, torch.compile(model, fullgraph=True), ids, images, mask,
+                                             targets)
     torch.testing.assert_close(flex, dense, atol=1e-4, rtol=1e-4)
     for expected, got in zip(dense_grads, flex_grads, strict=True):  # float32 rounding grows with gradients
         scale = max(1.0, expected.abs().max().item())
