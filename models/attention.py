@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from models.kv_cache import KVCache, Paged
 
@@ -51,11 +51,6 @@ def sequence_block_mask(sequence: Tensor) -> BlockMask:
     batch, length = sequence.shape
     return create_block_mask(mask_mod, batch, None, length, length, device=sequence.device)
 
-
-def flex_grouped_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask) -> Tensor:
-    """q [B, H, T, D] against k, v [B, Hkv, T, D] under `block_mask` (compiled in a compiled model; a
-    CUDA device for the backward pass)."""
-    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
 # PagedAttention (Kwon et al., SOSP 2023): each sequence's K/V read through its block table.

@@ -14,12 +14,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.flex_attention import BlockMask
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from models.attention import (
     causal_mask,
-    flex_grouped_attention,
     grouped_attention,
     paged_attention,
     sequence_block_mask,
@@ -104,7 +103,7 @@ class Attention(nn.Module):
         elif mask is None and k.shape[2] == seq:  # plain causal self-attention: the fastest kernels
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         elif isinstance(mask, BlockMask):  # packed or padded rows through FlexAttention (training)
-            out = flex_grouped_attention(q, k, v, mask)
+            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
         else:
             out = grouped_attention(q, k, v, causal_mask(start_pos, seq, k.shape[2], x.device) if mask is None
                                     else mask)
