@@ -10,6 +10,7 @@ pool in place (models/paged_attention_triton.py: GPUs, and tests through Triton'
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -68,45 +69,73 @@ def gathered_paged_attention(q: Tensor, key_pool: Tensor, value_pool: Tensor, la
     """The reference: each sequence's blocks gathered ([S, Hkv, blocks * block_size, D]), its queries padded
     to `max_query_len`, SDPA under a causal mask at the queries' positions, the padding dropped again. No host
     sync: every shape comes from the layout's tensors and its host-known `max_query_len` and gather plan (a
-    decode call's row groups each gather only their own longest table)."""
-    plan, table, lens = layout.gather, layout.block_table, layout.context_lens
-    if plan is None or layout.max_query_len > 1:  # one gather for the whole call
-        return _gathered(q, key_pool, value_pool, layout, table, lens, None if plan is None else plan.space)
-    parts, start = [], 0
-    for end, width in zip(plan.group_ends, plan.group_widths):  # decode rows: one query each
-        parts.append(_gathered(q[start:end], key_pool, value_pool, layout, table[start:end, :width],
-                               lens[start:end], plan.space))
-        start = end
+    decode call's row groups each gather only their own longest table; a plan's call prepares its groups'
+    indices and masks at its first layer, for every layer)."""
+    plan = layout.gather
+    if plan is None:
+        groups = _groups(layout, key_pool.shape[1], q.shape[0])
+    else:
+        if "groups" not in plan.prepared:
+            plan.prepared["groups"] = _groups(layout, key_pool.shape[1], q.shape[0])
+        groups = plan.prepared["groups"]
+    space = None if plan is None else plan.space
+    parts = [_attend(q, key_pool, value_pool, group, space) for group in groups]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _gathered(q: Tensor, key_pool: Tensor, value_pool: Tensor, layout: Paged, block_table: Tensor,
-              context_lens: Tensor, space: Tensor | None) -> Tensor:
-    """Attention of the sequences in `block_table` with `context_lens` (the layout's own, or a group of a
-    decode call's rows); of the layout it reads only `query_start` and `max_query_len`."""
-    keys, values = (gathered.to(q.dtype) for gathered in _gather(key_pool, value_pool, block_table, space))
-    slots = torch.arange(keys.shape[2], device=q.device)
-    context_lens = context_lens.long()
-    if layout.max_query_len == 1:  # a decode step: one query per sequence, the last of its context
-        mask = slots <= (context_lens - 1)[:, None]  # [S, slots]
-        return grouped_attention(q[:, :, None], keys, values, mask[:, None, None])[:, :, 0]
-    num_tokens = q.shape[0]
+class _Group(NamedTuple):
+    """What each layer needs to attend for a group of a call's sequences (all of them, or a decode call's
+    rows start .. end - 1 of its plan)."""
+
+    rows: slice  # its sequences (in a decode call, its queries too): a plan's rows, or all
+    blocks: Tensor  # [sequences * width] the blocks to gather, sequence by sequence
+    mask: Tensor  # [sequences, 1, queries, slots] bool: what each (padded) query sees
+    padded: Tensor | None  # several queries a sequence: [sequences, max_query_len] each padded query's token
+    unpadded: tuple[Tensor, Tensor] | None  # and each token's (sequence, place) among the padded ones
+
+
+def _groups(layout: Paged, block_size: int, num_tokens: int) -> list[_Group]:
+    """The groups of a call of `num_tokens` queries (no host sync: sizes come from the host-known plan,
+    tables' widths and `max_query_len`)."""
+    plan, table, lens = layout.gather, layout.block_table, layout.context_lens.long()
+    device = table.device
+    if layout.max_query_len == 1:  # decode: one query per sequence, the last of its context
+        if plan is None:
+            spans = [(slice(None), table.shape[1])]
+        else:
+            spans = [(slice(start, end), width) for start, end, width
+                     in zip((0, *plan.group_ends[:-1]), plan.group_ends, plan.group_widths)]
+        groups = []
+        for rows, width in spans:
+            mask = torch.arange(width * block_size, device=device) <= (lens[rows] - 1)[:, None]
+            groups.append(_Group(rows, table[rows, :width].flatten(), mask[:, None, None], None, None))
+        return groups
     starts = layout.query_start.long()
-    offsets = torch.arange(layout.max_query_len, device=q.device)
-    query_positions = (context_lens - (starts[1:] - starts[:-1]))[:, None] + offsets  # [S, width]
-    mask = slots <= query_positions[..., None]  # [S, width, slots]
-    padded = q[(starts[:-1, None] + offsets).clamp(max=num_tokens - 1)].transpose(1, 2)  # [S, H, width, D]
-    out = grouped_attention(padded, keys, values, mask[:, None]).transpose(1, 2)  # [S, width, H, D]
-    tokens = torch.arange(num_tokens, device=q.device)
+    offsets = torch.arange(layout.max_query_len, device=device)
+    query_positions = (lens - (starts[1:] - starts[:-1]))[:, None] + offsets  # [S, width]
+    slots = torch.arange(table.shape[1] * block_size, device=device)
+    mask = (slots <= query_positions[..., None])[:, None]  # [S, 1, width, slots]
+    padded = (starts[:-1, None] + offsets).clamp(max=num_tokens - 1)
+    tokens = torch.arange(num_tokens, device=device)
     sequence = torch.searchsorted(starts[1:], tokens, right=True)
-    return out[sequence, tokens - starts[sequence]]
+    return [_Group(slice(None), table.flatten(), mask, padded, (sequence, tokens - starts[sequence]))]
 
 
-def _gather(key_pool: Tensor, value_pool: Tensor, block_table: Tensor, space: Tensor | None) -> list[Tensor]:
-    """Each row's blocks as keys and values [S, Hkv, blocks * block_size, D], written into `space` when given
-    (the keys, then the values). index_select copies whole blocks (4x faster than pool[table] on a CPU)."""
-    num_seqs, width = block_table.shape
-    blocks = block_table.flatten()
+def _attend(q: Tensor, key_pool: Tensor, value_pool: Tensor, group: _Group, space: Tensor | None) -> Tensor:
+    """The attention of a group's queries: [its queries, H, D]."""
+    keys, values = (gathered.to(q.dtype) for gathered in _gather(key_pool, value_pool, group.blocks,
+                                                                   len(group.mask), space))
+    if group.padded is None:
+        return grouped_attention(q[group.rows, :, None], keys, values, group.mask)[:, :, 0]
+    out = grouped_attention(q[group.padded].transpose(1, 2), keys, values, group.mask)  # [S, H, width, D]
+    return out.transpose(1, 2)[group.unpadded]
+
+
+def _gather(key_pool: Tensor, value_pool: Tensor, blocks: Tensor, num_seqs: int, space: Tensor | None
+            ) -> list[Tensor]:
+    """The blocks of `num_seqs` sequences (`blocks` flat, sequence by sequence) as keys and values
+    [S, Hkv, blocks * block_size, D], written into `space` when given (the keys, then the values).
+    index_select copies whole blocks (4x faster than pool[table] on a CPU)."""
     gathered = []
     for i, pool in enumerate((key_pool, value_pool)):
         if space is None:
@@ -115,5 +144,5 @@ def _gather(key_pool: Tensor, value_pool: Tensor, block_table: Tensor, space: Te
             size = blocks.numel() * math.prod(pool.shape[1:])
             out = space[i * size : (i + 1) * size].view(blocks.numel(), *pool.shape[1:])
             rows = torch.index_select(pool, 0, blocks, out=out)
-        gathered.append(rows.view(num_seqs, width * pool.shape[1], *pool.shape[2:]).transpose(1, 2))
+        gathered.append(rows.view(num_seqs, -1, *pool.shape[2:]).transpose(1, 2))
     return gathered

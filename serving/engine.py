@@ -49,11 +49,12 @@ class Engine:
                  processor: ChatProcessor | CheckpointProcessor | None = None, *, num_blocks: int = 256,
                  block_size: int = 16, max_num_seqs: int = 64, max_batch_tokens: int = 512,
                  attention: str = "auto", cuda_graphs: bool | None = None, compile_decode: bool = False,
-                 admission_batch: int | None = None) -> None:
+                 pack_weights: bool | None = None, admission_batch: int | None = None) -> None:
         """`processor` turns text prompts and PIL images into model inputs (data/chat_processors.py); a
         tokenizer is taken as tinyvlm's ChatML with it. Without one, requests give token ids and pixels.
-        `attention`, `cuda_graphs` and `compile_decode`: see serving/runner.py (by default the Triton kernel
-        and CUDA graphs on a GPU; the decode forward compiled when asked).
+        `attention`, `cuda_graphs`, `compile_decode` and `pack_weights`: see serving/runner.py (by default the
+        Triton kernel and CUDA graphs on a GPU, oneDNN's prepacked weights on a CPU; the decode forward
+        compiled when asked).
         `admission_batch`: seats that must be free before waiting requests join running decodes
         (serving/scheduler.py; default: max_num_seqs / 8 with CUDA graphs, else 1)."""
         if processor is not None and not isinstance(processor, (ChatProcessor, CheckpointProcessor)):
@@ -62,7 +63,7 @@ class Engine:
         self.tokenizer = None if processor is None else processor.tokenizer
         self.blocks = BlockManager(num_blocks, block_size)
         self.runner = ModelRunner(model, num_blocks, block_size, max_num_seqs, max_batch_tokens, attention,
-                                  cuda_graphs, compile_decode)
+                                  cuda_graphs, compile_decode, pack_weights)
         if admission_batch is None:
             admission_batch = max(1, max_num_seqs // 8) if self.runner.graphs is not None else 1
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_batch_tokens, admission_batch)

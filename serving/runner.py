@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from torch import Tensor
 from models import VisionLanguageModel
 from models.compiled_decode import CompiledCall
 from models.kv_cache import GatherPlan, Paged
+from models.packed_linear import PackedLinears, packing_available
 from models.sampling import sample_rows
 from serving.decode_graphs import DecodeGraphs
 from serving.input_buffers import InputBuffers, StepInputs
@@ -56,11 +58,14 @@ def triton_usable(device: torch.device) -> bool:
 class ModelRunner:
     def __init__(self, model: VisionLanguageModel, num_blocks: int, block_size: int, max_num_seqs: int = 64,
                  max_batch_tokens: int = 512, attention: str = "auto",
-                 cuda_graphs: bool | None = None, compile_decode: bool = False) -> None:
+                 cuda_graphs: bool | None = None, compile_decode: bool = False,
+                 pack_weights: bool | None = None) -> None:
         """`attention`: "gather", "triton", or "auto" (triton on a GPU, gather on a CPU). `cuda_graphs`:
         capture the decode step per batch bucket (default: on a GPU). `compile_decode`: the decode forward
         through torch.compile (Inductor fuses its elementwise work into far fewer kernels), before any
-        capture: compiled once for a batch of many rows (its sizes symbolic) and once for one row."""
+        capture: compiled once for a batch of many rows (its sizes symbolic) and once for one row.
+        `pack_weights`: the language model's linears through oneDNN with prepacked weights
+        (models/packed_linear.py; as much memory again; default: on a CPU with float32 weights, eager)."""
         config, weight = model.config.language, model.language.token_embedding.weight
         self.model = model
         self.block_size = block_size
@@ -94,6 +99,12 @@ class ModelRunner:
         if compile_decode:  # past the recompile limit a new shape runs eagerly (with a warning)
             self.decode_hidden = CompiledCall(self._decode_hidden, "engine decode steps (rows, table width)",
                                               lambda tokens, block_table, *rest: block_table.shape)
+        if pack_weights is None:
+            pack_weights = packing_available(weight) and not compile_decode
+        if pack_weights and (compile_decode or not packing_available(weight)):
+            raise ValueError("pack_weights needs float32 weights on a CPU (in a torch built with oneDNN) and "
+                             "an eager forward (no compile_decode)")
+        self.packed = PackedLinears(model.language) if pack_weights else None
         self.graphs = None
         with torch.inference_mode():
             if cuda_graphs:
@@ -130,6 +141,10 @@ class ModelRunner:
     def forward(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> Tensor:
         """Logits [len(decodes) + len(prefills), vocab]: each decode's, then each prompt chunk's last
         token's."""
+        with self.packed or nullcontext():
+            return self._forward(decodes, prefills)
+
+    def _forward(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> Tensor:
         hidden = []
         if decodes:
             if self.graphs is not None:

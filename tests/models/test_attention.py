@@ -66,7 +66,8 @@ def test_paged_attention_equals_float64(attention, heads, kv_heads, dim, block_s
 ], ids=["decode-groups", "prefill"])
 def test_a_gather_plan_gives_the_attention_of_one_gather(query_lens, context_lens, ends):
     """Groups of rows gathering only their own longest tables, every call into one reused buffer (left
-    holding another call's values), give what one gather of every row's whole table gives, and float64's."""
+    holding another call's values), give what one gather of every row's whole table gives, and float64's, at
+    every layer of the call."""
     heads, kv_heads, dim, block_size = 6, 2, 16, 4
     generator = torch.Generator().manual_seed(1)
     blocks = [-(-c // block_size) for c in context_lens]
@@ -92,3 +93,8 @@ def test_a_gather_plan_gives_the_attention_of_one_gather(query_lens, context_len
                                atol=1e-6, rtol=0)
     expected = _float64_attention(q, key_pool, value_pool, tables, query_lens, context_lens)
     torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)
+    # the next layer of the call: the plan's groups (made by the first) over that layer's pools
+    next_key_pool, next_value_pool = key_pool.flip(-1), value_pool * 2
+    torch.testing.assert_close(gathered_paged_attention(q, next_key_pool, next_value_pool, planned),
+                               gathered_paged_attention(q, next_key_pool, next_value_pool, Paged(*args)),
+                               atol=1e-6, rtol=0)
