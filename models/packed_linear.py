@@ -2,9 +2,10 @@
 inference on a CPU (what Inductor's CPU freezing does to a frozen graph's linears).
 
 At the tens of rows of a serving engine's decode step MKL's matmul repacks the plain weight on every call; the
-prepacked weight does not. On a 2-core AMD EPYC (AVX2) the linears of SmolLM2-135M at 34 rows ran 1.9x
-faster, their 49k-column head 2x (benchmarks/results/serving-cpu.md). A row's result does not depend on how
-many rows run with it (MKL's does, below 8 rows), and differs from MKL's by float32 rounding.
+prepacked weight does not. On a 2-core AMD EPYC (AVX2) a decode step's linears for SmolLM2-135M at 34 rows,
+weights read from memory, took 99 ms instead of 189 ms (1.9x), the 49k-column head alone 2x. Results differ
+from MKL's by float32 rounding; on that CPU a row's result also did not depend on how many
+rows ran with it (MKL's does, below 8 rows).
 
     packed = PackedLinears(model.language)  # a packed copy of every plain linear weight: as much memory again
     with packed:                            # in it those layers compute through oneDNN (no autograd)
@@ -12,6 +13,9 @@ many rows run with it (MKL's does, below 8 rows), and differs from MKL's by floa
 """
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -29,39 +33,70 @@ def packing_available(weight: Tensor) -> bool:
 
 
 class PackedLinears:
-    """The plain linear layers under `module`, with a packed copy of each weight made on first use and made
-    again when the weight has changed since (a new tensor, or an in-place update: an optimizer step, a loaded
-    state dict). Entering routes their forward through the packed copies; leaving restores it."""
+    """The plain linear layers under `module`. Entering routes their forward, in the entering thread, through
+    a packed copy of each weight (made at the first entry, and again at an entry that finds a new weight
+    tensor or one updated in place since: an optimizer step, a loaded state dict; writes through `.data`,
+    as peft's merge does, bump no version and go unseen: make a new PackedLinears after them). Leaving puts
+    their forward back. Layers that already have a forward of their own on the instance (another
+    PackedLinears' entered on them, a hook library's) are left to it."""
 
     def __init__(self, module: nn.Module) -> None:
         self.layers = [layer for layer in module.modules()
                        if type(layer) in PACKABLE and packing_available(layer.weight)]
-        self.packed: dict[nn.Module, tuple[Tensor, int, Tensor]] = {}  # weight, its version, packed copy
+        self.forwards: dict[nn.Module, tuple[Tensor, int | None, Callable]] = {}  # weight, version, forward
+        self.entered: list[nn.Module] = []
+        self.thread: int | None = None
+        self.depth = 0  # entries of this object not left yet (a nested one changes nothing)
 
     def __enter__(self) -> PackedLinears:
-        for layer in self.layers:
-            layer.forward = _packed_forward(layer, self._packed_weight(layer))
+        self.depth += 1
+        if self.depth > 1:
+            return self
+        self.thread = threading.get_ident()
+        try:
+            for layer in self.layers:
+                if "forward" not in layer.__dict__:  # (set in __dict__: nn.Module's setattr checks cost more)
+                    layer.__dict__["forward"] = self._forward(layer)
+                    self.entered.append(layer)
+        except BaseException:
+            self.depth = 1
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
-        for layer in self.layers:
-            del layer.forward  # the class's forward again
+        self.depth -= 1
+        if self.depth > 0:
+            return
+        for layer in self.entered:
+            if layer.__dict__.get("forward") is self.forwards[layer][2]:
+                del layer.__dict__["forward"]  # the class's forward again
+        self.entered.clear()
+        self.thread = None
 
-    def _packed_weight(self, layer: nn.Linear) -> Tensor:
-        weight, version, packed = self.packed.get(layer, (None, -1, None))
-        if weight is not layer.weight or version != layer.weight._version:
+    def _forward(self, layer: nn.Linear) -> Callable:
+        """The layer's forward through its packed weight, packed again if the weight changed."""
+        weight, version, forward = self.forwards.get(layer, (None, None, None))
+        # an inference tensor has no version: it can only change inside inference mode, unseen
+        current = None if layer.weight.is_inference() else layer.weight._version
+        if weight is not layer.weight or version != current:
             packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), ROWS_HINT)
-            self.packed[layer] = (layer.weight, layer.weight._version, packed)
-        return packed
+            forward = self._packed_forward(layer, packed)
+            self.forwards[layer] = (layer.weight, current, forward)
+        return forward
+
+    def _packed_forward(self, layer: nn.Linear, packed: Tensor) -> Callable:
+        parts = list(layer.parts.values()) if isinstance(layer, FusedLinear) else None
+
+        def forward(x: Tensor) -> Tensor | tuple[Tensor, ...]:
+            if (torch.is_grad_enabled() or x.dtype != packed.dtype or torch.is_autocast_enabled("cpu")
+                    or threading.get_ident() != self.thread):  # a backward pass, autocast, another thread
+                return type(layer).forward(layer, x)
+            out = packed_matmul(x, packed, layer.bias)
+            return out if parts is None else out.split(parts, dim=-1)
+
+        return forward
 
 
-def _packed_forward(layer: nn.Linear, packed: Tensor):
-    parts = list(layer.parts.values()) if isinstance(layer, FusedLinear) else None
-
-    def forward(x: Tensor) -> Tensor | tuple[Tensor, ...]:
-        if torch.is_grad_enabled() or x.dtype != packed.dtype:  # a backward pass, autocast: the plain matmul
-            return type(layer).forward(layer, x)
-        out = torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
-        return out if parts is None else out.split(parts, dim=-1)
-
-    return forward
+def packed_matmul(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

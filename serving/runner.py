@@ -141,7 +141,7 @@ class ModelRunner:
     def forward(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> Tensor:
         """Logits [len(decodes) + len(prefills), vocab]: each decode's, then each prompt chunk's last
         token's."""
-        with self.packed or nullcontext():
+        with nullcontext() if self.packed is None else self.packed:
             return self._forward(decodes, prefills)
 
     def _forward(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> Tensor:

@@ -1,6 +1,7 @@
 """The engine against `VisionLanguageModel.generate` run on each request alone: same tokens under continuous
 batching, chunked prefill, preemption, prefix caching and n samples per request."""
 
+import copy
 import json
 
 import pytest
@@ -90,6 +91,28 @@ def test_continuous_batching_gives_each_request_its_greedy_tokens(
         assert engine.scheduler.num_preemptions > 0
     if budget == 10:
         assert engine.stats()["preemptions"] == 0
+
+
+def test_on_a_cpu_the_engine_packs_its_linears_and_serves_the_same_tokens_without(model, monkeypatch):
+    """On a CPU the engine's linears run through oneDNN's prepacked weights (models/packed_linear.py) unless
+    pack_weights=False; both serve generate's tokens. A compiled decode or a bfloat16 model cannot pack."""
+    import models.packed_linear
+
+    calls = []
+    matmul = models.packed_linear.packed_matmul
+    monkeypatch.setattr(models.packed_linear, "packed_matmul", lambda *args: calls.append(1) or matmul(*args))
+    requests = _requests()
+    for pack in (True, False):
+        calls.clear()
+        engine = Engine(model, num_blocks=200, block_size=16, max_num_seqs=8, max_batch_tokens=512,
+                        pack_weights=pack)
+        tokens = _serve(engine, requests, arrivals=[0, 0, 1, 3, 3, 4, 8, 9, 15, 15])
+        for i, (prompt, images, params) in enumerate(requests):
+            assert tokens[str(i)] == _alone(model, prompt, images, params)[0], (pack, i)
+        assert bool(calls) == pack
+    with pytest.raises(ValueError, match="pack_weights"):
+        Engine(model, num_blocks=200, block_size=16, compile_decode=True, pack_weights=True)
+    assert Engine(copy.deepcopy(model).to(torch.bfloat16), num_blocks=20).runner.packed is None
 
 
 def test_a_model_with_fused_projections_serves_the_tokens_of_the_unfused_one(model):
