@@ -6,7 +6,8 @@ The pool holds, per layer, keys and values [num_blocks, block_size, kv_heads, he
 blocks run every forward with a paged layout (models/kv_cache.py) built from the persistent input rows
 (serving/input_buffers.py). Attention reads the pool through the block tables: gathered + SDPA ("gather":
 exact, the CPU path; an eager decode sorts its rows by table length so that groups of them gather only what
-they need) or in place with a Triton kernel ("triton": GPUs; the default there).
+they need) or in place with a Triton kernel ("triton": GPUs; the default there). On a CPU the language model's
+linears run through oneDNN on weights packed once (models/packed_linear.py).
 """
 
 from __future__ import annotations
