@@ -53,7 +53,6 @@ def sequence_block_mask(sequence: Tensor) -> BlockMask:
     return create_block_mask(mask_mod, batch, None, length, length, device=sequence.device)
 
 
-
 # PagedAttention (Kwon et al., SOSP 2023): each sequence's K/V read through its block table.
 def paged_attention(q: Tensor, cache: KVCache) -> Tensor:
     """q [N, H, D], the packed queries of a paged call, against the pool -> [N, H, D]."""
@@ -73,12 +72,11 @@ def gathered_paged_attention(q: Tensor, key_pool: Tensor, value_pool: Tensor, la
     indices and masks at its first layer, for every layer)."""
     plan = layout.gather
     if plan is None:
-        groups = _groups(layout, key_pool.shape[1], q.shape[0])
+        groups, space = _groups(layout, key_pool.shape[1], q.shape[0]), None
     else:
-        if "groups" not in plan.prepared:
-            plan.prepared["groups"] = _groups(layout, key_pool.shape[1], q.shape[0])
-        groups = plan.prepared["groups"]
-    space = None if plan is None else plan.space
+        if not plan.groups:  # the call's first layer
+            plan.groups.extend(_groups(layout, key_pool.shape[1], q.shape[0]))
+        groups, space = plan.groups, plan.space
     parts = [_attend(q, key_pool, value_pool, group, space) for group in groups]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 

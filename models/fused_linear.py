@@ -34,7 +34,11 @@ class FusedLinear(nn.Linear):
         self.parts = {part: layer.out_features for part, layer in parts.items()}  # in output order
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
-        return super().forward(x).split(list(self.parts.values()), dim=-1)
+        return self.split(super().forward(x))
+
+    def split(self, out: Tensor) -> tuple[Tensor, ...]:
+        """The fused matmul's output as the parts' outputs."""
+        return out.split(list(self.parts.values()), dim=-1)
 
 
 def _fused_children(owner: nn.Module) -> list[tuple[str, FusedLinear]]:

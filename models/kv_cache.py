@@ -70,8 +70,8 @@ class GatherPlan:
     group_ends: tuple[int, ...]  # the last group ends at S
     group_widths: tuple[int, ...]  # blocks gathered for each group's rows
     space: Tensor  # flat, the pools' dtype: room for the keys and values of the largest group
-    # what every layer of the call reads to attend (block indices, masks): made by the first layer
-    prepared: dict = dataclasses.field(default_factory=dict)
+    # what every layer of the call reads to attend (each group's block indices and mask): the first layer's
+    groups: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -86,14 +86,14 @@ class PackedLinears:
         return forward
 
     def _packed_forward(self, layer: nn.Linear, packed: Tensor) -> Callable:
-        parts = list(layer.parts.values()) if isinstance(layer, FusedLinear) else None
+        fused = isinstance(layer, FusedLinear)
 
         def forward(x: Tensor) -> Tensor | tuple[Tensor, ...]:
             if (torch.is_grad_enabled() or x.dtype != packed.dtype or torch.is_autocast_enabled("cpu")
                     or threading.get_ident() != self.thread):  # a backward pass, autocast, another thread
                 return type(layer).forward(layer, x)
             out = packed_matmul(x, packed, layer.bias)
-            return out if parts is None else out.split(parts, dim=-1)
+            return layer.split(out) if fused else out
 
         return forward
 

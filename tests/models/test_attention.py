@@ -94,9 +94,10 @@ def test_a_gather_plan_gives_the_attention_of_one_gather(query_lens, context_len
     expected = _float64_attention(q, key_pool, value_pool, tables, query_lens, context_lens)
     torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)
     # the next layer of the call: the groups the first layer made, for that layer's queries and pools
-    groups = planned.gather.prepared["groups"]
+    groups = list(planned.gather.groups)
     next_q, next_key_pool, next_value_pool = q.flip(-1), key_pool.flip(-1), value_pool * 2
     torch.testing.assert_close(gathered_paged_attention(next_q, next_key_pool, next_value_pool, planned),
                                gathered_paged_attention(next_q, next_key_pool, next_value_pool, Paged(*args)),
                                atol=1e-6, rtol=0)
-    assert planned.gather.prepared["groups"] is groups
+    assert len(groups) == len(planned.gather.groups) == len(ends)  # made once, by the first layer
+    assert all(made is again for made, again in zip(groups, planned.gather.groups))
