@@ -2,14 +2,16 @@
 attention.
 
 The language model's blocks call these (models/language_model.py); the layouts are in models/kv_cache.py.
-Paged attention has two implementations of one contract: `gathered_paged_attention` (each sequence's blocks
-gathered, then SDPA: exact, any block size, the reference and the CPU path) and a Triton kernel that reads the
-pool in place (models/paged_attention_triton.py: GPUs, and tests through Triton's interpreter).
+Paged attention has three implementations of one contract: `gathered_paged_attention` (each sequence's blocks
+gathered, then SDPA: exact, any block size, the reference, and a CPU's prompt chunks), a Triton kernel that
+reads the pool in place (models/paged_attention_triton.py: GPUs, and tests through Triton's interpreter), and
+`sparse_paged_attention` (a CPU's decode calls: the pool read in place by sparse-matrix kernels).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from models.kv_cache import KVCache, Paged
+from models.kv_cache import KVCache, Paged, SparseIndex
 
 
 def causal_mask(start_pos: int | Tensor, num_queries: int, num_keys: int, device: torch.device) -> Tensor:
@@ -61,7 +63,56 @@ def paged_attention(q: Tensor, cache: KVCache) -> Tensor:
         from models.paged_attention_triton import triton_paged_attention
 
         return triton_paged_attention(q, cache["key"], cache["value"], layout)
+    if layout.attention == "sparse" and layout.max_query_len == 1:
+        return sparse_paged_attention(q, cache["key"], cache["value"], layout)
     return gathered_paged_attention(q, cache["key"], cache["value"], layout)
+
+
+def sparse_index(block_table: Tensor, context_lens: Tensor, total: int, heads: int, pool_shape: torch.Size
+                 ) -> SparseIndex:
+    """The pool rows each query of a decode call reads (see SparseIndex), for `heads` query heads and a pool
+    of `pool_shape` [blocks, block_size, kv_heads, D]; `total` is the host-known sum of `context_lens` (so no
+    size is read back). Made once a call."""
+    num_blocks, block_size, kv_heads, _ = pool_shape
+    device = block_table.device
+    counts = context_lens.long()[:, None].expand(-1, heads).reshape(-1)  # [S * H], row s * H + h
+    rows = torch.zeros(len(counts) + 1, dtype=torch.long, device=device)
+    torch.cumsum(counts, 0, out=rows[1:])
+    entry = torch.arange(heads * total, device=device)
+    row = torch.searchsorted(rows[1:], entry, right=True)  # each entry's row
+    place = entry - rows[row]  # its slot in its sequence
+    blocks = block_table.long()[row // heads, place // block_size]
+    columns = (blocks * block_size + place % block_size) * kv_heads + row % heads // (heads // kv_heads)
+    with warnings.catch_warnings():  # "Sparse CSR tensor support is in beta state": we use two of its kernels
+        warnings.filterwarnings("ignore", "Sparse CSR tensor support", UserWarning)
+        # sampled_addmm multiplies these values by beta = 0, and NaN * 0 is NaN: zeros, never torch.empty
+        pattern = torch.sparse_csr_tensor(rows, columns, torch.zeros(len(columns), device=device),
+                                          (len(counts), num_blocks * block_size * kv_heads),
+                                          check_invariants=False)
+    return SparseIndex(pattern, counts, row)
+
+
+# Sampled dense-dense products and bags of weighted rows (the sparse kernels of recommender models) as paged
+# decode attention: the scores and the weighted sum of values read the pool where it is, without a gather.
+def sparse_paged_attention(q: Tensor, key_pool: Tensor, value_pool: Tensor, layout: Paged) -> Tensor:
+    """q [S, H, D], one query a sequence (a decode call), against the pool -> [S, H, D]: sampled_addmm scores
+    each query against its pool rows (its sequence's keys of its kv head), a softmax runs over each query's
+    entries, and embedding_bag sums the same rows' values weighted by the softmax's numerators. A CPU's (the
+    two sparse kernels take float32 or float64; a layout without an index reads its size back)."""
+    num_seqs, heads, dim = q.shape
+    index = layout.sparse
+    if index is None:
+        index = sparse_index(layout.block_table, layout.context_lens, int(layout.context_lens.sum()), heads,
+                             key_pool.shape)
+    rows = index.pattern.shape[1]
+    scores = torch.sparse.sampled_addmm(index.pattern, q.reshape(num_seqs * heads, dim),
+                                        key_pool.view(rows, dim).t(), beta=0.0, alpha=dim**-0.5).values()
+    top = torch.segment_reduce(scores, "max", lengths=index.counts)
+    weights = scores.sub_(top[index.row]).exp_()
+    total = torch.segment_reduce(weights, "sum", lengths=index.counts)
+    out = F.embedding_bag(index.pattern.col_indices(), value_pool.view(rows, dim),
+                          index.pattern.crow_indices()[:-1], mode="sum", per_sample_weights=weights)
+    return out.div_(total[:, None]).view(num_seqs, heads, dim)
 
 
 def gathered_paged_attention(q: Tensor, key_pool: Tensor, value_pool: Tensor, layout: Paged) -> Tensor:

@@ -18,9 +18,10 @@ Paged (PagedAttention, Kwon et al. 2023; built and managed by serving/): the tok
 one row, [1, N], packed without padding; the pool is shared by every sequence, and the layout says where each
 sequence's tokens live (its block table), where each new token goes (`slot_mapping`), and which queries belong
 to which sequence (`query_start`, as flash attention's cu_seqlens) at which positions. Attention reads the
-pool through the block tables (models/attention.py): gathered + SDPA (exact, the reference and the CPU path;
-an optional GatherPlan runs a decode call's rows in groups of their own widths, into one reused buffer), or a
-Triton kernel in place.
+pool through the block tables (models/attention.py): gathered + SDPA (exact, the reference, and a CPU's
+prompt chunks; an optional GatherPlan runs a decode call's rows in groups of their own widths, into one reused
+buffer), in place with a Triton kernel (GPUs), or, for a CPU's decode calls, in place with sparse-matrix
+kernels ("sparse": a SparseIndex of each query's pool rows).
 
 Memory (the formula from the KV-cache articles, with grouped-query attention's fewer kv heads):
     bytes = 2 (K and V) x layers x kv_heads x head_dim x tokens x batch x bytes_per_element
@@ -37,7 +38,7 @@ from models.config import LanguageConfig
 from models.errors import TinyVLMError
 
 KVCache = dict  # {"key": Tensor, "value": Tensor, "layout": Growing | Preallocated | Paged}
-PAGED_ATTENTION = ("gather", "triton")
+PAGED_ATTENTION = ("gather", "triton", "sparse")
 
 
 class CacheCapacityError(TinyVLMError, IndexError):
@@ -75,6 +76,17 @@ class GatherPlan:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class SparseIndex:
+    """A decode call's attention pattern as a CSR matrix over the pool's rows (one per slot and kv head): row
+    s * H + h holds, in order, the pool rows slot * kv_heads + h // (H / kv_heads) of sequence s's context.
+    Made once a call (models/attention.py `sparse_index`), read by every layer."""
+
+    pattern: Tensor  # sparse CSR [S * H, pool slots * kv_heads], its values zeros
+    counts: Tensor  # [S * H] int64: each row's entries (its sequence's context length)
+    row: Tensor  # [entries] int64: each entry's row
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Paged:
     """Where the tokens of a packed call live in a shared block pool (see the module docstring). Sequences
     s = 0 .. S-1 own queries query_start[s] .. query_start[s + 1] - 1 of the call, the last ones of their
@@ -90,6 +102,7 @@ class Paged:
     max_query_len: int
     attention: str = "gather"
     gather: GatherPlan | None = None  # the gathered path's groups and buffer (None: one fresh gather)
+    sparse: SparseIndex | None = None  # the sparse path's index of a decode call (None: made by each layer)
 
     def __post_init__(self) -> None:
         if self.attention not in PAGED_ATTENTION:

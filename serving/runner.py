@@ -5,8 +5,9 @@ and the step's one device-to-host copy (the sampled ids).
 The pool holds, per layer, keys and values [num_blocks, block_size, kv_heads, head_dim]; the model's own
 blocks run every forward with a paged layout (models/kv_cache.py) built from the persistent input rows
 (serving/input_buffers.py). Attention reads the pool through the block tables: gathered + SDPA ("gather":
-exact, the CPU path; an eager decode sorts its rows by table length so that groups of them gather only what
-they need) or in place with a Triton kernel ("triton": GPUs; the default there). On a CPU the language model's
+exact; an eager decode sorts its rows by table length so that groups of them gather only what they need), in
+place with a Triton kernel ("triton": GPUs; the default there), or, for decode rows on a CPU, in place with
+sparse-matrix kernels ("sparse": the default there; prompt chunks are gathered). On a CPU the language model's
 linears run through oneDNN on weights packed once (models/packed_linear.py).
 """
 
@@ -21,8 +22,9 @@ import torch
 from torch import Tensor
 
 from models import VisionLanguageModel
+from models.attention import sparse_index
 from models.compiled_decode import CompiledCall
-from models.kv_cache import GatherPlan, Paged
+from models.kv_cache import GatherPlan, Paged, SparseIndex
 from models.packed_linear import PackedLinears, packing_available
 from models.sampling import sample_rows
 from serving.decode_graphs import DecodeGraphs
@@ -31,7 +33,7 @@ from serving.requests import MAX_LOGPROBS, TokenLogprobs
 from serving.sequence import Sequence
 from serving.structured import apply_masks, matcher
 
-ATTENTION = ("auto", "gather", "triton")
+ATTENTION = ("auto", "gather", "triton", "sparse")
 
 
 def row_groups(lengths: np.ndarray, most: int = 4, least_rows: int = 8
@@ -61,7 +63,8 @@ class ModelRunner:
                  max_batch_tokens: int = 512, attention: str = "auto",
                  cuda_graphs: bool | None = None, compile_decode: bool = False,
                  pack_weights: bool | None = None) -> None:
-        """`attention`: "gather", "triton", or "auto" (triton on a GPU, gather on a CPU). `cuda_graphs`:
+        """`attention`: "gather", "triton", "sparse" (a CPU's, float32 or float64, eager), or "auto" (triton
+        on a GPU; sparse on a CPU where it can run, else gather). `cuda_graphs`:
         capture the decode step per batch bucket (default: on a GPU). `compile_decode`: the decode forward
         through torch.compile (Inductor fuses its elementwise work into far fewer kernels), before any
         capture: compiled once for a batch of many rows (its sizes symbolic) and once for one row.
@@ -73,10 +76,15 @@ class ModelRunner:
         self.device = weight.device
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+        sparse_usable = (self.device.type == "cpu" and weight.dtype in (torch.float32, torch.float64)
+                         and not compile_decode)
         if attention == "auto":
-            attention = "triton" if self.device.type == "cuda" else "gather"
+            attention = "triton" if self.device.type == "cuda" else "sparse" if sparse_usable else "gather"
         if attention == "triton" and not triton_usable(self.device):
             raise ValueError("triton paged attention needs a CUDA device (attention='gather' runs anywhere)")
+        if attention == "sparse" and not sparse_usable:
+            raise ValueError("sparse paged attention needs float32 or float64 weights on a CPU and an eager "
+                             "decode (no compile_decode); attention='gather' runs anywhere")
         self.attention = attention
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.pools = [{"key": torch.zeros(shape, dtype=weight.dtype, device=self.device),
@@ -151,6 +159,8 @@ class ModelRunner:
             if self.graphs is not None:
                 self.inputs.decode_inputs(decodes, rows=self.graphs.bucket(len(decodes)))
                 hidden.append(self.graphs.run(len(decodes)))
+            elif self.attention == "sparse":
+                hidden.append(self._sparse_decode(decodes))
             elif self.attention == "gather" and not self.compile_decode:
                 hidden.append(self._grouped_decode(decodes))
             else:
@@ -158,7 +168,7 @@ class ModelRunner:
         if prefills:
             inputs = self.inputs.prefill_inputs(prefills)
             gather = None
-            if self.attention == "gather":
+            if self.attention in ("gather", "sparse"):
                 gather = self._gather_plan((len(prefills),), (inputs.block_table.shape[1],))
             features = None
             if inputs.image_chunks:
@@ -262,11 +272,12 @@ class ModelRunner:
         return self.decode_hidden(*tensors)
 
     def _decode_hidden(self, tokens: Tensor, block_table: Tensor, slot_mapping: Tensor, positions: Tensor,
-                       query_start: Tensor, context_lens: Tensor, gather: GatherPlan | None = None) -> Tensor:
+                       query_start: Tensor, context_lens: Tensor, gather: GatherPlan | None = None,
+                       sparse: SparseIndex | None = None) -> Tensor:
         """The final hidden states [S, hidden] of S decode rows (one token each). Compiled, a function of
-        tensors alone: only the eager gathered path passes a gather plan."""
+        tensors alone: only the eager gathered path passes a gather plan, and the sparse path its index."""
         layout = Paged(block_table, slot_mapping, positions, query_start, context_lens, 1, self.attention,
-                       gather)
+                       gather, sparse)
         return self._blocks(self.model.language.token_embedding(tokens)[None], layout)
 
     def _grouped_decode(self, decodes: list[Sequence]) -> Tensor:
@@ -281,6 +292,15 @@ class ModelRunner:
         hidden = self._decode_hidden(inputs.tokens, inputs.block_table, inputs.slot_mapping, inputs.positions,
                                      inputs.query_start, inputs.context_lens, gather)
         return hidden[self.inputs.index(np.argsort(order))]
+
+    def _sparse_decode(self, decodes: list[Sequence]) -> Tensor:
+        """The sparse path's decode: every layer reads the pool in place through one index of the call."""
+        inputs = self.inputs.decode_inputs(decodes)
+        total = sum(sequence.num_computed + 1 for sequence in decodes)  # the context lens' sum, host-known
+        index = sparse_index(inputs.block_table, inputs.context_lens, total,
+                             self.model.config.language.num_heads, self.pools[0]["key"].shape)
+        return self._decode_hidden(inputs.tokens, inputs.block_table, inputs.slot_mapping, inputs.positions,
+                                   inputs.query_start, inputs.context_lens, sparse=index)
 
     def _gather_plan(self, ends: tuple[int, ...], widths: tuple[int, ...]) -> GatherPlan:
         """A plan for groups of rows ending at `ends`, each gathering `widths` blocks, with the runner's

@@ -416,9 +416,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-mib", type=int, default=1024, help="KV-cache memory (MiB)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together")
     parser.add_argument("--max-in-flight", type=int, default=256, help="requests admitted at once (then 429)")
-    parser.add_argument("--attention", choices=["auto", "gather", "triton"], default="auto",
-                        help="paged attention: gather + SDPA, or the Triton kernel over the pool in place "
-                             "(auto: Triton on a GPU)")
+    parser.add_argument("--attention", choices=["auto", "gather", "triton", "sparse"], default="auto",
+                        help="paged attention: gather + SDPA, the Triton kernel over the pool in place, or "
+                             "sparse kernels over the pool in place for a CPU's decode rows (auto: Triton on "
+                             "a GPU, sparse on a CPU)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs for the decode step (as vLLM's)")
     parser.add_argument("--compile", action="store_true",

@@ -1,10 +1,11 @@
-"""Paged attention, both implementations (the gathered reference and the Triton kernel, which runs in Triton's
-interpreter on a CPU), against attention computed in float64 from each sequence's keys in order."""
+"""Paged attention, every implementation (the gathered reference, the sparse CPU path, and the Triton kernel,
+which runs in Triton's interpreter on a CPU), against attention computed in float64 from each sequence's keys
+in order."""
 
 import pytest
 import torch
 
-from models.attention import gathered_paged_attention, paged_attention
+from models.attention import gathered_paged_attention, paged_attention, sparse_index
 from models.kv_cache import GatherPlan, Paged
 from tests.models.helpers import TRITON_ON_CPU
 
@@ -25,7 +26,7 @@ def _float64_attention(q, key_pool, value_pool, tables, query_lens, context_lens
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("attention", ["gather", pytest.param("triton", marks=TRITON_ON_CPU)])
+@pytest.mark.parametrize("attention", ["gather", "sparse", pytest.param("triton", marks=TRITON_ON_CPU)])
 @pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(6, 2, 16, 4), (9, 3, 24, 16), (4, 4, 8, 8)])
 @pytest.mark.parametrize("query_lens, context_lens", [
     ([1, 1, 1, 1], [1, 7, 70, 16]),  # decode steps: one query each, contexts across block and tile edges
@@ -101,3 +102,38 @@ def test_a_gather_plan_gives_the_attention_of_one_gather(query_lens, context_len
                                atol=1e-6, rtol=0)
     assert len(groups) == len(planned.gather.groups) == len(ends)  # made once, by the first layer
     assert all(made is again for made, again in zip(groups, planned.gather.groups))
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4)])
+def test_sparse_attention_reads_each_query_context_alone_with_one_index_for_every_layer(heads, kv_heads):
+    """A decode call through the sparse path reads exactly each sequence's context: the pool is NaN wherever
+    no query may look (unused blocks, the null block, slots past a context in its last block), two sequences
+    share their first block (a prefix hit), and one SparseIndex made for the call serves two layers' queries
+    and pools as an index made by each layer does, at float64's values."""
+    dim, block_size = 8, 4
+    generator = torch.Generator().manual_seed(2)
+    context_lens = [1, 6, 9, 16, 23]
+    tables = [[5], [1, 2], [1, 3, 4], [6, 7, 8, 9], [10, 11, 12, 13, 14, 15]]  # rows 1, 2 share block 1
+    block_table = torch.zeros(len(tables), 6, dtype=torch.long)
+    for row, table in enumerate(tables):
+        block_table[row, : len(table)] = torch.tensor(table)
+    layers = []
+    for _ in range(2):
+        pools = [torch.full((20, block_size, kv_heads, dim), float("nan")) for _ in range(2)]
+        for table, context in zip(tables, context_lens):
+            for pool in pools:
+                pool.view(-1, kv_heads, dim)[torch.tensor([block * block_size + i for block in table
+                                                           for i in range(block_size)][:context])] = \
+                    torch.randn(context, kv_heads, dim, generator=generator)
+        layers.append((torch.randn(len(tables), heads, dim, generator=generator), *pools))
+    args = (block_table, torch.zeros(len(tables), dtype=torch.long), torch.tensor(context_lens) - 1,
+            torch.arange(len(tables) + 1), torch.tensor(context_lens), 1, "sparse")
+    index = sparse_index(block_table, torch.tensor(context_lens), sum(context_lens), heads,
+                         layers[0][1].shape)
+    for q, key_pool, value_pool in layers:
+        out = paged_attention(q, {"key": key_pool, "value": value_pool, "layout": Paged(*args, sparse=index)})
+        alone = paged_attention(q, {"key": key_pool, "value": value_pool, "layout": Paged(*args)})
+        torch.testing.assert_close(out, alone, atol=0, rtol=0)
+        expected = _float64_attention(q, key_pool, value_pool, tables, [1] * len(tables), context_lens)
+        torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)
+    assert not index.pattern.values().any()  # still zeros (see sparse_index)

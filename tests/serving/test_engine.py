@@ -70,9 +70,11 @@ def _serve(engine: Engine, requests, arrivals) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("attention, num_blocks, block_size, budget", [
-    ("gather", 200, 16, 512), ("gather", 14, 4, 16), ("gather", 40, 8, 10),
+    ("gather", 200, 16, 512), ("gather", 14, 4, 16), ("gather", 40, 8, 10), ("sparse", 200, 16, 512),
+    ("sparse", 14, 4, 16), ("sparse", 40, 8, 10),
     *(pytest.param("triton", *sizes, marks=TRITON_ON_CPU) for sizes in [(14, 4, 16), (40, 8, 10)]),
-], ids=["gather-roomy", "gather-preempting", "gather-chunked", "triton-preempting", "triton-chunked"])
+], ids=["gather-roomy", "gather-preempting", "gather-chunked", "sparse-roomy", "sparse-preempting",
+        "sparse-chunked", "triton-preempting", "triton-chunked"])
 def test_continuous_batching_gives_each_request_its_greedy_tokens(
     model, attention, num_blocks, block_size, budget
 ):
@@ -124,9 +126,13 @@ def test_a_model_with_fused_projections_serves_the_tokens_of_the_unfused_one(mod
         assert tokens[str(i)] == _alone(model, prompt, images, params)[0], i
 
 
-def test_decode_rows_gathered_in_groups_of_their_own_widths_keep_their_greedy_tokens(model, monkeypatch):
-    """With many sequences of many lengths running, the eager gathered decode sorts its rows into groups that
-    gather only their own longest tables (into one buffer every layer reuses); the tokens stay generate's."""
+@pytest.mark.parametrize("attention", ["gather", "sparse"])
+def test_many_decode_rows_of_many_lengths_keep_their_greedy_tokens(model, monkeypatch, attention):
+    """With many sequences of many lengths running, the tokens stay generate's: the eager gathered decode
+    sorts its rows into groups that gather only their own longest tables (into one buffer every layer
+    reuses); the sparse decode reads each row's context in place (a CPU's default; prompt chunks are
+    gathered)."""
+    import models.attention
     import serving.runner
 
     groups = []
@@ -135,12 +141,20 @@ def test_decode_rows_gathered_in_groups_of_their_own_widths_keep_their_greedy_to
                         groups[-1])
     requests = [(_prompt(3 + 7 * i % 60, 50 + i, int(i % 3 == 0)), _images(int(i % 3 == 0), 50 + i),
                  RequestParams(greedy=True, max_tokens=6 + 3 * i % 17)) for i in range(32)]
-    engine = Engine(model, num_blocks=600, block_size=4, max_num_seqs=32, max_batch_tokens=2048)
+    sparse_calls = []
+    sparse = models.attention.sparse_paged_attention
+    monkeypatch.setattr(models.attention, "sparse_paged_attention",
+                        lambda *args: sparse_calls.append(1) or sparse(*args))
+    engine = Engine(model, num_blocks=600, block_size=4, max_num_seqs=32, max_batch_tokens=2048,
+                    attention="auto" if attention == "sparse" else attention)  # sparse: the CPU default
     # the late ones prefill in steps that decode the others
     tokens = _serve(engine, requests, arrivals=[0] * 26 + [2, 3, 4, 5, 6, 7])
     for i, (prompt, images, params) in enumerate(requests):
         assert tokens[str(i)] == _alone(model, prompt, images, params)[0], i
-    assert groups and max(len(set(widths)) for _, widths in groups) >= 3  # groups of different widths ran
+    if attention == "gather":  # groups of different widths ran
+        assert groups and max(len(set(widths)) for _, widths in groups) >= 3 and not sparse_calls
+    else:
+        assert sparse_calls and not groups
 
 
 def test_the_compiled_decode_forward_serves_the_eager_tokens_compiled_twice_at_start_up(model):
