@@ -13,10 +13,11 @@ output lengths 100-1,024, no shared
 prefix). Methods:
 - engine: tinyvlm's serving engine (continuous batching, paged KV cache, prefix caching; on a GPU the Triton
   paged attention kernel and a CUDA graph per batch bucket, captured when the engine starts, before the
-  clock);
+  clock; on a CPU sparse decode attention in place and prepacked linears);
 - engine-eager: the same without CUDA graphs (GPU only);
 - engine-compiled: the same with its decode forward through torch.compile (before the graphs' capture on a
-  GPU; compiled when the engine starts, before the clock);
+  GPU; compiled when the engine starts, before the clock; on a CPU gathered attention and unpacked linears,
+  the compiled forward's);
 - static: tinyvlm's `generate` on left-padded batches of up to max-num-seqs requests, one after the other (the
   longest output sets a batch's steps); --compile-static uses the compiled, CUDA-graph decode step (compiled
   first);
