@@ -68,27 +68,27 @@ def paged_attention(q: Tensor, cache: KVCache) -> Tensor:
     return gathered_paged_attention(q, cache["key"], cache["value"], layout)
 
 
-def sparse_index(block_table: Tensor, context_lens: Tensor, total: int, heads: int, pool_shape: torch.Size
-                 ) -> SparseIndex:
+def sparse_index(block_table: Tensor, context_lens: Tensor, total: int, heads: int, pool_shape: torch.Size,
+                 dtype: torch.dtype) -> SparseIndex:
     """The pool rows each query of a decode call reads (see SparseIndex), for `heads` query heads and a pool
-    of `pool_shape` [blocks, block_size, kv_heads, D]; `total` is the host-known sum of `context_lens` (so no
-    size is read back). Made once a call."""
+    of `pool_shape` [blocks, block_size, kv_heads, D] and `dtype`; `total` is the host-known sum of
+    `context_lens` (so no size is read back). Made once a call."""
     num_blocks, block_size, kv_heads, _ = pool_shape
     device = block_table.device
     counts = context_lens.long()[:, None].expand(-1, heads).reshape(-1)  # [S * H], row s * H + h
-    rows = torch.zeros(len(counts) + 1, dtype=torch.long, device=device)
-    torch.cumsum(counts, 0, out=rows[1:])
+    crow = torch.zeros(len(counts) + 1, dtype=torch.long, device=device)  # each row's first entry
+    torch.cumsum(counts, 0, out=crow[1:])
     entry = torch.arange(heads * total, device=device)
-    row = torch.searchsorted(rows[1:], entry, right=True)  # each entry's row
-    place = entry - rows[row]  # its slot in its sequence
+    row = torch.searchsorted(crow[1:], entry, right=True)  # each entry's row
+    place = entry - crow[row]  # its slot in its sequence
     blocks = block_table.long()[row // heads, place // block_size]
     columns = (blocks * block_size + place % block_size) * kv_heads + row % heads // (heads // kv_heads)
     with warnings.catch_warnings():  # "Sparse CSR tensor support is in beta state": we use two of its kernels
         warnings.filterwarnings("ignore", "Sparse CSR tensor support", UserWarning)
         # sampled_addmm multiplies these values by beta = 0, and NaN * 0 is NaN: zeros, never torch.empty
-        pattern = torch.sparse_csr_tensor(rows, columns, torch.zeros(len(columns), device=device),
-                                          (len(counts), num_blocks * block_size * kv_heads),
-                                          check_invariants=False)
+        values = torch.zeros(len(columns), dtype=dtype, device=device)
+        shape = (len(counts), num_blocks * block_size * kv_heads)
+        pattern = torch.sparse_csr_tensor(crow, columns, values, shape, check_invariants=False)
     return SparseIndex(pattern, counts, row)
 
 
@@ -103,16 +103,16 @@ def sparse_paged_attention(q: Tensor, key_pool: Tensor, value_pool: Tensor, layo
     index = layout.sparse
     if index is None:
         index = sparse_index(layout.block_table, layout.context_lens, int(layout.context_lens.sum()), heads,
-                             key_pool.shape)
-    rows = index.pattern.shape[1]
+                             key_pool.shape, q.dtype)
+    pool_rows = index.pattern.shape[1]
     scores = torch.sparse.sampled_addmm(index.pattern, q.reshape(num_seqs * heads, dim),
-                                        key_pool.view(rows, dim).t(), beta=0.0, alpha=dim**-0.5).values()
+                                        key_pool.view(pool_rows, dim).t(), beta=0.0, alpha=dim**-0.5).values()
     top = torch.segment_reduce(scores, "max", lengths=index.counts)
     weights = scores.sub_(top.index_select(0, index.row)).exp_()  # 2x faster than top[index.row]
-    total = torch.segment_reduce(weights, "sum", lengths=index.counts)
-    out = F.embedding_bag(index.pattern.col_indices(), value_pool.view(rows, dim),
+    denominators = torch.segment_reduce(weights, "sum", lengths=index.counts)
+    out = F.embedding_bag(index.pattern.col_indices(), value_pool.view(pool_rows, dim),
                           index.pattern.crow_indices()[:-1], mode="sum", per_sample_weights=weights)
-    return out.div_(total[:, None]).view(num_seqs, heads, dim)
+    return out.div_(denominators[:, None]).view(num_seqs, heads, dim)
 
 
 def gathered_paged_attention(q: Tensor, key_pool: Tensor, value_pool: Tensor, layout: Paged) -> Tensor:

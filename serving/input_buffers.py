@@ -62,6 +62,7 @@ class StepInputs:
     block_table: Tensor  # [S, blocks]
     max_query_len: int
     last: Tensor | None = None  # [S] each sequence's last token in the N (prefill; a decode's is its own)
+    context_total: int | None = None  # the sum of context_lens, host-known (decode_inputs')
     image_slots: Tensor | None = None  # [K] the image placeholders among the N (prefill)
     # image features [lo, hi)
     image_chunks: list[tuple[Sequence, int, int]] = dataclasses.field(default_factory=list)
@@ -160,8 +161,10 @@ class InputBuffers:
             buffer[region * stride + n : region * stride + padded] = pad
         self.decode.upload(0, 7 * stride)
         # at least two columns (the second the null block's): a compiled step would take a new graph for one
-        return self.decode_views(padded, self.max_blocks if rows else min(max(2, int(length.max())),
-                                                                           self.max_blocks))
+        inputs = self.decode_views(padded, self.max_blocks if rows else min(max(2, int(length.max())),
+                                                                             self.max_blocks))
+        inputs.context_total = int(position.sum()) + n  # each context: its position + 1
+        return inputs
 
     def decode_views(self, rows: int, columns: int) -> StepInputs:
         """The decode inputs of the first `rows` rows, read from the device buffer (fixed addresses): each

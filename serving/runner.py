@@ -176,8 +176,9 @@ class ModelRunner:
                     [self._features(sequence)[lo:hi] for sequence, lo, hi in inputs.image_chunks]
                 )
             embeddings = self.model.embed(inputs.tokens[None], features=features, slots=inputs.image_slots)
+            attention = "gather" if self.attention == "sparse" else self.attention  # chunks of 1 token too
             layout = Paged(inputs.block_table, inputs.slot_mapping, inputs.positions, inputs.query_start,
-                           inputs.context_lens, inputs.max_query_len, self.attention, gather)
+                           inputs.context_lens, inputs.max_query_len, attention, gather)
             hidden.append(self._blocks(embeddings, layout)[inputs.last])
         return self.model.language.head(hidden[0] if len(hidden) == 1 else torch.cat(hidden))
 
@@ -296,9 +297,9 @@ class ModelRunner:
     def _sparse_decode(self, decodes: list[Sequence]) -> Tensor:
         """The sparse path's decode: every layer reads the pool in place through one index of the call."""
         inputs = self.inputs.decode_inputs(decodes)
-        total = sum(sequence.num_computed + 1 for sequence in decodes)  # the context lens' sum, host-known
-        index = sparse_index(inputs.block_table, inputs.context_lens, total,
-                             self.model.config.language.num_heads, self.pools[0]["key"].shape)
+        pool = self.pools[0]["key"]
+        index = sparse_index(inputs.block_table, inputs.context_lens, inputs.context_total,
+                             self.model.config.language.num_heads, pool.shape, pool.dtype)
         return self._decode_hidden(inputs.tokens, inputs.block_table, inputs.slot_mapping, inputs.positions,
                                    inputs.query_start, inputs.context_lens, sparse=index)
 

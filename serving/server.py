@@ -419,7 +419,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention", choices=["auto", "gather", "triton", "sparse"], default="auto",
                         help="paged attention: gather + SDPA, the Triton kernel over the pool in place, or "
                              "sparse kernels over the pool in place for a CPU's decode rows (auto: Triton on "
-                             "a GPU, sparse on a CPU)")
+                             "a GPU; sparse on a CPU with float32 weights and no --compile, else gather)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs for the decode step (as vLLM's)")
     parser.add_argument("--compile", action="store_true",
@@ -457,10 +457,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --allowed-local-media-path {args.allowed_local_media_path}: no such directory",
               file=sys.stderr)
         return 2
-    engine = Engine(model, processor,
-                    **engine_settings(model, args.kv_cache_mib, max_num_seqs=args.max_num_seqs),
-                    attention=args.attention, cuda_graphs=False if args.enforce_eager else None,
-                    compile_decode=args.compile)
+    try:
+        engine = Engine(model, processor,
+                        **engine_settings(model, args.kv_cache_mib, max_num_seqs=args.max_num_seqs),
+                        attention=args.attention, cuda_graphs=False if args.enforce_eager else None,
+                        compile_decode=args.compile)
+    except ValueError as e:  # settings that cannot run together here (--attention triton on a CPU, ...)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     name = args.model_name or (Path(args.checkpoint).name if args.checkpoint else "tinyvlm")
     async_engine = AsyncEngine(engine, args.max_in_flight,
                                log=lambda line: print(line, file=sys.stderr, flush=True))

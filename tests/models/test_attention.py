@@ -104,8 +104,10 @@ def test_a_gather_plan_gives_the_attention_of_one_gather(query_lens, context_len
     assert all(made is again for made, again in zip(groups, planned.gather.groups))
 
 
-@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4)])
-def test_sparse_attention_reads_each_query_context_alone_with_one_index_for_every_layer(heads, kv_heads):
+@pytest.mark.parametrize("heads, kv_heads, dtype", [(6, 2, torch.float32), (4, 4, torch.float32),
+                                                    (6, 2, torch.float64)])
+def test_sparse_attention_reads_each_query_context_alone_with_one_index_for_every_layer(heads, kv_heads,
+                                                                                        dtype):
     """A decode call through the sparse path reads exactly each sequence's context: the pool is NaN wherever
     no query may look (unused blocks, the null block, slots past a context in its last block), two sequences
     share their first block (a prefix hit), and one SparseIndex made for the call serves two layers' queries
@@ -119,21 +121,23 @@ def test_sparse_attention_reads_each_query_context_alone_with_one_index_for_ever
         block_table[row, : len(table)] = torch.tensor(table)
     layers = []
     for _ in range(2):
-        pools = [torch.full((20, block_size, kv_heads, dim), float("nan")) for _ in range(2)]
+        pools = [torch.full((20, block_size, kv_heads, dim), float("nan"), dtype=dtype) for _ in range(2)]
         for table, context in zip(tables, context_lens):
             for pool in pools:
                 pool.view(-1, kv_heads, dim)[torch.tensor([block * block_size + i for block in table
                                                            for i in range(block_size)][:context])] = \
-                    torch.randn(context, kv_heads, dim, generator=generator)
-        layers.append((torch.randn(len(tables), heads, dim, generator=generator), *pools))
+                    torch.randn(context, kv_heads, dim, generator=generator, dtype=dtype)
+        layers.append((torch.randn(len(tables), heads, dim, generator=generator, dtype=dtype), *pools))
     args = (block_table, torch.zeros(len(tables), dtype=torch.long), torch.tensor(context_lens) - 1,
             torch.arange(len(tables) + 1), torch.tensor(context_lens), 1, "sparse")
     index = sparse_index(block_table, torch.tensor(context_lens), sum(context_lens), heads,
-                         layers[0][1].shape)
+                         layers[0][1].shape, dtype)
     for q, key_pool, value_pool in layers:
         out = paged_attention(q, {"key": key_pool, "value": value_pool, "layout": Paged(*args, sparse=index)})
         alone = paged_attention(q, {"key": key_pool, "value": value_pool, "layout": Paged(*args)})
         torch.testing.assert_close(out, alone, atol=0, rtol=0)
         expected = _float64_attention(q, key_pool, value_pool, tables, [1] * len(tables), context_lens)
-        torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)
+        atol = 2e-6 if dtype == torch.float32 else 1e-12
+        torch.testing.assert_close(out.double(), expected, atol=atol, rtol=0)
+        assert out.dtype == dtype
     assert not index.pattern.values().any()  # still zeros (see sparse_index)

@@ -22,7 +22,7 @@ def test_smollm2_figure():
     assert kv_cache_bytes(LanguageConfig(), batch=1, tokens=8192) == 180 * 2**20
 
 
-@pytest.mark.parametrize("attention", ["gather", pytest.param("triton", marks=TRITON_ON_CPU)])
+@pytest.mark.parametrize("attention", ["gather", "sparse", pytest.param("triton", marks=TRITON_ON_CPU)])
 def test_paged_layout_equals_one_uncached_pass_per_sequence(attention):
     """Sequences at different points of their own (chunks of 5, 3, then 1 token), packed into one row without
     padding, write to scattered pool blocks through their block tables and attend over them: each token's

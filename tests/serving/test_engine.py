@@ -117,6 +117,20 @@ def test_on_a_cpu_the_engine_packs_its_linears_and_serves_the_same_tokens_withou
     assert Engine(copy.deepcopy(model).to(torch.bfloat16), num_blocks=20).runner.packed is None
 
 
+def test_a_float64_model_on_a_cpu_decodes_through_sparse_attention_and_serves_its_greedy_tokens(model):
+    """The sparse path takes float32 and float64 (auto picks it for both on a CPU); a bfloat16 model, which
+    its kernels refuse, is gathered."""
+    model64 = copy.deepcopy(model).double()
+    requests = [(_prompt(5 + 9 * i, 70 + i, 0), None, RequestParams(greedy=True, max_tokens=7 + i))
+                for i in range(4)]
+    engine = Engine(model64, num_blocks=60, block_size=4, max_num_seqs=4, max_batch_tokens=16)
+    assert engine.runner.attention == "sparse"
+    tokens = _serve(engine, requests, arrivals=[0, 0, 1, 2])
+    for i, (prompt, images, params) in enumerate(requests):
+        assert tokens[str(i)] == _alone(model64, prompt, images, params)[0], i
+    assert Engine(copy.deepcopy(model).to(torch.bfloat16), num_blocks=20).runner.attention == "gather"
+
+
 def test_a_model_with_fused_projections_serves_the_tokens_of_the_unfused_one(model):
     """load_for_inference fuses the projections of the models that generate.py and the server serve."""
     requests = _requests()
@@ -143,8 +157,8 @@ def test_many_decode_rows_of_many_lengths_keep_their_greedy_tokens(model, monkey
                  RequestParams(greedy=True, max_tokens=6 + 3 * i % 17)) for i in range(32)]
     sparse_calls = []
     sparse = models.attention.sparse_paged_attention
-    monkeypatch.setattr(models.attention, "sparse_paged_attention",
-                        lambda *args: sparse_calls.append(1) or sparse(*args))
+    monkeypatch.setattr(models.attention, "sparse_paged_attention",  # decode calls, with the step's index
+                        lambda *args: sparse_calls.append(args[-1].sparse is not None) or sparse(*args))
     engine = Engine(model, num_blocks=600, block_size=4, max_num_seqs=32, max_batch_tokens=2048,
                     attention="auto" if attention == "sparse" else attention)  # sparse: the CPU default
     # the late ones prefill in steps that decode the others
@@ -154,7 +168,7 @@ def test_many_decode_rows_of_many_lengths_keep_their_greedy_tokens(model, monkey
     if attention == "gather":  # groups of different widths ran
         assert groups and max(len(set(widths)) for _, widths in groups) >= 3 and not sparse_calls
     else:
-        assert sparse_calls and not groups
+        assert sparse_calls and all(sparse_calls) and not groups
 
 
 def test_the_compiled_decode_forward_serves_the_eager_tokens_compiled_twice_at_start_up(model):

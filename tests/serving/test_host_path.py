@@ -26,10 +26,11 @@ def model():
     return tiny_vlm(seed=2, max_position_embeddings=512)
 
 
-def _decoding_engine(model, running: int, prompt_length: int, params: RequestParams) -> Engine:
+def _decoding_engine(model, running: int, prompt_length: int, params: RequestParams,
+                     attention: str = "auto") -> Engine:
     """An engine with `running` requests past their prompts, every one decoding in the next step."""
     engine = Engine(model, num_blocks=running * ((prompt_length + 60) // 8 + 2) + 1, block_size=8,
-                    max_num_seqs=128, max_batch_tokens=4096)
+                    max_num_seqs=128, max_batch_tokens=4096, attention=attention)
     for i in range(running):
         engine.add_request(Request([3 + (i + t) % 90 for t in range(prompt_length)], None, params))
     while engine.scheduler.waiting or not all(s.decoding for g in engine.scheduler.running for s in g.live):
@@ -63,21 +64,25 @@ def _count_step(model, engine: Engine) -> Counter:
     return counter
 
 
+# the CPU's two decode paths: rows gathered in groups, and sparse (the default there)
+@pytest.mark.parametrize("attention", ["gather", "sparse"])
 @pytest.mark.parametrize("settings", SETTINGS)
-def test_a_decode_step_runs_as_many_tensor_ops_at_64_sequences_as_at_8(model, settings):
+def test_a_decode_step_runs_as_many_tensor_ops_at_64_sequences_as_at_8(model, settings, attention):
     counts = {}
     for running in (8, 64):
-        engine = _decoding_engine(model, running, prompt_length=21, params=SETTINGS[settings])
+        engine = _decoding_engine(model, running, prompt_length=21, params=SETTINGS[settings],
+                                  attention=attention)
         # crossing a block edge included
         counts[running] = [_count_step(model, engine).outside for _ in range(3)]
     assert counts[8] == counts[64]
 
 
+@pytest.mark.parametrize("attention", ["gather", "sparse"])
 @pytest.mark.parametrize("settings", SETTINGS)
-def test_a_decode_step_reads_one_thing_back_from_the_device(model, settings, monkeypatch):
+def test_a_decode_step_reads_one_thing_back_from_the_device(model, settings, attention, monkeypatch):
     """The sampled ids, with one `tolist()`; nothing else is read back, and no operation whose result's shape
     depends on tensor values runs (on a GPU each would stall the step)."""
-    engine = _decoding_engine(model, 16, prompt_length=21, params=SETTINGS[settings])
+    engine = _decoding_engine(model, 16, prompt_length=21, params=SETTINGS[settings], attention=attention)
     reads = []
     for name in ("tolist", "item", "numpy", "cpu"):
         original = getattr(torch.Tensor, name)

@@ -25,7 +25,7 @@ from serving.async_engine import AsyncEngine  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.requests import Output  # noqa: E402
 from serving.server import Completion, create_app  # noqa: E402
-from tests.models.helpers import base_tokenizer, chat_vlm  # noqa: E402
+from tests.models.helpers import base_tokenizer, chat_vlm, tiny_vlm  # noqa: E402
 
 
 def _png(color: str = "skyblue", size=(40, 30)) -> bytes:
@@ -481,3 +481,14 @@ def test_completion_text_holds_back_cut_characters_and_stop_string_starts():
     # nothing of the stop string went out
     assert not any("\ufffd" in delta or "E" in delta for delta in deltas)
     assert sum(decoded) < 6 * len(ids)  # each step decodes a few recent tokens, not all of them
+
+
+def test_engine_settings_that_cannot_run_together_stop_the_server_with_one_line(monkeypatch, capsys):
+    """The sparse path with a compiled decode is a one-line error and exit code 2 before anything listens,
+    not a traceback."""
+    import serving.server
+
+    monkeypatch.setattr(serving.server, "load_for_inference", lambda *args: (tiny_vlm(), None))
+    assert serving.server.main(["--device", "cpu", "--attention", "sparse", "--compile"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: sparse paged attention needs"), err
