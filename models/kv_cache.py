@@ -82,8 +82,8 @@ class SparseIndex:
     Made once a call (models/attention.py `sparse_index`), read by every layer."""
 
     pattern: Tensor  # sparse CSR [S * H, pool slots * kv_heads], its values zeros
-    counts: Tensor  # [S * H] int64: each row's entries (its sequence's context length)
-    row: Tensor  # [entries] int64: each entry's row
+    dense: Tensor  # [entries] int64: each entry's place in the rows laid out dense, [S * H, slots]
+    slots: int  # that layout's width: the block table's slots
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
