@@ -99,8 +99,8 @@ def sparse_paged_attention(q: Tensor, key_pool: Tensor, value_pool: Tensor, layo
     """q [S, H, D], one query a sequence (a decode call), against the pool -> [S, H, D]: sampled_addmm scores
     each query against its pool rows (its sequence's keys of its kv head), a softmax runs over each query's
     entries (laid out dense for it, -inf where a row has none), and embedding_bag sums the same rows' values
-    weighted by the probabilities. A CPU's (the
-    two sparse kernels take float32 or float64; a layout without an index reads its size back)."""
+    weighted by the probabilities. A CPU's (the two sparse kernels take float32 or float64; a layout without
+    an index reads its size back)."""
     num_seqs, heads, dim = q.shape
     index = layout.sparse
     if index is None:

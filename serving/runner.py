@@ -58,6 +58,23 @@ def triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def choose_attention(attention: str, weight: Tensor, compile_decode: bool) -> str:
+    """The paged attention a runner of weights like `weight` uses for `attention` ("auto": triton on a GPU,
+    sparse on a CPU where it can run, else gather); ValueError for one that cannot run there."""
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+    sparse_usable = (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.float64)
+                     and not compile_decode)
+    if attention == "auto":
+        attention = "triton" if weight.device.type == "cuda" else "sparse" if sparse_usable else "gather"
+    if attention == "triton" and not triton_usable(weight.device):
+        raise ValueError("triton paged attention needs a CUDA device (attention='gather' runs anywhere)")
+    if attention == "sparse" and not sparse_usable:
+        raise ValueError("sparse paged attention needs float32 or float64 weights on a CPU and an eager "
+                         "decode (no compile_decode); attention='gather' runs anywhere")
+    return attention
+
+
 class ModelRunner:
     def __init__(self, model: VisionLanguageModel, num_blocks: int, block_size: int, max_num_seqs: int = 64,
                  max_batch_tokens: int = 512, attention: str = "auto",
@@ -74,18 +91,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = weight.device
-        if attention not in ATTENTION:
-            raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
-        sparse_usable = (self.device.type == "cpu" and weight.dtype in (torch.float32, torch.float64)
-                         and not compile_decode)
-        if attention == "auto":
-            attention = "triton" if self.device.type == "cuda" else "sparse" if sparse_usable else "gather"
-        if attention == "triton" and not triton_usable(self.device):
-            raise ValueError("triton paged attention needs a CUDA device (attention='gather' runs anywhere)")
-        if attention == "sparse" and not sparse_usable:
-            raise ValueError("sparse paged attention needs float32 or float64 weights on a CPU and an eager "
-                             "decode (no compile_decode); attention='gather' runs anywhere")
-        self.attention = attention
+        self.attention = choose_attention(attention, weight, compile_decode)
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.pools = [{"key": torch.zeros(shape, dtype=weight.dtype, device=self.device),
                        "value": torch.zeros(shape, dtype=weight.dtype, device=self.device)}
@@ -167,8 +173,9 @@ class ModelRunner:
                 hidden.append(self._decode(self.inputs.decode_inputs(decodes)))
         if prefills:
             inputs = self.inputs.prefill_inputs(prefills)
+            attention = "gather" if self.attention == "sparse" else self.attention  # chunks of 1 token too
             gather = None
-            if self.attention in ("gather", "sparse"):
+            if attention == "gather":
                 gather = self._gather_plan((len(prefills),), (inputs.block_table.shape[1],))
             features = None
             if inputs.image_chunks:
@@ -176,7 +183,6 @@ class ModelRunner:
                     [self._features(sequence)[lo:hi] for sequence, lo, hi in inputs.image_chunks]
                 )
             embeddings = self.model.embed(inputs.tokens[None], features=features, slots=inputs.image_slots)
-            attention = "gather" if self.attention == "sparse" else self.attention  # chunks of 1 token too
             layout = Paged(inputs.block_table, inputs.slot_mapping, inputs.positions, inputs.query_start,
                            inputs.context_lens, inputs.max_query_len, attention, gather)
             hidden.append(self._blocks(embeddings, layout)[inputs.last])
