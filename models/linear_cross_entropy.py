@@ -24,12 +24,22 @@ def chunking_pays(head: nn.Module, positions: int) -> bool:
     return type(head) is nn.Linear and head.bias is None and positions * head.out_features > CHUNK_ELEMENTS
 
 
+def loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the softmax of a loss runs in: float32, or float64 for a float64 model."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def loss_precision(logits: Tensor) -> Tensor:
+    """`logits` in `loss_dtype`."""
+    return logits.to(loss_dtype(logits.dtype))
+
+
 def _rows_per_chunk(weight: Tensor) -> int:
     return max(1, CHUNK_ELEMENTS // weight.shape[0])
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor) -> Tensor:
-    return (hidden @ weight.T).float()
+    return loss_precision(hidden @ weight.T)
 
 
 # Chunked linear + cross-entropy with recomputation in the backward pass (after Liger Kernel's fused linear
@@ -56,8 +66,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_losses: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
         hidden, weight, picked_ids, valid, log_normalizer = ctx.saved_tensors
         hidden_c, weight_c = hidden.to(ctx.dtype), weight.to(ctx.dtype)
-        grad_rows = torch.where(valid, grad_losses, 0.0).float()
-        grad_hidden, grad_weight = [], torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_rows = loss_precision(torch.where(valid, grad_losses, 0.0))
+        grad_hidden, grad_weight = [], torch.zeros(weight.shape, dtype=loss_dtype(weight.dtype),
+                                                    device=weight.device)
         rows = _rows_per_chunk(weight)
         for start in range(0, hidden.shape[0], rows):
             stop = start + rows
@@ -67,14 +78,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_logits.scatter_add_(1, picked_ids[start:stop, None], -torch.ones_like(grad_logits[:, :1]))
             grad_logits = (grad_logits * grad_rows[start:stop, None]).to(ctx.dtype)
             grad_hidden.append(grad_logits @ weight_c)
-            grad_weight += (grad_logits.T @ chunk).float()
+            grad_weight += loss_precision(grad_logits.T @ chunk)
         return torch.cat(grad_hidden).to(hidden.dtype), grad_weight.to(weight.dtype), None, None
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
     """Each position's cross-entropy of the logits `hidden @ weight.T` against `targets` [N] (0 where the
-    target is IGNORE_INDEX), float32, [N]; `hidden` [N, C], `weight` [V, C]. Under autocast the matmuls run in
-    its dtype, as an autocast `nn.Linear` head would; the softmax always in float32."""
+    target is IGNORE_INDEX), in `loss_dtype`, [N]; `hidden` [N, C], `weight` [V, C]. Under autocast the
+    matmuls run in its dtype, as an autocast `nn.Linear` head would; the softmax in `loss_dtype`."""
     device_type = hidden.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
     with torch.autocast(device_type, enabled=False):

@@ -30,7 +30,7 @@ from models.errors import InputError, TinyVLMError
 from models.idefics3 import read_idefics3
 from models.kv_cache import repeat_rows
 from models.language_model import LanguageModel
-from models.linear_cross_entropy import IGNORE_INDEX, chunking_pays, linear_cross_entropy
+from models.linear_cross_entropy import IGNORE_INDEX, chunking_pays, linear_cross_entropy, loss_precision
 from models.modality_projector import ModalityProjector
 from models.nanovlm import read_nanovlm
 from models.sampling import SamplingParams, sample
@@ -174,8 +174,8 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         logits = head(hidden)
         if targets is None:
             return logits if return_logits else None, None
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction=reduction)
+        loss = F.cross_entropy(loss_precision(logits.flatten(0, 1)), targets.flatten(),
+                               ignore_index=IGNORE_INDEX, reduction=reduction)
         return logits if return_logits else None, loss.view(targets.shape) if reduction == "none" else loss
 
     @torch.inference_mode()
