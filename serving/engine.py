@@ -26,9 +26,10 @@ from torch import Tensor
 from data.chat_processors import ChatProcessor, CheckpointProcessor
 from data.prompts import Message, PromptError
 from models import VisionLanguageModel
+from models.packed_linear import packing_available
 from serving.block_manager import BlockManager
 from serving.requests import Output, Request, RequestError, Result, TokenLogprobs
-from serving.runner import ModelRunner
+from serving.runner import ModelRunner, resolve_step_settings
 from serving.scheduler import Scheduler
 from serving.sequence import RequestState, Sequence, token_keys
 from serving.structured import Grammars, accepted
@@ -52,21 +53,23 @@ class Engine:
                  pack_weights: bool | None = None, admission_batch: int | None = None) -> None:
         """`processor` turns text prompts and PIL images into model inputs (data/chat_processors.py); a
         tokenizer is taken as tinyvlm's ChatML with it. Without one, requests give token ids and pixels.
-        `attention`, `cuda_graphs`, `compile_decode` and `pack_weights`: see serving/runner.py (by default the
-        Triton kernel and CUDA graphs on a GPU, oneDNN's prepacked weights on a CPU; the decode forward
-        compiled when asked).
-        `admission_batch`: seats that must be free before waiting requests join running decodes
-        (serving/scheduler.py; default: max_num_seqs / 8 with CUDA graphs, else 1)."""
+        `attention`, `cuda_graphs`, `compile_decode`, `pack_weights` and `admission_batch` (seats that must be
+        free before waiting requests join running decodes): serving/runner.py `resolve_step_settings` (by
+        default the Triton kernel, CUDA graphs and admission in batches of max_num_seqs / 8 on a GPU; sparse
+        decode attention and oneDNN's prepacked weights on a CPU; the decode forward compiled when asked)."""
         if processor is not None and not isinstance(processor, (ChatProcessor, CheckpointProcessor)):
             processor = ChatProcessor.from_config(model.config, processor)
         self.model, self.processor = model.eval(), processor
         self.tokenizer = None if processor is None else processor.tokenizer
         self.blocks = BlockManager(num_blocks, block_size)
-        self.runner = ModelRunner(model, num_blocks, block_size, max_num_seqs, max_batch_tokens, attention,
-                                  cuda_graphs, compile_decode, pack_weights)
-        if admission_batch is None:
-            admission_batch = max(1, max_num_seqs // 8) if self.runner.graphs is not None else 1
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_batch_tokens, admission_batch)
+        weight = model.language.token_embedding.weight
+        settings = resolve_step_settings(
+            weight.device.type, weight.dtype, max_num_seqs, attention=attention, cuda_graphs=cuda_graphs,
+            compile_decode=compile_decode, pack_weights=pack_weights, admission_batch=admission_batch,
+            onednn=packing_available(torch.zeros(1)),
+        )
+        self.runner = ModelRunner(model, num_blocks, block_size, max_num_seqs, max_batch_tokens, settings)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_batch_tokens, settings.admission_batch)
         self.groups: dict[str, RequestState] = {}
         self._arrivals = itertools.count()
         self.prompt_tokens = self.generation_tokens = 0  # of the requests accepted, and the tokens sampled

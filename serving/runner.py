@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -53,45 +54,73 @@ def row_groups(lengths: np.ndarray, most: int = 4, least_rows: int = 8
     return tuple(ends), tuple(widths)
 
 
-def triton_usable(device: torch.device) -> bool:
-    """Triton runs on CUDA devices, or on CPU tensors in its (slow, test-only) interpreter."""
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+@dataclass(frozen=True)
+class StepSettings:
+    """How the runner computes a step, every default decided: the paged attention kernel, CUDA graphs per
+    batch bucket, the compiled decode forward, oneDNN's prepacked linears, and the free seats that waiting
+    requests need before joining running decodes (serving/scheduler.py)."""
+
+    attention: str
+    cuda_graphs: bool
+    compile_decode: bool
+    pack_weights: bool
+    admission_batch: int
 
 
-def choose_attention(attention: str, weight: Tensor, compile_decode: bool) -> str:
-    """The paged attention a runner of weights like `weight` uses for `attention` ("auto": triton on a GPU,
-    sparse on a CPU where it can run, else gather); ValueError for one that cannot run there."""
+def resolve_step_settings(device_type: str, dtype: torch.dtype, max_num_seqs: int, *, attention: str = "auto",
+                          cuda_graphs: bool | None = None, compile_decode: bool = False,
+                          pack_weights: bool | None = None, admission_batch: int | None = None,
+                          onednn: bool = True) -> StepSettings:
+    """The settings a runner of `dtype` weights on a `device_type` device uses; None and "auto" take the
+    defaults: on a GPU the Triton kernel, CUDA graphs and admission in batches of max_num_seqs / 8; on a CPU
+    sparse decode attention (float32/float64, eager; else gather) and, for float32 where `onednn` (the torch
+    build has it), prepacked linears. A pure function of its arguments. ValueError for settings that cannot
+    run there or together."""
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
-    sparse_usable = (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.float64)
-                     and not compile_decode)
+    cuda, cpu = device_type == "cuda", device_type == "cpu"
+    sparse_usable = cpu and dtype in (torch.float32, torch.float64) and not compile_decode
     if attention == "auto":
-        attention = "triton" if weight.device.type == "cuda" else "sparse" if sparse_usable else "gather"
-    if attention == "triton" and not triton_usable(weight.device):
+        attention = "triton" if cuda else "sparse" if sparse_usable else "gather"
+    if attention == "triton" and not (cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         raise ValueError("triton paged attention needs a CUDA device (attention='gather' runs anywhere)")
     if attention == "sparse" and not sparse_usable:
         raise ValueError("sparse paged attention needs float32 or float64 weights on a CPU and an eager "
                          "decode (no compile_decode); attention='gather' runs anywhere")
-    return attention
+    if cuda_graphs is None:  # gather + SDPA in a graph would gather every row's whole context
+        cuda_graphs = cuda and attention == "triton"
+    if cuda_graphs and not cuda:
+        raise ValueError("CUDA graphs need the model on a CUDA device")
+    packable = cpu and dtype == torch.float32 and onednn
+    if pack_weights is None:
+        pack_weights = packable and not compile_decode
+    if pack_weights and (compile_decode or not packable):
+        raise ValueError("pack_weights needs float32 weights on a CPU (in a torch built with oneDNN) and "
+                         "an eager forward (no compile_decode)")
+    if admission_batch is None:
+        admission_batch = max(1, max_num_seqs // 8) if cuda_graphs else 1
+    return StepSettings(attention, cuda_graphs, compile_decode, pack_weights, admission_batch)
 
 
 class ModelRunner:
     def __init__(self, model: VisionLanguageModel, num_blocks: int, block_size: int, max_num_seqs: int = 64,
-                 max_batch_tokens: int = 512, attention: str = "auto",
-                 cuda_graphs: bool | None = None, compile_decode: bool = False,
-                 pack_weights: bool | None = None) -> None:
-        """`attention`: "gather", "triton", "sparse" (a CPU's, float32 or float64, eager), or "auto" (triton
-        on a GPU; sparse on a CPU where it can run, else gather). `cuda_graphs`:
-        capture the decode step per batch bucket (default: on a GPU). `compile_decode`: the decode forward
-        through torch.compile (Inductor fuses its elementwise work into far fewer kernels), before any
-        capture: compiled once for a batch of many rows (its sizes symbolic) and once for one row.
-        `pack_weights`: the language model's linears through oneDNN with prepacked weights
-        (models/packed_linear.py; as much memory again; default: on a CPU with float32 weights, eager)."""
+                 max_batch_tokens: int = 512, settings: StepSettings | None = None) -> None:
+        """`settings`: see `resolve_step_settings` (default: its defaults for the model's device and dtype).
+        `compile_decode`: the decode forward through torch.compile (Inductor fuses its elementwise work into
+        far fewer kernels), before any capture: compiled once for a batch of many rows (its sizes symbolic)
+        and once for one row. `pack_weights`: the language model's linears through oneDNN with prepacked
+        weights (models/packed_linear.py; as much memory again)."""
         config, weight = model.config.language, model.language.token_embedding.weight
+        if settings is None:
+            settings = resolve_step_settings(weight.device.type, weight.dtype, max_num_seqs,
+                                             onednn=packing_available(torch.zeros(1)))
+        if settings.cuda_graphs and weight.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
         self.model = model
+        self.settings = settings
         self.block_size = block_size
         self.device = weight.device
-        self.attention = choose_attention(attention, weight, compile_decode)
+        self.attention = settings.attention
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.pools = [{"key": torch.zeros(shape, dtype=weight.dtype, device=self.device),
                        "value": torch.zeros(shape, dtype=weight.dtype, device=self.device)}
@@ -104,27 +133,18 @@ class ModelRunner:
                                    pin_memory=self.device.type == "cuda")
         self.sampled_ready = torch.cuda.Event() if self.device.type == "cuda" else None
         self.bitmask: Tensor | None = None  # structured output's token masks (made when first needed)
-        if cuda_graphs is None:  # gather + SDPA in a graph would gather every row's whole context
-            cuda_graphs = self.device.type == "cuda" and attention == "triton"
-        if cuda_graphs and self.device.type != "cuda":
-            raise ValueError("CUDA graphs need the model on a CUDA device")
-        self.compile_decode = compile_decode
+        self.compile_decode = settings.compile_decode
         self.gather_space: Tensor | None = None  # the gathered path's buffer, reused by every layer
         self.decode_hidden = self._decode_hidden
-        if compile_decode:  # past the recompile limit a new shape runs eagerly (with a warning)
+        if settings.compile_decode:  # past the recompile limit a new shape runs eagerly (with a warning)
             self.decode_hidden = CompiledCall(self._decode_hidden, "engine decode steps (rows, table width)",
                                               lambda tokens, block_table, *rest: block_table.shape)
-        if pack_weights is None:
-            pack_weights = packing_available(weight) and not compile_decode
-        if pack_weights and (compile_decode or not packing_available(weight)):
-            raise ValueError("pack_weights needs float32 weights on a CPU (in a torch built with oneDNN) and "
-                             "an eager forward (no compile_decode)")
-        self.packed = PackedLinears(model.language) if pack_weights else None
+        self.packed = PackedLinears(model.language) if settings.pack_weights else None
         self.graphs = None
         with torch.inference_mode():
-            if cuda_graphs:
+            if settings.cuda_graphs:
                 self.graphs = DecodeGraphs(self._graphed_decode, max_num_seqs)
-            elif compile_decode:  # compiled now, as a capture compiles it, not in the first requests' steps
+            elif settings.compile_decode:  # compiled now, as a capture compiles it, not in the first steps
                 for rows in sorted({min(2, max_num_seqs), 1}, reverse=True):
                     self._graphed_decode(rows)  # rows of the null seat: they write the null block alone
 
