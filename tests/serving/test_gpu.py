@@ -45,8 +45,9 @@ def test_graphed_decode_equals_eager_for_every_bucket_without_capturing_again(mo
 
 
 def test_the_default_engine_captures_its_graphs(model):
-    """Engine(model) with no flags, as the server and lmms-eval make it: the Triton kernel, a graph per bucket,
-    admission in batches of max_num_seqs / 8 (the default once ran eagerly, admitting one request a time)."""
+    """Engine(model) with no flags, as the server and lmms-eval make it: the Triton kernel, a graph per
+    bucket, admission in batches of max_num_seqs / 8 (the default once ran eagerly, one admission at a
+    time)."""
     engine = Engine(model, num_blocks=600, block_size=16, max_num_seqs=MAX_NUM_SEQS)
     assert engine.runner.attention == "triton" and engine.runner.graphs is not None
     assert sorted(engine.runner.graphs.graphs) == [1, 2, 4, 8, 16, 32, 40]

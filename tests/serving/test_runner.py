@@ -1,5 +1,5 @@
-"""The runner's settings, resolved from the device type and the weights' dtype alone (a pure function), so that
-the GPU's defaults are checked on a CPU."""
+"""The runner's settings, resolved from the device type and the weights' dtype alone (a pure function), so
+that the GPU's defaults are checked on a CPU."""
 
 import pytest
 import torch
@@ -8,17 +8,18 @@ from serving.runner import StepSettings, resolve_step_settings
 
 
 def test_the_default_gpu_engine_takes_the_triton_kernel_cuda_graphs_and_batched_admission():
-    """Before: with attention "auto" (the engine's, the server's and lmms-eval's default) CUDA graphs tested the
-    argument for "triton" instead of the resolved kernel, so the default GPU engine captured no graph and
-    admitted one request at a time."""
+    """Before: with attention "auto" (the engine's, the server's and lmms-eval's default) CUDA graphs tested
+    the argument for "triton" instead of the resolved kernel, so the default GPU engine captured no graph
+    and admitted one request at a time."""
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         assert resolve_step_settings("cuda", dtype, 256) == StepSettings(
-            attention="triton", cuda_graphs=True, compile_decode=False, pack_weights=False, admission_batch=32)
+            attention="triton", cuda_graphs=True, compile_decode=False, pack_weights=False,
+            admission_batch=32)
     assert resolve_step_settings("cuda", torch.bfloat16, 4).admission_batch == 1
     compiled = resolve_step_settings("cuda", torch.bfloat16, 64, compile_decode=True)
     assert (compiled.attention, compiled.cuda_graphs, compiled.pack_weights) == ("triton", True, False)
     gathered = resolve_step_settings("cuda", torch.bfloat16, 64, attention="gather")
-    assert (gathered.cuda_graphs, gathered.admission_batch) == (False, 1)  # a graph would gather every context
+    assert (gathered.cuda_graphs, gathered.admission_batch) == (False, 1)  # a graph gathers every context
 
 
 @pytest.mark.parametrize("dtype, onednn, attention, packed", [
