@@ -46,7 +46,7 @@ from models.weights import (
     weight_patterns,
 )
 
-STOP_CHECK_INTERVAL = 8  # decode steps between host-side "has every row finished?" checks
+STOP_CHECK_INTERVAL = 8  # generate's decode steps between host-side "has every row finished?" checks
 
 
 class GenerationError(TinyVLMError, ValueError):
@@ -183,22 +183,25 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
                max_new_tokens: int = 64, greedy: bool = False, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, num_samples: int = 1, eos_token_id: int | list[int] | None = None,
                pad_token_id: int | None = None, use_cache: bool = True, compile: bool = False,
-               generator: torch.Generator | None = None) -> Iterator[Tensor]:
-        """Yield each step's new tokens, [B * num_samples] (rows of one prompt are adjacent); rows that have
-        finished yield `pad_token_id`. Prefills image + prompt tokens in one pass, then decodes one token per
-        step at `start_pos` offsets in a preallocated cache (or, with use_cache=False, recomputes the whole
-        sequence).
+               generator: torch.Generator | None = None, stop_check_every: int = 1) -> Iterator[Tensor]:
+        """Yield each step's new tokens, [B * num_samples] (rows of one prompt are adjacent), ending once
+        every row has yielded a token of `eos_token_id`; rows that finished before the others yield
+        `pad_token_id`. `stop_check_every`: decode steps between those checks (each reads a flag back from the
+        device, which a consumer that reads every step's tokens pays anyway; `generate` checks every 8).
+        Prefills image + prompt tokens in one pass, then decodes one token per step at `start_pos` offsets in
+        a preallocated cache (or, with use_cache=False, recomputes the whole sequence).
 
         input_ids [B, T] are left-padded prompts with `attention_mask` [B, T] (1 real, 0 pad); each row's
         rotary positions start at 0 at its first real token, so a row gives what it would give alone.
 
         compile=True runs the same decode step shape-static through torch.compile (models/compiled_decode.py:
         the position in a device tensor, attention over the whole preallocated cache under a mask, the batch
-        and the cache rounded up to buckets): no recompilation and no host sync between steps (CUDA graphs on
-        GPU); the prefill runs through torch.compile too, its sizes symbolic."""
+        and the cache rounded up to buckets): no recompilation and no host sync between steps but the stop
+        checks (CUDA graphs on GPU); the prefill runs through torch.compile too, its sizes symbolic."""
         params = SamplingParams(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
         prompt_len = input_ids.shape[1]
-        capacity = self._capacity(prompt_len, max_new_tokens, num_samples, static=compile and use_cache)
+        capacity = self._capacity(prompt_len, max_new_tokens, num_samples, stop_check_every,
+                                  static=compile and use_cache)
         eos_ids = torch.tensor(([] if eos_token_id is None
                                 else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id),
                                device=input_ids.device, dtype=torch.long)
@@ -218,8 +221,8 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
             token = sample(logits, params, generator).masked_fill(done, pad_token_id)
             yield token
             done |= torch.isin(token, eos_ids)
-            if step == max_new_tokens - 1 or (step % STOP_CHECK_INTERVAL == STOP_CHECK_INTERVAL - 1
-                                              and bool(done.all())):
+            checks = len(eos_ids) and step % stop_check_every == stop_check_every - 1
+            if step == max_new_tokens - 1 or (checks and bool(done.all())):
                 return
             if use_cache:
                 logits = step_fn(pad_rows(token, cache[0]["key"].shape[0], pad_token_id), mask, cache,
@@ -259,13 +262,16 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
             cache = repeat_rows(cache, num_samples) if use_cache else None
         return logits, embeddings, mask, cache
 
-    def _capacity(self, prompt_len: int, max_new_tokens: int, num_samples: int, static: bool) -> int:
+    def _capacity(self, prompt_len: int, max_new_tokens: int, num_samples: int, stop_check_every: int,
+                  static: bool) -> int:
         """The cache slots a generation needs (rounded up to a bucket for the shape-static step);
         GenerationError where the request cannot be served."""
         capacity, context = prompt_len + max_new_tokens, self.config.language.max_position_embeddings
         if max_new_tokens < 1 or num_samples < 1:
             raise GenerationError(f"max_new_tokens and num_samples must be >= 1, "
                                   f"got {max_new_tokens} and {num_samples}")
+        if stop_check_every < 1:
+            raise GenerationError(f"stop_check_every must be >= 1, got {stop_check_every}")
         if capacity > context:
             raise GenerationError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) "
                                   f"exceeds the context of {context} tokens")
@@ -307,6 +313,7 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
                  **settings) -> Tensor:
         """New tokens [B * num_samples, steps]; see `stream` for the settings. Rows end with pads after
         EOS."""
+        settings.setdefault("stop_check_every", STOP_CHECK_INTERVAL)
         return torch.stack(list(self.stream(input_ids, images, attention_mask, **settings)), dim=1)
 
     def _save_pretrained(self, save_directory: Path) -> None:

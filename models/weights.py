@@ -44,8 +44,8 @@ def resolve(source: str | Path, allow_patterns: list[str] | None = None) -> Path
     path = Path(source).expanduser()
     if path.exists():
         return path
-    if source.startswith((".", "/", "~")) or source.count("/") != 1:
-        raise CheckpointError(f"{source}: no such file or directory")
+    if not looks_like_hub_id(source):
+        raise CheckpointError(f"{source}: no such file or directory{_siblings(path)}")
     from huggingface_hub import snapshot_download  # a hub id such as "HuggingFaceTB/SmolLM2-135M"
 
     try:
@@ -53,6 +53,26 @@ def resolve(source: str | Path, allow_patterns: list[str] | None = None) -> Path
     except Exception as e:  # offline, unknown repo, gated repo, ...
         raise CheckpointError(f"{source}: not a local path, and the hub could not provide it "
                               f"({type(e).__name__})") from None
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")  # "owner/name", as the hub allows
+
+
+def looks_like_hub_id(source: str) -> bool:
+    """Whether `source`, which is no local path, is meant as a hub id ("owner/name"): not a path's form, and
+    its owner part is no local directory (`runs/nope` is a typo of a run, not a repository)."""
+    return (HUB_ID.match(source) is not None and ".." not in source and "--" not in source
+            and not Path(source.partition("/")[0]).is_dir())
+
+
+def _siblings(path: Path, most: int = 8) -> str:
+    """What the nearest existing directory above `path` holds, as a hint after a typo."""
+    parent = path.parent
+    if not parent.is_dir():
+        return ""
+    names = sorted(p.name for p in parent.iterdir() if not p.name.startswith("."))
+    shown = ", ".join(names[:most]) + (", ..." if len(names) > most else "")
+    return f" ({parent}/ holds: {shown})" if names else f" ({parent}/ is empty)"
 
 
 def weight_patterns(allow_pickle: bool) -> list[str]:

@@ -47,6 +47,29 @@ def test_no_checkpoint_is_a_clear_error(tmp_path):
         find_checkpoint(tmp_path)
 
 
+def test_a_missing_local_run_is_no_such_directory_not_a_hub_miss(tmp_path, monkeypatch):
+    """Regression: `--checkpoint runs/nope` (a typo of a local run) said the hub could not provide it. A name
+    whose first part is a local directory, or that has a path's form, is a local path; only "owner/name"
+    goes to the hub."""
+    import models.weights
+    from loading import locate
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "tiny").mkdir(parents=True)
+    (tmp_path / "runs" / "mine").mkdir()
+    monkeypatch.setattr("huggingface_hub.snapshot_download",
+                        lambda *args, **kwargs: pytest.fail("asked the hub for a local path"))
+    for name in ("runs/nope", "./nope", "runs/tiny/step_000100", "a/b/c", "nope"):
+        with pytest.raises(CheckpointError, match="no such file or directory") as raised:
+            locate(name)
+        assert "hub" not in str(raised.value)
+    with pytest.raises(CheckpointError, match=r"^runs/nope: no such file or directory \(runs/ holds: mine, "
+                                              r"tiny\)$"):
+        locate("runs/nope")
+    assert models.weights.looks_like_hub_id("HuggingFaceTB/SmolVLM-256M-Instruct")
+    assert not models.weights.looks_like_hub_id("runs/anything")
+
+
 def test_models_imports_nothing_from_the_rest_of_the_repo():
     """The README's promise: other projects can take models/ alone (every module of it, loaders included)."""
     import subprocess

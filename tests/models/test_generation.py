@@ -94,6 +94,30 @@ def test_stream_yields_the_generated_tokens_step_by_step(model, batch):
                        model.generate(ids, images, mask, max_new_tokens=10, greedy=True))
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_stream_ends_at_the_step_every_row_has_stopped(model, batch, compile):
+    """Regression: a finished row kept yielding its stop token (as the pad) for up to 7 more steps, so the
+    README's loop printed `<|im_end|>` seven times after the answer. Each row's stop is its 4th or 6th greedy
+    token; the stream ends with the last of them, the row that stopped first yielding pads meanwhile."""
+    prompts, images = batch
+    ids, mask = left_pad_prompts(prompts[:2])
+    free = model.generate(ids, images[:2], mask, max_new_tokens=10, greedy=True)
+    stops = [int(free[0, 3]), int(free[1, 5])]
+    first = [next(i for i, t in enumerate(row) if t in stops) for row in free.tolist()]
+    steps = list(model.stream(ids, images[:2], mask, max_new_tokens=10, greedy=True, eos_token_id=stops,
+                              pad_token_id=0, compile=compile))
+    assert len(steps) == max(first) + 1 < 10
+    for row, end in enumerate(first):
+        assert [int(s[row]) for s in steps[: end + 1]] == free[row, : end + 1].tolist()
+        assert all(int(s[row]) == 0 for s in steps[end + 1 :])
+    alone = list(model.stream(prompts[0][None], images[:1], max_new_tokens=10, greedy=True,
+                              eos_token_id=stops[0]))
+    assert torch.cat(alone).tolist() == free[0, : first[0] + 1].tolist()  # ends at its stop token
+    generated = model.generate(ids, images[:2], mask, max_new_tokens=10, greedy=True, eos_token_id=stops,
+                               pad_token_id=0)
+    assert torch.equal(generated[:, : len(steps)], torch.stack(steps, 1))  # generate checks every 8 steps
+
+
 @pytest.mark.parametrize("settings, message", [
     (dict(max_new_tokens=200), "exceeds the context of 128"),
     (dict(max_new_tokens=0), "max_new_tokens and num_samples must be >= 1"),
