@@ -14,9 +14,12 @@ whole in the adapter's file.
 
 from __future__ import annotations
 
+import importlib
 import json
+import logging
 import re
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -30,6 +33,19 @@ UNSUPPORTED = ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern", "layer
 LANGUAGE_PROJECTIONS = r"language\.blocks\.\d+\.(attn|mlp)\.\w+_proj"  # the LM's attention and MLP matrices
 
 
+def quiet_import(name: str) -> ModuleType:
+    """`importlib.import_module(name)` without bitsandbytes' import-time warning: importing it (peft does,
+    wherever it is installed) logs on some CPUs that the optional `kernels` package for a CPU 4-bit matmul is
+    missing, which neither LoRA nor QLoRA (on a GPU) uses."""
+    logger = logging.getLogger("bitsandbytes")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        return importlib.import_module(name)
+    finally:
+        logger.setLevel(level)
+
+
 class WholeModuleError(ValueError):
     """`modules_to_save` names no module, one that holds adapters, or one whose weight another module
     shares."""
@@ -41,10 +57,9 @@ def add_adapters(model: nn.Module, rank: int, alpha: float, target_modules: str 
     endings) with LoRA adapters (B initialised to zero: the model's outputs are unchanged); the modules
     `modules_to_save` names (a regex over full module names, or a list of them) train whole; everything else
     is frozen."""
-    from peft import LoraConfig, inject_adapter_in_model
-
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules)
-    inject_adapter_in_model(config, model)
+    peft = quiet_import("peft")
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules)
+    peft.inject_adapter_in_model(config, model)
     config.modules_to_save = _whole_modules(model, modules_to_save)
     model.lora_config = config
     train_only_adapters(model)
@@ -62,7 +77,7 @@ def quantize_frozen(model: nn.Module, device: torch.device, compute_dtype: torch
     bitsandbytes."""
     if has_adapters(model):
         raise ValueError("quantize_frozen: the model has adapters; quantize its base before adding them")
-    import bitsandbytes as bnb
+    bnb = quiet_import("bitsandbytes")
 
     layers = [(name, module) for name, module in model.named_modules()
               if isinstance(module, nn.Linear) and re.fullmatch(blocks, name)]
@@ -101,7 +116,7 @@ def _whole_modules(model: nn.Module, names: str | list[str]) -> list[str]:
 def _refuse_tied(model: nn.Module) -> None:
     """ValueError where an adapted layer's weight, or a weight of a module trained whole, is another module's
     too (an output head tied to the token embedding): merging or training it would change both."""
-    from peft.tuners.lora import LoraLayer
+    LoraLayer = quiet_import("peft").tuners.lora.LoraLayer  # noqa: N806 (a class)
 
     uses: dict[int, int] = {}
     for _, parameter in model.named_parameters(remove_duplicate=False):
@@ -133,8 +148,9 @@ def has_adapters(model: nn.Module) -> bool:
 def save_adapter(model: nn.Module, directory: Path, base: str) -> None:
     """The adapter's config (pointing at `base`) and weights, in peft's format: the modules trained whole
     under their own names, as peft saves `modules_to_save`."""
-    from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
+
+    get_peft_model_state_dict = quiet_import("peft").get_peft_model_state_dict
 
     config = model.lora_config.to_dict() | {"base_model_name_or_path": base}
     config["target_modules"] = sorted(config["target_modules"]) if isinstance(config["target_modules"], set) \
@@ -163,9 +179,10 @@ def load_adapter(model: nn.Module, directory: Path) -> None:
     written here, or by peft itself on transformers' Idefics3 (SmolVLM) or Llama, whose weight names are
     mapped to ours as the checkpoint loaders map them. The adapters go exactly on the layers the file holds
     adapters for."""
-    from peft import LoraConfig, set_peft_model_state_dict
     from safetensors import SafetensorError
     from safetensors.torch import load_file
+
+    peft = quiet_import("peft")
 
     config = read_json(directory / ADAPTER_CONFIG)
     if config.get("peft_type", "LORA") != "LORA":
@@ -187,14 +204,14 @@ def load_adapter(model: nn.Module, directory: Path) -> None:
         add_adapters(model, config["r"], config["lora_alpha"], layers, config.get("lora_dropout", 0.0), saved)
     except ValueError as e:  # no such layer here, or a tied one
         raise CheckpointError(f"{directory}: the adapter does not fit the model ({e})") from None
-    model.lora_config = LoraConfig(**{key: value for key, value in config.items()
-                                      if key in LoraConfig.__dataclass_fields__}
-                                   | {"target_modules": layers, "modules_to_save": saved})
+    model.lora_config = peft.LoraConfig(**{key: value for key, value in config.items()
+                                           if key in peft.LoraConfig.__dataclass_fields__}
+                                        | {"target_modules": layers, "modules_to_save": saved})
     with torch.no_grad():
         for key, value in whole.items():
             model.get_parameter(key).copy_(value)
-    result = set_peft_model_state_dict(model,
-                                       {key: value for key, value in tensors.items() if ".lora_" in key})
+    result = peft.set_peft_model_state_dict(model,
+                                            {key: value for key, value in tensors.items() if ".lora_" in key})
     missing = [key for key in result.missing_keys if ".lora_" in key]
     if missing or result.unexpected_keys:
         raise CheckpointError(f"{directory}: the adapter does not fit the model (missing {missing[:2]}, "
@@ -228,7 +245,7 @@ def _our_key(key: str, model: nn.Module) -> str:
 def merge_adapters(model: nn.Module) -> nn.Module:
     """Fold each adapter into its layer's weight and put the plain layer back: the model computes what it did,
     with no adapter left (its state dict is a plain checkpoint's)."""
-    from peft.tuners.lora import LoraLayer
+    LoraLayer = quiet_import("peft").tuners.lora.LoraLayer  # noqa: N806 (a class)
 
     for name, module in list(model.named_modules()):
         if isinstance(module, LoraLayer):
