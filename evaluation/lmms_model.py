@@ -14,6 +14,7 @@ model's log-probabilities.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -24,8 +25,10 @@ from PIL import Image
 
 from data.collator import pad
 from loading import load_for_inference, pick_device
+from models.errors import TinyVLMError
 from serving.engine import Engine, engine_settings
 from serving.requests import Request, RequestParams
+from typed_config import one_line
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -39,13 +42,17 @@ def manifest() -> ModelManifest:
 class TinyVLM(lmms):
     """`checkpoint`: a directory or hub id (None: the newest run under runs/); `batch_size`: the engine's
     sequences at once, and the rows of a log-likelihood forward; `kv_cache_mib`: the engine's KV-cache
-    memory."""
+    memory. A checkpoint that cannot be loaded ends the process: one line, exit code 2."""
 
     def __init__(self, checkpoint: str | None = None, device: str | None = None, batch_size: int | str = 16,
                  kv_cache_mib: int = 1024, allow_pickle: bool = False, **unused) -> None:
         super().__init__()
         self.device = pick_device(device or "auto")
-        self.model, self.processor = load_for_inference(checkpoint, self.device, allow_pickle)
+        try:
+            self.model, self.processor = load_for_inference(checkpoint, self.device, allow_pickle)
+        except TinyVLMError as e:  # lmms-eval would log any Exception with a traceback, then exit 0
+            print(f"error: {one_line(e)}", file=sys.stderr)
+            raise SystemExit(2) from None
         self.tokenizer = self.processor.tokenizer
         self.batch_size = int(batch_size)
         self.engine = Engine(self.model, self.processor,

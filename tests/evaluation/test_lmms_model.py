@@ -54,6 +54,20 @@ def test_a_document_with_two_images_is_answered_with_both_and_cut_at_until(tmp_p
     assert wrapper.generate_until([ask(0, [cut])]) == [expected[0].split(cut)[0]]
 
 
+def test_a_checkpoint_that_cannot_load_exits_2_with_one_line(tmp_path):
+    """Regression: lmms-eval logs any exception from a model's constructor with a traceback and exits 0, so
+    `python -m lmms_eval --model tinyvlm` with a checkpoint that cannot load looked like a finished run."""
+    (tmp_path / "runs").mkdir()
+    command = [sys.executable, "-m", "lmms_eval", "--model", "tinyvlm", "--model_args",
+               "checkpoint=runs/nope,device=cpu", "--include_path", str(REPO / "evaluation/tasks"),
+               "--tasks", "tinyvlm_shapes"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1] == "error: runs/nope: no such file or directory (runs/ is empty)"
+    assert "Traceback" not in done.stderr
+
+
 @pytest.fixture(scope="module")
 def evaluated(tmp_path_factory):
     """A briefly trained model, the task's questions, and what `python -m lmms_eval` said of both tasks."""
