@@ -17,7 +17,7 @@ path, "prompt": text} (either may be left out: no image, or a caption) or {"mess
 the same lines, in the same order, each with its "answer" added. In chat mode each line you type is a user
 turn, answered as it is generated, and each turn reuses the earlier turns' KV blocks through the engine's
 prefix cache (it says how many prompt tokens it reused): `/image PATH` attaches an image to your next turn,
-`/reset` starts a new conversation, `/quit` (or Ctrl-D) ends.
+`/reset` starts a new conversation (with the `--image` files attached again), `/quit` (or Ctrl-D) ends.
 """
 
 from __future__ import annotations
@@ -173,7 +173,8 @@ def run_chat(args: argparse.Namespace, params: RequestParams) -> None:
     from serving.engine import Engine
     from serving.requests import Request
 
-    pending = [load_image(path) for path in args.image or []]  # for the next turn
+    given = [load_image(path) for path in args.image or []]  # the command line's: for the first question
+    pending = list(given)  # for the next turn
     model, processor = load_for_inference(args.checkpoint, pick_device(args.device), args.allow_pickle)
     engine = Engine(model, processor, **engine_settings(model, args.kv_cache_mib))
     history, images = [], []
@@ -187,11 +188,10 @@ def run_chat(args: argparse.Namespace, params: RequestParams) -> None:
             break
         if line in ("/quit", "/exit"):
             break
-        if line == "/reset":
-            history = []
-            images = []
-            pending = []
-            print("(a new conversation)", file=sys.stderr)
+        if line == "/reset":  # the command line's images stay, for the new conversation's first question
+            history, images, pending = [], [], list(given)
+            attached = f"; {', '.join(args.image)} attached to your next question" if args.image else ""
+            print(f"(a new conversation{attached})", file=sys.stderr)
         elif line == "/image" or line.startswith("/image "):
             try:
                 pending.append(load_image(line.removeprefix("/image").strip()))

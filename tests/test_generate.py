@@ -201,13 +201,12 @@ def test_batch_lines_may_be_conversations(random_checkpoint, image, tmp_path, ca
                        _conversation_answer(random_checkpoint, rendered[:2], pixels, 10).strip()]
 
 
-def test_chat_in_a_terminal_answers_each_turn_and_reuses_the_earlier_ones(random_checkpoint, image):
-    """generate.py --chat driven through a pseudo-terminal: an image, then two questions; each answer is the
-    model's to the conversation so far, and the second turn found the first one's tokens in the prefix
-    cache."""
+def _chat(checkpoint, arguments: list[str], lines: list[str]) -> list[str]:
+    """generate.py --chat driven through a pseudo-terminal: what it printed after each of `lines` (up to its
+    next prompt); it must then end with /quit, exit code 0."""
     master, terminal = pty.openpty()
-    process = subprocess.Popen([sys.executable, "generate.py", "--chat", "--checkpoint",
-                                str(random_checkpoint), "--max-new-tokens", "8", "--kv-cache-mib", "16"],
+    process = subprocess.Popen([sys.executable, "generate.py", "--chat", "--checkpoint", str(checkpoint),
+                                "--max-new-tokens", "8", "--kv-cache-mib", "16", *arguments],
                                stdin=terminal, stdout=terminal, stderr=terminal,
                                cwd=Path(generate.__file__).parent, close_fds=True)
     os.close(terminal)
@@ -224,17 +223,24 @@ def test_chat_in_a_terminal_answers_each_turn_and_reuses_the_earlier_ones(random
 
     try:
         until_prompt()
-        os.write(master, f"/image {image}\n".encode())
-        assert "attached" in until_prompt()
         replies = []
-        for question in ("what colour is it?", "and the sky?"):
-            os.write(master, f"{question}\n".encode())
+        for line in lines:
+            os.write(master, f"{line}\n".encode())
             replies.append(until_prompt())
         os.write(master, b"/quit\n")
         assert process.wait(timeout=30) == 0
     finally:
         process.kill()
         os.close(master)
+    return replies
+
+
+def test_chat_in_a_terminal_answers_each_turn_and_reuses_the_earlier_ones(random_checkpoint, image):
+    """An image, then two questions; each answer is the model's to the conversation so far, and the second
+    turn found the first one's tokens in the prefix cache."""
+    attached, *replies = _chat(random_checkpoint, [],
+                               [f"/image {image}", "what colour is it?", "and the sky?"])
+    assert "attached" in attached
     first = _conversation_answer(random_checkpoint, [Message("user", "what colour is it?", 1)],
                                  [Image.open(image)], 8)
     second = _conversation_answer(
@@ -251,6 +257,16 @@ def test_chat_in_a_terminal_answers_each_turn_and_reuses_the_earlier_ones(random
     assert first.strip() in replies[0] and second.strip() in replies[1]
     reused = [re.search(r"\((\d+) of the prompt's (\d+) tokens reused", reply).groups() for reply in replies]
     assert int(reused[0][0]) == 0 and int(reused[1][0]) > 0
+
+
+def test_chat_reset_keeps_the_command_lines_image_and_says_so(random_checkpoint, image):
+    """Regression: /reset dropped the --image without a word, so the same question after it was answered
+    about no image."""
+    question = "what colour is it?"
+    first, reset, again = _chat(random_checkpoint, ["--image", str(image)], [question, "/reset", question])
+    assert f"(a new conversation; {image} attached to your next question)" in reset
+    answer = _conversation_answer(random_checkpoint, [Message("user", question, 1)], [Image.open(image)], 8)
+    assert answer.strip() and answer.strip() in first and answer.strip() in again
 
 
 @pytest.mark.parametrize("content, message", [
