@@ -1,27 +1,18 @@
-"""The per-block KV cache: a dict {"key", "value", "layout"}; the layout entry says how K/V are stored and
-read.
+"""The per-block KV cache: a dict {"key", "value", "layout"}. The layout is an object that writes a call's K/V
+into the cache and attends over it; `Attention.forward` calls its `attend` once. It is the seam: serving/
+plugs its paged layout in (serving/paged_layout.py) by subclassing `Layout`, without editing the model.
 
 | layout                          | "key" / "value"         | a call writes          | attention spans      |
 |---------------------------------|-------------------------|------------------------|----------------------|
-| no cache (None)                 | -                       | none; returns Growing  | the call's tokens    |
+| NoCache (no cache passed)       | -                       | none; returns Growing  | the call's tokens    |
 | Growing (nanoVLM's)             | [B, Hkv, so far, D]     | appends (torch.cat)    | every token so far   |
 | Preallocated()                  | [B, Hkv, capacity, D]   | slots start_pos .. + T | slots 0 .. start + T |
 | Preallocated(shape_static=True) | [B, Hkv, capacity, D]   | the same, index_copy_  | all slots, masked    |
-| Paged                           | [blocks, block, Hkv, D] | slot_mapping's slots   | its blocks           |
 
-`start_pos` is an int for Growing and Preallocated, a 0-dim device tensor for the shape-static mode (so every
-step of a compiled decode has one shape), and unused by Paged, whose layout carries every token's position. A
-preallocated cache never grows: writing past its capacity raises `CacheCapacityError` (int positions; a tensor
-position is the caller's to check once, before decoding, since reading a device tensor would stall the step).
-
-Paged (PagedAttention, Kwon et al. 2023; built and managed by serving/): the tokens of many sequences run as
-one row, [1, N], packed without padding; the pool is shared by every sequence, and the layout says where each
-sequence's tokens live (its block table), where each new token goes (`slot_mapping`), and which queries belong
-to which sequence (`query_start`, as flash attention's cu_seqlens) at which positions. Attention reads the
-pool through the block tables (models/attention.py): gathered + SDPA (exact, the reference, and a CPU's
-prompt chunks; an optional GatherPlan runs a decode call's rows in groups of their own widths, into one reused
-buffer), in place with a Triton kernel (GPUs), or, for a CPU's decode calls, in place with sparse-matrix
-kernels ("sparse": a SparseIndex of each query's pool rows).
+`start_pos` is an int for Growing and Preallocated, and a 0-dim device tensor for the shape-static mode (so
+every step of a compiled decode has one shape). A preallocated cache never grows: writing past its capacity
+raises `CacheCapacityError` (int positions; a tensor position is the caller's to check once, before decoding,
+since reading a device tensor would stall the step).
 
 Memory (the formula from the KV-cache articles, with grouped-query attention's fewer kv heads):
     bytes = 2 (K and V) x layers x kv_heads x head_dim x tokens x batch x bytes_per_element
@@ -33,83 +24,109 @@ import dataclasses
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
 
+from models.attention import attend, positions_and_mask
 from models.config import LanguageConfig
 from models.errors import TinyVLMError
 
-KVCache = dict  # {"key": Tensor, "value": Tensor, "layout": Growing | Preallocated | Paged}
-PAGED_ATTENTION = ("gather", "triton", "sparse")
+KVCache = dict  # {"key": Tensor, "value": Tensor, "layout": Layout}
 
 
 class CacheCapacityError(TinyVLMError, IndexError):
     """A write past the end of a preallocated KV cache."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Growing:
-    """K/V of every token so far, concatenated call by call (what a call without a cache returns)."""
+class Layout:
+    """What a block needs of its cache. `positions_and_mask` gives a call's rotary positions and attention
+    mask (once per forward, for every block); `attend` writes the call's K/V and attends over the cache."""
+
+    def span(self, cache: KVCache | None, start_pos: int | Tensor, num_new: int) -> int:
+        """The cache slots a call writing `num_new` tokens at `start_pos` attends over."""
+        return start_pos + num_new
+
+    def positions_and_mask(self, cache: KVCache | None, attention_mask: Tensor | None,
+                           start_pos: int | Tensor, batch: int, seq: int, device: torch.device,
+                           flex: bool = False
+                           ) -> tuple[Tensor, Tensor | BlockMask | None]:
+        return positions_and_mask(attention_mask, start_pos, batch, seq, self.span(cache, start_pos, seq),
+                                  device, flex)
+
+    def write(self, cache: KVCache | None, key: Tensor, value: Tensor,
+              start_pos: int | Tensor) -> tuple[KVCache, Tensor, Tensor]:
+        """Store `key`/`value` [B, Hkv, T, D]; return the cache and the keys/values to attend over."""
+        raise NotImplementedError
+
+    def attend(self, q: Tensor, key: Tensor, value: Tensor, mask: Tensor | BlockMask | None,
+               cache: KVCache | None, start_pos: int | Tensor) -> tuple[Tensor, KVCache]:
+        """q [B, H, T, D] -> ([B, H, T, D], the cache), with this call's `key`/`value` written."""
+        cache, keys, values = self.write(cache, key, value, start_pos)
+        return attend(q, keys, values, mask, start_pos), cache
 
 
 @dataclasses.dataclass(frozen=True)
-class Preallocated:
+class NoCache(Layout):
+    """A plain pass: attention over the call's own tokens; returns a Growing cache of them."""
+
+    def span(self, cache: KVCache | None, start_pos: int | Tensor, num_new: int) -> int:
+        return num_new
+
+    def write(self, cache: KVCache | None, key: Tensor, value: Tensor,
+              start_pos: int | Tensor) -> tuple[KVCache, Tensor, Tensor]:
+        return {"key": key, "value": value, "layout": Growing()}, key, value
+
+
+@dataclasses.dataclass(frozen=True)
+class Growing(Layout):
+    """K/V of every token so far, concatenated call by call (nanoVLM's cache; what a call without a cache
+    returns)."""
+
+    def write(self, cache: KVCache | None, key: Tensor, value: Tensor,
+              start_pos: int | Tensor) -> tuple[KVCache, Tensor, Tensor]:
+        if start_pos != cache["key"].shape[2]:
+            raise ValueError(f"a growing cache of {cache['key'].shape[2]} tokens continues at that position, "
+                             f"not at start_pos {start_pos}")
+        grown = {"key": torch.cat([cache["key"], key], 2), "value": torch.cat([cache["value"], value], 2),
+                 "layout": self}
+        return grown, grown["key"], grown["value"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Preallocated(Layout):
     """A fixed capacity written in place at `start_pos`. shape_static: the position is a 0-dim device tensor
     and attention spans the whole capacity under a mask, so every decode step has one shape (compiled
     decoding)."""
 
     shape_static: bool = False
 
+    def span(self, cache: KVCache | None, start_pos: int | Tensor, num_new: int) -> int:
+        return capacity(cache) if self.shape_static else start_pos + num_new
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class GatherPlan:
-    """How the gathered path runs a call, known on the host (eager calls only; inference only, since every
-    layer overwrites `space`). The rows of a decode call (one query each) run in groups [previous end, end),
-    each gathering the first `width` blocks of its rows' tables: every row's context must fit in its group's
-    width (the caller sorts rows by table length so that little is padding). A prefill call gathers all its
-    tables at once. Every layer gathers into `space` (on a CPU a fresh buffer a layer page-faults on every
-    element)."""
-
-    group_ends: tuple[int, ...]  # the last group ends at S
-    group_widths: tuple[int, ...]  # blocks gathered for each group's rows
-    space: Tensor  # flat, the pools' dtype: room for the keys and values of the largest group
-    # what every layer of the call reads to attend (each group's block indices and mask): the first layer's
-    groups: list = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class SparseIndex:
-    """A decode call's attention pattern as a CSR matrix over the pool's rows (one per slot and kv head): row
-    s * H + h holds, in order, the pool rows slot * kv_heads + h // (H / kv_heads) of sequence s's context.
-    Made once a call (models/attention.py `sparse_index`), read by every layer."""
-
-    pattern: Tensor  # sparse CSR [S * H, pool slots * kv_heads], its values zeros
-    dense: Tensor  # [entries] int64: each entry's place in the rows laid out dense, [S * H, slots]
-    slots: int  # that layout's width: the block table's slots
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Paged:
-    """Where the tokens of a packed call live in a shared block pool (see the module docstring). Sequences
-    s = 0 .. S-1 own queries query_start[s] .. query_start[s + 1] - 1 of the call, the last ones of their
-    first context_lens[s] tokens. `max_query_len` (host-known) sizes the reference path; `attention` picks the
-    kernel."""
-
-    block_table: Tensor  # [S, max blocks] int: each sequence's blocks in order, padded with the null block 0
-    # [N] int64: the pool slot (block * block_size + offset) each new token is written to
-    slot_mapping: Tensor
-    positions: Tensor  # [N] int64: each token's position in its own sequence
-    query_start: Tensor  # [S + 1] int: cumulative query counts
-    context_lens: Tensor  # [S] int: each sequence's tokens in the cache once this call has written
-    max_query_len: int
-    attention: str = "gather"
-    gather: GatherPlan | None = None  # the gathered path's groups and buffer (None: one fresh gather)
-    sparse: SparseIndex | None = None  # the sparse path's index of a decode call (None: made by each layer)
-
-    def __post_init__(self) -> None:
-        if self.attention not in PAGED_ATTENTION:
-            raise ValueError(f"paged attention must be one of {PAGED_ATTENTION}, got {self.attention!r}")
+    def write(self, cache: KVCache | None, key: Tensor, value: Tensor,
+              start_pos: int | Tensor) -> tuple[KVCache, Tensor, Tensor]:
+        if self.shape_static:
+            if not isinstance(start_pos, Tensor):
+                raise TypeError("a shape-static cache takes its position as a 0-dim device tensor")
+            slots = torch.arange(key.shape[2], device=key.device) + start_pos
+            # Cast as slice assignment does: under autocast the projections give bfloat16 K/V for a float32
+            # cache.
+            cache["key"].index_copy_(2, slots, key.to(cache["key"].dtype))
+            cache["value"].index_copy_(2, slots, value.to(cache["value"].dtype))
+            return cache, cache["key"], cache["value"]
+        if isinstance(start_pos, Tensor):
+            raise TypeError("a preallocated cache takes an int start_pos (Preallocated(shape_static=True) "
+                            "takes tensors)")
+        end = start_pos + key.shape[2]
+        if end > capacity(cache):
+            raise CacheCapacityError(f"writing KV slots {start_pos}..{end - 1} into a cache of "
+                                     f"{capacity(cache)} slots; allocate one that holds every token "
+                                     "(allocate_kv_cache(batch, capacity))")
+        cache["key"][:, :, start_pos:end] = key
+        cache["value"][:, :, start_pos:end] = value
+        return cache, cache["key"][:, :, :end], cache["value"][:, :, :end]
 
 
-Layout = Growing | Preallocated | Paged
+NO_CACHE = NoCache()
 
 
 def allocate(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
@@ -119,8 +136,8 @@ def allocate(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: tor
             "value": torch.zeros(shape, dtype=dtype, device=device), "layout": Preallocated(shape_static)}
 
 
-def layout_of(cache: KVCache | None) -> Layout | None:
-    return None if cache is None else cache["layout"]
+def layout_of(cache: KVCache | None) -> Layout:
+    return NO_CACHE if cache is None else cache["layout"]
 
 
 def with_layout(caches: list[KVCache], layout: Layout) -> list[KVCache]:
@@ -135,64 +152,6 @@ def tensors(cache: KVCache) -> dict[str, Tensor]:
 
 def capacity(cache: KVCache) -> int:
     return cache["key"].shape[2]
-
-
-def attended_slots(cache: KVCache | None, start_pos: int | Tensor, num_new: int) -> int:
-    """How many cache slots the attention of a call writing `num_new` tokens at `start_pos` spans (Growing and
-    Preallocated; Paged attention reads its own extent from the layout)."""
-    layout = layout_of(cache)
-    if layout is None:
-        return num_new
-    if isinstance(layout, Preallocated) and layout.shape_static:
-        return capacity(cache)
-    return start_pos + num_new
-
-
-def write(cache: KVCache | None, key: Tensor, value: Tensor,
-          start_pos: int | Tensor) -> tuple[KVCache, Tensor, Tensor]:
-    """Store `key`/`value` [B, H, T, D] as the table above says; return the cache and the keys/values to
-    attend over (the pools themselves for a paged cache)."""
-    layout = layout_of(cache)
-    if layout is None:
-        return {"key": key, "value": value, "layout": Growing()}, key, value
-    if isinstance(layout, Paged):
-        _write_paged(cache, layout, key, value)
-        return cache, cache["key"], cache["value"]
-    if isinstance(layout, Growing):
-        if start_pos != cache["key"].shape[2]:
-            raise ValueError(f"a growing cache of {cache['key'].shape[2]} tokens continues at that position, "
-                             f"not at start_pos {start_pos}")
-        grown = {"key": torch.cat([cache["key"], key], 2), "value": torch.cat([cache["value"], value], 2),
-                 "layout": layout}
-        return grown, grown["key"], grown["value"]
-    if layout.shape_static:
-        if not isinstance(start_pos, Tensor):
-            raise TypeError("a shape-static cache takes its position as a 0-dim device tensor")
-        slots = torch.arange(key.shape[2], device=key.device) + start_pos
-        # Cast as slice assignment does: under autocast the projections give bfloat16 K/V for a float32 cache.
-        cache["key"].index_copy_(2, slots, key.to(cache["key"].dtype))
-        cache["value"].index_copy_(2, slots, value.to(cache["value"].dtype))
-        return cache, cache["key"], cache["value"]
-    if isinstance(start_pos, Tensor):
-        raise TypeError("a preallocated cache takes an int start_pos (Preallocated(shape_static=True) takes "
-                        "tensors)")
-    end = start_pos + key.shape[2]
-    if end > capacity(cache):
-        raise CacheCapacityError(f"writing KV slots {start_pos}..{end - 1} into a cache of {capacity(cache)} "
-                                 "slots; allocate one that holds every token (allocate_kv_cache(batch, "
-                                 "capacity))")
-    cache["key"][:, :, start_pos:end] = key
-    cache["value"][:, :, start_pos:end] = value
-    return cache, cache["key"][:, :, :end], cache["value"][:, :, :end]
-
-
-def _write_paged(cache: KVCache, layout: Paged, key: Tensor, value: Tensor) -> None:
-    """Scatter the call's K/V [1, Hkv, N, D] into the pool at `slot_mapping` (padded tokens write the null
-    block)."""
-    for pool, new in ((cache["key"], key), (cache["value"], value)):
-        num_blocks, size, heads, dim = pool.shape
-        flat = pool.view(num_blocks * size, heads, dim)
-        flat.index_copy_(0, layout.slot_mapping, new[0].transpose(0, 1).to(pool.dtype))
 
 
 def repeat_rows(caches: list[KVCache], repeats: int) -> list[KVCache]:

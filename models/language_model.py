@@ -14,19 +14,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.checkpoint import checkpoint
 
-from models.attention import (
-    causal_mask,
-    grouped_attention,
-    paged_attention,
-    sequence_block_mask,
-)
 from models.config import LanguageConfig
 from models.fused_linear import fuse, project
 from models.gguf import read_gguf
-from models.kv_cache import KVCache, Paged, allocate, attended_slots, layout_of, write
+from models.kv_cache import KVCache, allocate, layout_of
 from models.weights import (
     CheckpointError,
     load_checked,
@@ -77,7 +71,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 
 
-# Grouped-query attention (Ainslie et al. 2023) over any cache layout (models/attention.py).
+# Grouped-query attention (Ainslie et al. 2023) over any cache layout (models/kv_cache.py).
 class Attention(nn.Module):
     def __init__(self, config: LanguageConfig) -> None:
         super().__init__()
@@ -89,24 +83,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, kv_cache: KVCache | None,
-                start_pos: int | Tensor) -> tuple[Tensor, KVCache]:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | BlockMask | None,
+                kv_cache: KVCache | None, start_pos: int | Tensor) -> tuple[Tensor, KVCache]:
         batch, seq, _ = x.shape
         q, k, v = project(self, x, "qkv_proj", QKV)
         q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        kv_cache, k, v = write(kv_cache, k, v, start_pos)
-        if isinstance(layout_of(kv_cache), Paged):  # the packed tokens of many sequences, one row
-            out = paged_attention(q[0].transpose(0, 1), kv_cache).transpose(0, 1)[None]
-        elif mask is None and k.shape[2] == seq:  # plain causal self-attention: the fastest kernels
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        elif isinstance(mask, BlockMask):  # packed or padded rows through FlexAttention (training)
-            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
-        else:
-            out = grouped_attention(q, k, v, causal_mask(start_pos, seq, k.shape[2], x.device) if mask is None
-                                    else mask)
+        out, kv_cache = layout_of(kv_cache).attend(q, k, v, mask, kv_cache, start_pos)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1)), kv_cache
 
 
@@ -229,23 +214,16 @@ class LanguageModel(nn.Module):
         attended), or, for rows that pack several sequences, 1, 2, ... for the tokens of each (in order; see
         data/packing.py); None means no padding. kv_cache: one dict per block (see `allocate_kv_cache`), or
         None for a plain pass; its "layout" entry says how it is written and read (models/kv_cache.py).
-        start_pos: an int, or a 0-dim tensor for a shape-static cache; a paged cache carries each token's
-        position itself (one row [1, N] of packed sequences, no attention mask).
+        start_pos: an int, or a 0-dim tensor for a shape-static cache; a layout may carry each token's
+        position itself (serving's paged one: one row [1, N] of packed sequences, no attention mask).
         Returns the final-normed hidden states and the cache; logits are `head(hidden)`.
         """
         batch, seq, _ = embeddings.shape
         caches = kv_cache if kv_cache is not None else [None] * len(self.blocks)
-        layout = layout_of(caches[0])
-        if isinstance(layout, Paged):
-            if batch != 1 or attention_mask is not None:
-                raise ValueError("a paged call is one row of packed sequences [1, N], with no attention mask")
-            positions, mask = layout.positions[None], None
-        else:
-            num_keys = attended_slots(caches[0], start_pos, seq)
-            flex = (self.flex_attention and self.training and kv_cache is None and isinstance(start_pos, int)
-                    and start_pos == 0)
-            positions, mask = self._positions_and_mask(attention_mask, start_pos, batch, seq, num_keys,
-                                                       embeddings.device, flex)
+        flex = self.flex_attention and self.training and kv_cache is None and isinstance(start_pos, int) \
+            and start_pos == 0
+        positions, mask = layout_of(caches[0]).positions_and_mask(caches[0], attention_mask, start_pos, batch,
+                                                                  seq, embeddings.device, flex)
         cos, sin = self.rotary(positions)
         x, new_caches = embeddings, []
         if self.activation_checkpointing and kv_cache is None and torch.is_grad_enabled():
@@ -257,37 +235,6 @@ class LanguageModel(nn.Module):
             x, cache = block(x, cos, sin, mask, cache, start_pos)
             new_caches.append(cache)
         return self.norm(x), new_caches
-
-    @staticmethod
-    def _positions_and_mask(attention_mask: Tensor | None, start_pos: int | Tensor, batch: int, seq: int,
-                            num_keys: int, device: torch.device, flex: bool = False
-                            ) -> tuple[Tensor, Tensor | BlockMask | None]:
-        """Rotary positions [B, T] and the attention mask [B, 1, T, S] (None for plain causal attention; with
-        `flex`, a call of T tokens from slot 0 with an attention mask takes FlexAttention's BlockMask).
-
-        A token's position is the number of real tokens before it in its own sequence (a packed row's
-        sequences are numbered 1, 2, ... in order); a token sees the earlier tokens of its sequence, and a pad
-        sees only itself, so that no softmax row is empty."""
-        slots = torch.arange(seq, device=device) + start_pos
-        if attention_mask is None:
-            if num_keys == seq:
-                return slots.expand(batch, seq), None
-            return slots.expand(batch, seq), causal_mask(start_pos, seq, num_keys, device)[None, None]
-        sequence = attention_mask[:, :num_keys].long()
-        real = sequence > 0
-        # Real tokens of the earlier sequences of the row, for each sequence number (never above num_keys):
-        # no host sync.
-        per_sequence = torch.zeros(batch, num_keys + 1, dtype=torch.long,
-                                   device=device).scatter_add_(1, sequence, real.long())
-        earlier = (per_sequence.cumsum(-1) - per_sequence).gather(1, sequence)
-        positions = (real.long().cumsum(-1) - 1 - earlier).clamp(min=0).gather(1, slots.expand(batch, seq))
-        if flex:
-            return positions, sequence_block_mask(sequence)
-        query_sequence = sequence.gather(1, slots.expand(batch, seq))
-        same_sequence = (query_sequence[:, :, None] == sequence[:, None, :]) & real[:, None, :]
-        own_slot = torch.arange(num_keys, device=device) == slots[:, None]
-        mask = causal_mask(start_pos, seq, num_keys, device) & (same_sequence | own_slot)
-        return positions, mask[:, None]
 
     def allocate_kv_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None,
                           device: torch.device | None = None, shape_static: bool = False) -> list[KVCache]:

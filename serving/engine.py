@@ -26,8 +26,8 @@ from torch import Tensor
 from data.chat_processors import ChatProcessor, CheckpointProcessor
 from data.prompts import Message, PromptError
 from models import VisionLanguageModel
-from models.packed_linear import packing_available
 from serving.block_manager import BlockManager
+from serving.packed_linear import packing_available
 from serving.requests import Output, Request, RequestError, Result, TokenLogprobs
 from serving.runner import ModelRunner, resolve_step_settings
 from serving.scheduler import Scheduler

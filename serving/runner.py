@@ -3,12 +3,12 @@ the prompt chunks (packed into one row, no padding), then one sampling call for 
 and the step's one device-to-host copy (the sampled ids).
 
 The pool holds, per layer, keys and values [num_blocks, block_size, kv_heads, head_dim]; the model's own
-blocks run every forward with a paged layout (models/kv_cache.py) built from the persistent input rows
+blocks run every forward with a paged layout (serving/paged_layout.py) built from the persistent input rows
 (serving/input_buffers.py). Attention reads the pool through the block tables: gathered + SDPA ("gather":
 exact; an eager decode sorts its rows by table length so that groups of them gather only what they need), in
 place with a Triton kernel ("triton": GPUs; the default there), or, for decode rows on a CPU, in place with
 sparse-matrix kernels ("sparse": the default there; prompt chunks are gathered). On a CPU the language model's
-linears run through oneDNN on weights packed once (models/packed_linear.py).
+linears run through oneDNN on weights packed once (serving/packed_linear.py).
 """
 
 from __future__ import annotations
@@ -23,18 +23,18 @@ import torch
 from torch import Tensor
 
 from models import VisionLanguageModel
-from models.attention import sparse_index
 from models.compiled_decode import CompiledCall
-from models.kv_cache import GatherPlan, Paged, SparseIndex
-from models.packed_linear import PackedLinears, packing_available
 from models.sampling import sample_rows
 from serving.decode_graphs import DecodeGraphs
 from serving.input_buffers import InputBuffers, StepInputs
+from serving.packed_linear import PackedLinears, packing_available
+from serving.paged_attention import GatherPlan, SparseIndex, sparse_index
+from serving.paged_layout import PAGED_LAYOUTS, Gathered, Paged, Sparse
 from serving.requests import MAX_LOGPROBS, TokenLogprobs
 from serving.sequence import Sequence
 from serving.structured import apply_masks, matcher
 
-ATTENTION = ("auto", "gather", "triton", "sparse")
+ATTENTION = ("auto", *PAGED_LAYOUTS)
 
 
 def row_groups(lengths: np.ndarray, most: int = 4, least_rows: int = 8
@@ -109,7 +109,7 @@ class ModelRunner:
         `compile_decode`: the decode forward through torch.compile (Inductor fuses its elementwise work into
         far fewer kernels), before any capture: compiled once for a batch of many rows (its sizes symbolic)
         and once for one row. `pack_weights`: the language model's linears through oneDNN with prepacked
-        weights (models/packed_linear.py; as much memory again)."""
+        weights (serving/packed_linear.py; as much memory again)."""
         config, weight = model.config.language, model.language.token_embedding.weight
         if settings is None:
             settings = resolve_step_settings(weight.device.type, weight.dtype, max_num_seqs,
@@ -121,6 +121,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = weight.device
         self.attention = settings.attention
+        self.layout = PAGED_LAYOUTS[settings.attention]  # the decode calls' kernel
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.pools = [{"key": torch.zeros(shape, dtype=weight.dtype, device=self.device),
                        "value": torch.zeros(shape, dtype=weight.dtype, device=self.device)}
@@ -185,27 +186,27 @@ class ModelRunner:
             if self.graphs is not None:
                 self.inputs.decode_inputs(decodes, rows=self.graphs.bucket(len(decodes)))
                 hidden.append(self.graphs.run(len(decodes)))
-            elif self.attention == "sparse":
+            elif self.layout is Sparse:
                 hidden.append(self._sparse_decode(decodes))
-            elif self.attention == "gather" and not self.compile_decode:
+            elif self.layout is Gathered and not self.compile_decode:
                 hidden.append(self._grouped_decode(decodes))
             else:
                 hidden.append(self._decode(self.inputs.decode_inputs(decodes)))
         if prefills:
             inputs = self.inputs.prefill_inputs(prefills)
-            attention = "gather" if self.attention == "sparse" else self.attention  # chunks of 1 token too
-            gather = None
-            if attention == "gather":
-                gather = self._gather_plan((len(prefills),), (inputs.block_table.shape[1],))
+            layout = Gathered if self.layout is Sparse else self.layout  # chunks of 1 token too
+            extra = {}
+            if layout is Gathered:
+                extra["gather"] = self._gather_plan((len(prefills),), (inputs.block_table.shape[1],))
             features = None
             if inputs.image_chunks:
                 features = torch.cat(
                     [self._features(sequence)[lo:hi] for sequence, lo, hi in inputs.image_chunks]
                 )
             embeddings = self.model.embed(inputs.tokens[None], features=features, slots=inputs.image_slots)
-            layout = Paged(inputs.block_table, inputs.slot_mapping, inputs.positions, inputs.query_start,
-                           inputs.context_lens, inputs.max_query_len, attention, gather)
-            hidden.append(self._blocks(embeddings, layout)[inputs.last])
+            paged = layout(inputs.block_table, inputs.slot_mapping, inputs.positions, inputs.query_start,
+                           inputs.context_lens, inputs.max_query_len, **extra)
+            hidden.append(self._blocks(embeddings, paged)[inputs.last])
         return self.model.language.head(hidden[0] if len(hidden) == 1 else torch.cat(hidden))
 
     @torch.inference_mode()
@@ -303,8 +304,8 @@ class ModelRunner:
                        sparse: SparseIndex | None = None) -> Tensor:
         """The final hidden states [S, hidden] of S decode rows (one token each). Compiled, a function of
         tensors alone: only the eager gathered path passes a gather plan, and the sparse path its index."""
-        layout = Paged(block_table, slot_mapping, positions, query_start, context_lens, 1, self.attention,
-                       gather, sparse)
+        extra = {"gather": gather} if gather is not None else {"index": sparse} if sparse is not None else {}
+        layout = self.layout(block_table, slot_mapping, positions, query_start, context_lens, 1, **extra)
         return self._blocks(self.model.language.token_embedding(tokens)[None], layout)
 
     def _grouped_decode(self, decodes: list[Sequence]) -> Tensor:

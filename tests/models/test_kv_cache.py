@@ -1,12 +1,10 @@
-"""KV-cache memory: the formula against the tensors actually allocated, and SmolLM2's figure; the paged layout
-against plain passes."""
+"""KV-cache memory: the formula against the tensors actually allocated, and SmolLM2's figure; a layout
+written outside models/ plugs into the unchanged model."""
 
-import pytest
 import torch
 
 from models import LanguageConfig, LanguageModel, kv_cache_bytes
-from models.kv_cache import Paged, tensors
-from tests.models.helpers import TRITON_ON_CPU
+from models.kv_cache import Layout, tensors
 
 
 def test_formula_matches_allocated_tensors():
@@ -22,49 +20,39 @@ def test_smollm2_figure():
     assert kv_cache_bytes(LanguageConfig(), batch=1, tokens=8192) == 180 * 2**20
 
 
-@pytest.mark.parametrize("attention", ["gather", "sparse", pytest.param("triton", marks=TRITON_ON_CPU)])
-def test_paged_layout_equals_one_uncached_pass_per_sequence(attention):
-    """Sequences at different points of their own (chunks of 5, 3, then 1 token), packed into one row without
-    padding, write to scattered pool blocks through their block tables and attend over them: each token's
-    hidden state equals a plain pass over its sequence alone. On a CPU the Triton kernel runs in Triton's
-    interpreter."""
+class _HandWritten(Layout):
+    """A layout written outside models/: K/V concatenated call by call, attention spelled out (a softmax
+    over q k^T under the causal rule, each kv head repeated for its query heads) instead of SDPA."""
+
+    def write(self, cache, key, value, start_pos):
+        cache = {"key": torch.cat([cache["key"], key], 2), "value": torch.cat([cache["value"], value], 2),
+                 "layout": self}
+        return cache, cache["key"], cache["value"]
+
+    def attend(self, q, key, value, mask, cache, start_pos):
+        cache, keys, values = self.write(cache, key, value, start_pos)
+        groups = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+        scores = q @ keys.transpose(-1, -2) / q.shape[-1] ** 0.5
+        visible = torch.arange(keys.shape[2]) <= torch.arange(q.shape[2])[:, None] + start_pos
+        return scores.masked_fill(~visible, float("-inf")).softmax(-1) @ values, cache
+
+
+def test_a_layout_written_outside_models_plugs_into_the_unchanged_model():
+    """The cache's layout is the seam: a prefill then three decode steps through a layout the model has never
+    seen give the preallocated layout's logits (float64)."""
     torch.manual_seed(0)
     config = LanguageConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6,
-                            num_kv_heads=2, max_position_embeddings=64)
-    model = LanguageModel(config).eval()
-    block_size, lengths = 4, [13, 6, 9]
-    sequences = [torch.randint(0, 64, (n,)) for n in lengths]
-    free = torch.randperm(30)[:15].add(1).tolist()  # scattered blocks, never the null block
-    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lengths]
-    pools = [{"key": torch.zeros(31, block_size, 2, 8), "value": torch.zeros(31, block_size, 2, 8)}
-             for _ in range(config.num_layers)]
-    done, outputs = [0, 0, 0], [[], [], []]
+                            num_kv_heads=2)
+    model = LanguageModel(config).double().eval()
+    ids = torch.randint(0, 64, (2, 12))
+    empty = torch.zeros(2, config.num_kv_heads, 0, config.head_dim, dtype=torch.float64)
+    ours = [{"key": empty, "value": empty, "layout": _HandWritten()} for _ in range(config.num_layers)]
+    preallocated = model.allocate_kv_cache(2, 12)
     with torch.no_grad():
-        for chunk in (5, 3, 1, 5, 1, 1, 1):
-            rows = [(r, min(chunk, n - done[r])) for r, n in enumerate(lengths) if done[r] < n]
-            if not rows:
-                break
-            positions = torch.cat([torch.arange(done[r], done[r] + count) for r, count in rows])
-            owner = torch.cat([torch.full((count,), r) for r, count in rows])
-            ids = torch.stack([sequences[r][p] for r, p in zip(owner.tolist(), positions.tolist())])
-            blocks = torch.tensor(
-                [tables[r][p // block_size] for r, p in zip(owner.tolist(), positions.tolist())]
-            )
-            table = torch.zeros(len(rows), max(len(t) for t in tables), dtype=torch.long)
-            for i, (r, _) in enumerate(rows):
-                table[i, : len(tables[r])] = torch.tensor(tables[r])
-            counts = torch.tensor([count for _, count in rows])
-            layout = Paged(table, blocks * block_size + positions % block_size, positions,
-                           torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]),
-                           torch.tensor([done[r] + count for r, count in rows]), int(counts.max()), attention)
-            hidden, _ = model(
-                model.token_embedding(ids)[None], kv_cache=[{**pool, "layout": layout} for pool in pools]
-            )
-            start = 0
-            for r, count in rows:
-                outputs[r].append(hidden[0, start : start + count])
-                start += count
-                done[r] += count
-        for r, ids in enumerate(sequences):
-            expected, _ = model(model.token_embedding(ids[None]))
-            torch.testing.assert_close(torch.cat(outputs[r])[None], expected, atol=1e-5, rtol=0)
+        for start, end in ((0, 9), (9, 10), (10, 11), (11, 12)):
+            embeddings = model.token_embedding(ids[:, start:end])
+            hidden, ours = model(embeddings, kv_cache=ours, start_pos=start)
+            expected, preallocated = model(embeddings, kv_cache=preallocated, start_pos=start)
+            torch.testing.assert_close(model.head(hidden), model.head(expected), atol=1e-12, rtol=0)
+    assert all(cache["key"].shape[2] == 12 and isinstance(cache["layout"], _HandWritten) for cache in ours)

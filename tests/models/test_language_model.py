@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from models import CheckpointError, LanguageModel
+from models.attention import causal_mask, positions_and_mask
 from models.kv_cache import CacheCapacityError, Growing, Preallocated, allocate, with_layout
-from models.language_model import causal_mask
 from tests.models.helpers import fused_copy, save_tiny_llama
 
 
@@ -186,7 +186,7 @@ def test_packed_sequences_equal_separate_passes(llama_pair):
                 start += length
     # Rotary attention sees only relative positions, so the logits cannot show where positions start: check
     # them.
-    positions, _ = LanguageModel._positions_and_mask(mask, 0, 2, 15, 15, ids.device)
+    positions, _ = positions_and_mask(mask, 0, 2, 15, 15, ids.device)
     assert (positions[0, :13].tolist() == [*range(4), *range(6), *range(3)]
             and positions[1, :14].tolist() == [*range(9), *range(5)])
 

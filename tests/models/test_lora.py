@@ -27,7 +27,8 @@ def _stderr(code: str) -> str:
 
 def test_lora_prints_no_bitsandbytes_warning(tmp_path):
     """Regression: every LoRA command printed bitsandbytes' "Failed to load CPU gemm_4bit_forward ... pip
-    install kernels" (logged when peft imports it on a CPU with AVX512-BF16), about a kernel LoRA never uses."""
+    install kernels" (logged when peft imports it on a CPU with AVX512-BF16), about a kernel LoRA never
+    uses."""
     if "gemm_4bit_forward" not in _stderr("import peft"):
         pytest.skip("bitsandbytes logs nothing on import here (not installed, or this CPU lacks AVX512-BF16)")
     stderr = _stderr(ADAPT_SAVE_LOAD_MERGE.format(directory=str(tmp_path / "adapter")))

@@ -96,13 +96,14 @@ def test_continuous_batching_gives_each_request_its_greedy_tokens(
 
 
 def test_on_a_cpu_the_engine_packs_its_linears_and_serves_the_same_tokens_without(model, monkeypatch):
-    """On a CPU the engine's linears run through oneDNN's prepacked weights (models/packed_linear.py) unless
+    """On a CPU the engine's linears run through oneDNN's prepacked weights (serving/packed_linear.py) unless
     pack_weights=False; both serve generate's tokens. A compiled decode or a bfloat16 model cannot pack."""
-    import models.packed_linear
+    import serving.packed_linear
 
     calls = []
-    matmul = models.packed_linear.packed_matmul
-    monkeypatch.setattr(models.packed_linear, "packed_matmul", lambda *args: calls.append(1) or matmul(*args))
+    matmul = serving.packed_linear.packed_matmul
+    monkeypatch.setattr(serving.packed_linear, "packed_matmul",
+                        lambda *args: calls.append(1) or matmul(*args))
     requests = _requests()
     for pack in (True, False):
         calls.clear()
@@ -146,7 +147,7 @@ def test_many_decode_rows_of_many_lengths_keep_their_greedy_tokens(model, monkey
     sorts its rows into groups that gather only their own longest tables (into one buffer every layer
     reuses); the sparse decode reads each row's context in place (a CPU's default; prompt chunks are
     gathered)."""
-    import models.attention
+    import serving.paged_layout
     import serving.runner
 
     groups = []
@@ -156,9 +157,9 @@ def test_many_decode_rows_of_many_lengths_keep_their_greedy_tokens(model, monkey
     requests = [(_prompt(3 + 7 * i % 60, 50 + i, int(i % 3 == 0)), _images(int(i % 3 == 0), 50 + i),
                  RequestParams(greedy=True, max_tokens=6 + 3 * i % 17)) for i in range(32)]
     sparse_calls = []
-    sparse = models.attention.sparse_paged_attention
-    monkeypatch.setattr(models.attention, "sparse_paged_attention",  # decode calls, with the step's index
-                        lambda *args: sparse_calls.append(args[-1].sparse is not None) or sparse(*args))
+    sparse = serving.paged_layout.sparse_paged_attention
+    monkeypatch.setattr(serving.paged_layout, "sparse_paged_attention",  # decode calls, with the step's index
+                        lambda *args: sparse_calls.append(args[-1] is not None) or sparse(*args))
     engine = Engine(model, num_blocks=600, block_size=4, max_num_seqs=32, max_batch_tokens=2048,
                     attention="auto" if attention == "sparse" else attention)  # sparse: the CPU default
     # the late ones prefill in steps that decode the others

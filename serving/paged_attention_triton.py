@@ -9,17 +9,20 @@ launch fits in a CUDA graph; padded sequences (context length 1, the null block)
 
 With TRITON_INTERPRET=1 set before triton is imported (tests/conftest.py does so on machines without CUDA) it
 runs on CPU tensors in Triton's interpreter (numpy): slow, and meant for tests of this kernel against the
-gathered reference (models/attention.py), which stays the CPU path.
+gathered reference (serving/paged_attention.py), which stays the CPU path.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from models.kv_cache import Paged
+if TYPE_CHECKING:
+    from serving.paged_layout import Paged
 
 
 @triton.jit(do_not_specialize=["stride_qh", "stride_oh", "stride_table"])  # they vary with the call's shape
@@ -76,7 +79,7 @@ def _kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, query_start_ptr, context_le
 
 
 def triton_paged_attention(q: Tensor, key_pool: Tensor, value_pool: Tensor, layout: Paged) -> Tensor:
-    """q [N, H, D] -> [N, H, D]; the contract of models.attention.gathered_paged_attention."""
+    """q [N, H, D] -> [N, H, D]; the contract of serving.paged_attention.gathered_paged_attention."""
     num_tokens, heads, dim = q.shape
     _, block_size, kv_heads, _ = key_pool.shape
     group = heads // kv_heads

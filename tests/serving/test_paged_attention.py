@@ -5,8 +5,8 @@ in order."""
 import pytest
 import torch
 
-from models.attention import gathered_paged_attention, paged_attention, sparse_index
-from models.kv_cache import GatherPlan, Paged
+from serving.paged_attention import GatherPlan, gathered_paged_attention, sparse_index
+from serving.paged_layout import PAGED_LAYOUTS, Gathered, Sparse
 from tests.models.helpers import TRITON_ON_CPU
 
 
@@ -50,10 +50,10 @@ def test_paged_attention_equals_float64(attention, heads, kv_heads, dim, block_s
     # [N, H, D], as the blocks give it
     q = torch.randn(heads, num_tokens, dim, generator=generator).transpose(0, 1)
     positions = torch.cat([torch.arange(c - n, c) for n, c in zip(query_lens, context_lens)])
-    layout = Paged(block_table, torch.zeros(num_tokens, dtype=torch.long), positions,
-                   torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()]),
-                   torch.tensor(context_lens), max(query_lens), attention)
-    out = paged_attention(q, {"key": key_pool, "value": value_pool, "layout": layout})
+    layout = PAGED_LAYOUTS[attention](block_table, torch.zeros(num_tokens, dtype=torch.long), positions,
+                                      torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()]),
+                                      torch.tensor(context_lens), max(query_lens))
+    out = layout.kernel(q, key_pool, value_pool)
     expected = _float64_attention(q, key_pool, value_pool, tables, query_lens, context_lens)
     torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)
     if attention == "triton":  # and the two implementations agree with each other
@@ -88,17 +88,16 @@ def test_a_gather_plan_gives_the_attention_of_one_gather(query_lens, context_len
     decode = max(query_lens) == 1
     widths = tuple(max(blocks[start:end]) if decode else width for start, end in zip((0, *ends[:-1]), ends))
     space = torch.randn(2 * len(tables) * width * block_size * kv_heads * dim, generator=generator)
-    planned = Paged(*args, gather=GatherPlan(ends, widths, space))
-    out = gathered_paged_attention(q, key_pool, value_pool, planned)
-    torch.testing.assert_close(out, gathered_paged_attention(q, key_pool, value_pool, Paged(*args)),
-                               atol=1e-6, rtol=0)
+    planned = Gathered(*args, gather=GatherPlan(ends, widths, space))
+    out = planned.kernel(q, key_pool, value_pool)
+    torch.testing.assert_close(out, Gathered(*args).kernel(q, key_pool, value_pool), atol=1e-6, rtol=0)
     expected = _float64_attention(q, key_pool, value_pool, tables, query_lens, context_lens)
     torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)
     # the next layer of the call: the groups the first layer made, for that layer's queries and pools
     groups = list(planned.gather.groups)
     next_q, next_key_pool, next_value_pool = q.flip(-1), key_pool.flip(-1), value_pool * 2
-    torch.testing.assert_close(gathered_paged_attention(next_q, next_key_pool, next_value_pool, planned),
-                               gathered_paged_attention(next_q, next_key_pool, next_value_pool, Paged(*args)),
+    torch.testing.assert_close(planned.kernel(next_q, next_key_pool, next_value_pool),
+                               Gathered(*args).kernel(next_q, next_key_pool, next_value_pool),
                                atol=1e-6, rtol=0)
     assert len(groups) == len(planned.gather.groups) == len(ends)  # made once, by the first layer
     assert all(made is again for made, again in zip(groups, planned.gather.groups))
@@ -129,12 +128,12 @@ def test_sparse_attention_reads_each_query_context_alone_with_one_index_for_ever
                     torch.randn(context, kv_heads, dim, generator=generator, dtype=dtype)
         layers.append((torch.randn(len(tables), heads, dim, generator=generator, dtype=dtype), *pools))
     args = (block_table, torch.zeros(len(tables), dtype=torch.long), torch.tensor(context_lens) - 1,
-            torch.arange(len(tables) + 1), torch.tensor(context_lens), 1, "sparse")
+            torch.arange(len(tables) + 1), torch.tensor(context_lens), 1)
     index = sparse_index(block_table, torch.tensor(context_lens), sum(context_lens), heads,
                          layers[0][1].shape, dtype)
     for q, key_pool, value_pool in layers:
-        out = paged_attention(q, {"key": key_pool, "value": value_pool, "layout": Paged(*args, sparse=index)})
-        alone = paged_attention(q, {"key": key_pool, "value": value_pool, "layout": Paged(*args)})
+        out = Sparse(*args, index=index).kernel(q, key_pool, value_pool)
+        alone = Sparse(*args).kernel(q, key_pool, value_pool)
         torch.testing.assert_close(out, alone, atol=0, rtol=0)
         expected = _float64_attention(q, key_pool, value_pool, tables, [1] * len(tables), context_lens)
         atol = 2e-6 if dtype == torch.float32 else 1e-12

@@ -1,4 +1,4 @@
-"""oneDNN's prepacked linears (models/packed_linear.py): float64's outputs within float32 rounding, through
+"""oneDNN's prepacked linears (serving/packed_linear.py): float64's outputs within float32 rounding, through
 oneDNN; repacked when the weights change; autograd, autocast, other threads and 4-bit layers left to the plain
 forward; the forward a layer had back after the block."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-import models.packed_linear
+import serving.packed_linear
 from models.fused_linear import FusedLinear
-from models.packed_linear import PackedLinears, packing_available
+from serving.packed_linear import PackedLinears, packing_available
 from tests.models.helpers import fused_copy, tiny_vlm
 
 pytestmark = pytest.mark.skipif(not packing_available(torch.zeros(1)), reason="torch built without oneDNN")
@@ -20,13 +20,13 @@ pytestmark = pytest.mark.skipif(not packing_available(torch.zeros(1)), reason="t
 def packed_calls(monkeypatch) -> list[int]:
     """Counts the matmuls that run through oneDNN's packed weights."""
     calls = []
-    matmul = models.packed_linear.packed_matmul
+    matmul = serving.packed_linear.packed_matmul
 
     def counted(*args):
         calls.append(1)
         return matmul(*args)
 
-    monkeypatch.setattr(models.packed_linear, "packed_matmul", counted)
+    monkeypatch.setattr(serving.packed_linear, "packed_matmul", counted)
     return calls
 
 
