@@ -41,7 +41,7 @@ from transformers import PreTrainedTokenizerBase
 from data.images import ImageProcessor, to_rgb
 from data.prompts import encode_text
 from data.tokenizer import IMAGE_TOKEN, token_id
-from models.config import Resample, SplitLayout, VLMConfig
+from models.config import Resample, SplitConfig, SplitLayout, VLMConfig
 
 Backend = Literal["torchvision", "pil"]
 
@@ -203,16 +203,9 @@ class ImageSplitter:
     def __init__(self, image_size: int, max_image_size: int, layout: SplitLayout = "idefics3",
                  resample: Resample = "lanczos", mean: Sequence[float] = (0.5, 0.5, 0.5),
                  std: Sequence[float] = (0.5, 0.5, 0.5), backend: Backend | None = None):
-        if layout not in DEFAULT_BACKEND:
-            raise ValueError(f"layout must be 'idefics3' or 'nanovlm', got {layout!r}")
-        if resample not in PIL_FILTERS:
-            raise ValueError(f"resample must be one of {', '.join(PIL_FILTERS)}, got {resample!r}")
-        if max_image_size < image_size:
-            raise ValueError(f"max_image_size ({max_image_size}) must be at least the tile size "
-                             f"({image_size})")
-        if layout == "nanovlm" and max_image_size % image_size:
-            raise ValueError(f"nanovlm layout: max_image_size ({max_image_size}) must be a multiple of the "
-                             f"tile size ({image_size})")
+        # ConfigError (a ValueError) for an unknown layout or filter, or a size that does not cut into tiles
+        split = {"enabled": True, "max_image_size": max_image_size, "layout": layout, "resample": resample}
+        SplitConfig.from_dict(split).check_tile(image_size)
         self.image_size = image_size
         self.max_image_size = max_image_size
         self.layout = layout

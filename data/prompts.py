@@ -12,9 +12,9 @@ from transformers import PreTrainedTokenizerBase
 from data.tokenizer import IM_END, IM_START, IMAGE_TOKEN, token_id
 from models.config import ImagePosition
 from models.errors import TinyVLMError
+from models.linear_cross_entropy import IGNORE_INDEX  # targets at positions that carry no loss
 
 CAPTION_PROMPT = "Describe the image."  # the user turn of caption samples; generate.py's default prompt
-IGNORE_INDEX = -100  # targets at positions that carry no loss
 ROLES = ("system", "user", "assistant")
 
 

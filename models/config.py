@@ -85,6 +85,16 @@ class SplitConfig(Config):
     def __post_init__(self) -> None:
         self.check_at_least("splitting", 1, ("max_image_size",))
 
+    def check_tile(self, tile: int) -> None:
+        """ConfigError unless images of `max_image_size` cut into tiles of `tile` pixels as `layout` cuts."""
+        size = self.max_image_size
+        check(size >= tile,
+              f"splitting.max_image_size ({size}) must be at least vision.image_size ({tile}), the size of "
+              "one tile")
+        check(self.layout != "nanovlm" or size % tile == 0,
+              f"splitting.max_image_size ({size}) must be a multiple of vision.image_size ({tile}) for "
+              "splitting.layout nanovlm (nanoVLM resizes the longer side to it, in whole tiles)")
+
 
 @dataclasses.dataclass
 class LanguageConfig(Config):
@@ -157,15 +167,8 @@ class VLMConfig(Config):
               f"image_token_id ({self.image_token_id}) must lie in [0, language.vocab_size={vocab})")
         check(all(0 <= i < vocab for i in self.stop_token_ids),
               f"stop_token_ids {list(self.stop_token_ids)} must lie in [0, language.vocab_size={vocab})")
-        split, tile = self.splitting, self.vision.image_size
-        if split.enabled:
-            check(split.max_image_size >= tile,
-                  f"splitting.max_image_size ({split.max_image_size}) must be at least "
-                  f"vision.image_size ({tile}), the size of one tile")
-            check(split.layout != "nanovlm" or split.max_image_size % tile == 0,
-                  f"splitting.max_image_size ({split.max_image_size}) must be a multiple of "
-                  f"vision.image_size ({tile}) for splitting.layout nanovlm (nanoVLM resizes the longer side "
-                  "to it, in whole tiles)")
+        if self.splitting.enabled:
+            self.splitting.check_tile(self.vision.image_size)
 
     @property
     def stop_ids(self) -> list[int]:

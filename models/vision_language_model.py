@@ -114,8 +114,8 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         """[B, T] bool: the image-token placeholders of `input_ids`."""
         return input_ids == (-1 if self.config.image_token_id is None else self.config.image_token_id)
 
-    def _check_image_tokens(self, num_slots: int, num_features: int) -> None:
-        """InputError unless the prompts hold one placeholder per image feature."""
+    def check_image_tokens(self, num_slots: int, num_features: int) -> None:
+        """InputError unless the prompts' `num_slots` placeholders are one per image feature (token)."""
         if num_slots != num_features:
             per_image = self.config.tokens_per_image
             raise InputError(f"the prompts hold {num_slots} image tokens but the images give {num_features} "
@@ -143,7 +143,7 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
             num_slots = slots.numel()
         else:
             num_slots = num_features if torch.compiler.is_compiling() else int(slots.sum())
-        self._check_image_tokens(num_slots, num_features)
+        self.check_image_tokens(num_slots, num_features)
         if num_features == 0:
             return embeddings
         # Under autocast the projector returns bfloat16 while embeddings stay float32: splice in the
@@ -251,7 +251,7 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         prefill = self.prefill_logits
         if compile and use_cache:
             # the compiled graph takes the image tokens' count on trust: counted here, eagerly
-            self._check_image_tokens(int(self._image_slots(input_ids).sum()),
+            self.check_image_tokens(int(self._image_slots(input_ids).sum()),
                                      0 if images is None else len(images) * self.config.tokens_per_image)
             prefill = self._compiled_call("prefill")
         logits, embeddings = prefill(input_ids, images, mask, cache)

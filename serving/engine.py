@@ -25,7 +25,7 @@ from torch import Tensor
 
 from data.chat_processors import ChatProcessor, CheckpointProcessor
 from data.prompts import Message, PromptError
-from models import VisionLanguageModel
+from models import InputError, VisionLanguageModel
 from serving.block_manager import BlockManager
 from serving.packed_linear import packing_available
 from serving.requests import Output, Request, RequestError, Result, TokenLogprobs
@@ -176,11 +176,12 @@ class Engine:
                 raise RequestError(f"the prompt's token ids must lie in 0..{vocab - 1}")
         if not prompt:
             raise RequestError("the prompt is empty")
-        num_image_tokens = sum(token == self.model.config.image_token_id for token in prompt)
-        expected = 0 if images is None else len(images) * self.model.config.tokens_per_image
-        if num_image_tokens != expected:
-            raise RequestError(f"the prompt holds {num_image_tokens} image tokens but the images need "
-                               f"{expected}")
+        config = self.model.config
+        try:
+            self.model.check_image_tokens(sum(token == config.image_token_id for token in prompt),
+                                          0 if images is None else len(images) * config.tokens_per_image)
+        except InputError as e:
+            raise RequestError(str(e)) from None
         return prompt, images
 
     def abort(self, request_id: str) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from models import VisionLanguageModel
+from models import VisionLanguageModel, kv_cache_bytes
 from models.compiled_decode import CompiledCall
 from models.sampling import sample_rows
 from serving.decode_graphs import DecodeGraphs
@@ -151,10 +151,8 @@ class ModelRunner:
 
     @staticmethod
     def bytes_per_block(model: VisionLanguageModel, block_size: int) -> int:
-        config, weight = model.config.language, model.language.token_embedding.weight
-        return (
-            2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * weight.element_size()
-        )
+        dtype = model.language.token_embedding.weight.dtype
+        return kv_cache_bytes(model.config.language, batch=1, tokens=block_size, dtype=dtype)
 
     # -- seats -----------------------------------------------------------------------------------------------
     def admit(self, sequences: list[Sequence]) -> None:
