@@ -65,9 +65,9 @@ _FUSED: dict[int, VisionLanguageModel] = {}
 
 
 def fused(ours: VisionLanguageModel) -> VisionLanguageModel:
-    """One copy of `ours` with fused projections per model, so that its compiled steps are reused."""
-    if id(ours) not in _FUSED:  # the copy starts with no compiled steps
-        _FUSED[id(ours)] = copy.deepcopy(ours, {id(ours._compiled): {}}).fuse_projections()
+    """One copy of `ours` with fused projections per model."""
+    if id(ours) not in _FUSED:
+        _FUSED[id(ours)] = copy.deepcopy(ours).fuse_projections()
     return _FUSED[id(ours)]
 
 

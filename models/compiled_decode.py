@@ -2,12 +2,13 @@
 
 The decode step as gpt-fast and CUDA-graph servers do it: the position lives in a device tensor and attention
 spans the whole preallocated cache under a mask, so every step of a call has one shape; the cache's capacity
-is rounded up to `CACHE_BUCKET` tokens and the batch to a power of two (padded rows are masked out and
-dropped), so a process that sees many prompt lengths and batch sizes compiles a handful of graphs (CUDA graphs
-on a GPU). The prefill (image + prompt into the cache) is compiled with its sizes symbolic (prompt length,
-batch, images, capacity), without CUDA graphs: new prompts reuse its graphs (a size of 1, and calls with or
-without a mask or images, take their own). Past dynamo's recompile limit a new shape runs eagerly, with a one-
-time warning, instead of failing.
+is rounded up to `CACHE_BUCKET` tokens and the batch to a bucket (1, 2, 4, 8, then multiples of 16; padded
+rows are masked out and dropped), so a process that sees many prompt lengths and batch sizes compiles a
+handful of graphs (CUDA graphs on a GPU). The prefill (image + prompt into the cache) is compiled with its
+sizes symbolic (prompt length, batch, images, capacity), without CUDA graphs: new prompts reuse its graphs
+(a size of 1, and calls with or without a mask or images, take their own). Past dynamo's recompile limit a new
+shape runs eagerly, with a one-time warning, instead of failing. The compiled functions take the model as an
+argument: the model holds no compiled state.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from models.kv_cache import Preallocated, tensors, with_layout
 
@@ -25,8 +26,9 @@ CACHE_BUCKET = 256  # the cache's capacity is rounded up to a multiple of this (
 
 
 def bucket_rows(rows: int) -> int:
-    """The batch size a compiled step runs at: the next power of two."""
-    return 1 << (rows - 1).bit_length()
+    """The batch size a compiled or graphed decode step of `rows` rows runs at: the next of 1, 2, 4, 8, then
+    the next multiple of 16 (the engine's CUDA graphs take the same buckets, up to its max_num_seqs)."""
+    return 1 << (rows - 1).bit_length() if rows <= 8 else -(-rows // 16) * 16
 
 
 def bucket_capacity(tokens: int, context: int) -> int:
@@ -81,19 +83,40 @@ class CompiledCall:
         return self.function(*args)
 
 
-def compiled_decode_step(step: Callable[..., Tensor], device_type: str) -> CompiledCall:
-    """`step(token [B], mask [B, S], cache, position)` compiled shape-static (dynamic=False; CUDA graphs on a
-    GPU)."""
-    return CompiledCall(step, "decode steps (batch, cache)", lambda token, mask, cache, position: mask.shape,
-                        mode="reduce-overhead" if device_type == "cuda" else None, dynamic=False)
+def _decode_step(model: nn.Module, token: Tensor, mask: Tensor, cache: list[dict],
+                 position: Tensor) -> Tensor:
+    return model.decode_step(token, mask, cache, position)
 
 
-def compiled_prefill(prefill: Callable[..., Any]) -> CompiledCall:
-    """`prefill(input_ids [B, T], images [N, ...] | None, mask [B, S] | None, cache)` compiled with every size
-    symbolic (dynamic=True: no marks on the caller's tensors, which the decode step then takes shape-static),
-    without CUDA graphs, whose one shape a prompt would not reuse."""
-    return CompiledCall(prefill, "prefills (batch, prompt, images, mask)", lambda ids, images, mask, cache: (
-        *ids.shape, None if images is None else len(images), mask is not None), dynamic=True)
+def _prefill(model: nn.Module, input_ids: Tensor, images: Tensor | None, mask: Tensor | None,
+             cache: list[dict]) -> tuple[Tensor, Tensor]:
+    return model.prefill_logits(input_ids, images, mask, cache)
+
+
+_COMPILED: dict[tuple[str, str], CompiledCall] = {}  # per (step, device type), for every model
+
+
+def compiled_step(name: str, device_type: str) -> CompiledCall:
+    """gpt-fast's `torch.compile(decode_one_token)`: a function of the model and its inputs, compiled once
+    per process and device type, not state of the model (its parameters are the graph's inputs, so copies
+    and reloaded weights decode with their own). "decode": `(model, token [B], mask [B, S], cache, position)`
+    shape-static (dynamic=False; CUDA graphs on a GPU). "prefill": `(model, input_ids [B, T], images | None,
+    mask [B, S] | None, cache)` with every size symbolic (dynamic=True: no marks on the caller's tensors,
+    which the decode step then takes shape-static), without CUDA graphs, whose one shape a prompt would not
+    reuse."""
+    key = (name, device_type)
+    if key not in _COMPILED:
+        if name == "decode":
+            _COMPILED[key] = CompiledCall(_decode_step, "decode steps (batch, cache)",
+                                          lambda model, token, mask, cache, position: mask.shape,
+                                          mode="reduce-overhead" if device_type == "cuda" else None,
+                                          dynamic=False)
+        else:
+            _COMPILED[key] = CompiledCall(_prefill, "prefills (batch, prompt, images, mask)",
+                                          lambda model, ids, images, mask, cache: (
+                                              *ids.shape, None if images is None else len(images),
+                                              mask is not None), dynamic=True)
+    return _COMPILED[key]
 
 
 def mark_static(cache: list[dict[str, Tensor]]) -> None:

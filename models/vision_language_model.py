@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
@@ -17,14 +18,7 @@ import torch.nn.functional as F
 from huggingface_hub import PyTorchModelHubMixin
 from torch import Tensor, nn
 
-from models.compiled_decode import (
-    CompiledCall,
-    bucket_capacity,
-    compiled_decode_step,
-    compiled_prefill,
-    pad_rows,
-    shape_static,
-)
+from models.compiled_decode import bucket_capacity, compiled_step, pad_rows, shape_static
 from models.config import VLMConfig
 from models.errors import InputError, TinyVLMError
 from models.idefics3 import read_idefics3
@@ -66,7 +60,6 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         # chunk of positions at a time where the logits would be large (models/linear_cross_entropy.py).
         self.chunked_loss = False
         # ("decode" | "prefill", device type) -> decode_step / prefill_logits through torch.compile
-        self._compiled: dict[tuple[str, str], CompiledCall] = {}
 
     @classmethod
     def from_backbones(cls, config: VLMConfig, allow_pickle: bool = False) -> VisionLanguageModel:
@@ -95,7 +88,6 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         merge LoRA adapters first (models/lora.py), and do not fuse a model to train."""
         self.language.fuse_projections()
         self.vision.fuse_projections()
-        self._compiled.clear()  # compiled for the unfused modules
         return self
 
     def resize_token_embeddings(self, vocab_size: int, image_token_id: int | None = None) -> None:
@@ -213,7 +205,7 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         step_fn, position = self.decode_step, prompt_len
         # shape-static: rows padded to a bucket (masked out), the position a device tensor
         if compile and use_cache:
-            step_fn = self._compiled_call("decode")
+            step_fn = functools.partial(compiled_step("decode", input_ids.device.type), self)
             position = torch.tensor(prompt_len, device=input_ids.device)
             mask, cache = shape_static(mask, cache, rows, capacity)
         done = torch.zeros(rows, dtype=torch.bool, device=logits.device)
@@ -253,7 +245,7 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
             # the compiled graph takes the image tokens' count on trust: counted here, eagerly
             self.check_image_tokens(int(self._image_slots(input_ids).sum()),
                                      0 if images is None else len(images) * self.config.tokens_per_image)
-            prefill = self._compiled_call("prefill")
+            prefill = functools.partial(compiled_step("prefill", input_ids.device.type), self)
         logits, embeddings = prefill(input_ids, images, mask, cache)
         if num_samples > 1:
             logits = logits.repeat_interleave(num_samples, 0)
@@ -293,21 +285,6 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         embeddings = self.embed(input_ids, images)
         hidden, _ = self.language(embeddings, mask, cache)
         return self.language.head(hidden[:, -1]), embeddings
-
-    def _compiled_call(self, name: str) -> CompiledCall:
-        """`decode_step` ("decode") or `prefill_logits` ("prefill") through torch.compile (see
-        models/compiled_decode.py), built once per device type and reused across calls (a model compiled on
-        the CPU and then moved to a GPU gets its CUDA-graph decode step)."""
-        key = (name, next(self.parameters()).device.type)
-        if key not in self._compiled:
-            self._compiled[key] = (compiled_decode_step(self.decode_step, key[1]) if name == "decode"
-                                   else compiled_prefill(self.prefill_logits))
-        return self._compiled[key]
-
-    def __getstate__(self) -> dict:
-        """Copies (copy.deepcopy, pickle) leave the compiled steps behind: they call this model's
-        `decode_step`, so a copy that kept them would decode with the original's weights."""
-        return {**super().__getstate__(), "_compiled": {}}
 
     def generate(self, input_ids: Tensor, images: Tensor | None = None, attention_mask: Tensor | None = None,
                  **settings) -> Tensor:

@@ -8,17 +8,18 @@ Graphs are captured largest first into one memory pool, which the smaller ones s
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
+from models.compiled_decode import bucket_rows
+
 
 def batch_buckets(max_rows: int) -> list[int]:
-    """1, 2, 4, 8, then multiples of 16 up to `max_rows` (and `max_rows` itself)."""
-    small = [b for b in (1, 2, 4, 8) if b < max_rows]
-    return sorted({*small, *range(16, max_rows, 16), max_rows})
+    """The compiled decode step's buckets (models/compiled_decode.py `bucket_rows`: 1, 2, 4, 8, then multiples
+    of 16) up to `max_rows`, and `max_rows` itself."""
+    return sorted({min(bucket_rows(rows), max_rows) for rows in range(1, max_rows + 1)})
 
 
 class DecodeGraphs:
@@ -40,7 +41,7 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def bucket(self, rows: int) -> int:
-        return self.buckets[bisect.bisect_left(self.buckets, rows)]
+        return min(bucket_rows(rows), self.buckets[-1])
 
     def run(self, rows: int) -> Tensor:
         bucket = self.bucket(rows)
