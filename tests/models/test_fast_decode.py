@@ -95,8 +95,8 @@ def test_compiled_decode_takes_one_graph_per_cache_bucket():
 @pytest.mark.slow
 def test_compiled_decode_serves_more_batch_sizes_than_the_recompile_limit(model):
     """Regression: one graph per batch size hit dynamo's recompile limit (8) at the 9th size and raised.
-    Batches are now padded to buckets (1, 2, 4, 8, 16, ...): sizes 1..11 take 5 decode graphs (+ the one prompt's prefill),
-    and each size gives the eager tokens."""
+    Batches are now padded to buckets (1, 2, 4, 8, 16, ...): sizes 1..11 take 5 decode graphs (+ the one
+    prompt's prefill), and each size gives the eager tokens."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
