@@ -89,7 +89,10 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
             except Exception as e:  # noqa: BLE001 -- a failed step fails its requests, never the server
-                self._fail_all(f"{type(e).__name__}: {e}")
+                if self.log:
+                    self.log(f"error: a step failed: {type(e).__name__}: {e}")
+                # the client learns the error's type only: its message may name paths of this machine
+                self._fail_all(f"the engine failed on a step ({type(e).__name__}); the server's log has more")
                 continue
             for output in outputs:
                 self._deliver(output.request_id, output, final=output.finished)

@@ -208,11 +208,9 @@ def _checked_address(host: str, port: int, name: str, policy: MediaPolicy) -> st
     except OSError:
         raise RequestError(f"{name}: cannot resolve {host}") from None
     addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
-    if not policy.allow_private_urls:
-        for address in addresses:
-            if not _public(address):
-                raise RequestError(f"{name}: {host} resolves to a loopback, private or link-local address "
-                                   f"({address}); the server fetches only public addresses")
+    if not policy.allow_private_urls and not all(map(_public, addresses)):
+        raise RequestError(f"{name}: {host} resolves to a loopback, private or link-local address; the "
+                           "server fetches only public addresses")
     return str(addresses[0])
 
 

@@ -4,21 +4,40 @@ Request.
 Every field is either honoured or refused: OpenAI fields this server cannot honour are accepted only at the
 value that changes nothing (`tools: []`, `frequency_penalty: 0`, ...) and are otherwise a 400 naming the
 field, as is any field the API does not have; `user` and `metadata` label a request and change nothing.
+
+Every field is bounded (a 400 beyond): numbers to their ranges (a `seed` to 64 bits, as vLLM's), each list's
+length (messages, content parts, `guided_choice` and its strings, stop strings by RequestLimits), names'
+lengths; and before the body is parsed, the JSON values it holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from data import CAPTION_PROMPT, Message
+from serving.errors import shown
 from serving.media import MediaPolicy, open_image
-from serving.requests import MAX_LOGPROBS, Request, RequestError, RequestParams, Structure
+from serving.requests import (
+    MAX_LOGPROBS,
+    MAX_TOP_K,
+    SEED_RANGE,
+    Request,
+    RequestError,
+    RequestParams,
+    Structure,
+)
 
 MAX_N = 16
+MAX_MESSAGES = 1024
+MAX_CONTENT_PARTS = 64  # of one message
+MAX_CHOICES = 256  # guided_choice's strings ...
+MAX_CHOICE_CHARS = 256  # ... and each one's length
+MAX_NAME_CHARS = 256  # a model's name, a content part's type
+CONTENT_TYPES = ("text", "image_url")
 LABELS = {"user", "metadata"}  # they name a request and change nothing
 NEUTRAL = {  # fields the server cannot honour, with the values that ask for nothing it lacks
     "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
@@ -34,14 +53,14 @@ class ImageURL(BaseModel):
 
 
 class ContentPart(BaseModel):
-    type: Literal["text", "image_url"]
+    type: StrictStr = Field(max_length=MAX_NAME_CHARS)  # one of CONTENT_TYPES, checked with a telling message
     text: StrictStr | None = None
     image_url: ImageURL | None = None
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: StrictStr | list[ContentPart]
+    content: StrictStr | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)]
 
 
 class StreamOptions(BaseModel):
@@ -62,38 +81,47 @@ class ResponseFormat(BaseModel):
 
 class GenerationRequest(BaseModel):
     """What both APIs share. The fields tinyvlm honours are typed and checked here; any other field lands in
-    `model_extra`, which `refused_field` judges against the API's NEUTRAL values."""
+    `model_extra`, which `problem` judges against the API's NEUTRAL values."""
 
     model_config = ConfigDict(extra="allow")
     NEUTRAL: ClassVar[dict[str, tuple]] = NEUTRAL
 
-    model: StrictStr | None = None
+    model: StrictStr | None = Field(default=None, max_length=MAX_NAME_CHARS)
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: StrictFloat | StrictInt = Field(default=1.0, ge=0, le=2)
     top_p: StrictFloat | StrictInt = Field(default=1.0, gt=0, le=1)
-    top_k: StrictInt = Field(default=0, ge=-1)  # vLLM's extension; 0 or -1 keep every token
+    top_k: StrictInt = Field(default=0, ge=-1, le=MAX_TOP_K)  # vLLM's extension; 0 or -1 keep every token
     n: StrictInt = Field(default=1, ge=1, le=MAX_N)
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: StrictStr | list[StrictStr] | None = None
     ignore_eos: StrictBool = False  # vLLM's extension
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
-    guided_choice: list[StrictStr] | None = Field(default=None, min_length=1)  # vLLM's extension
+    guided_choice: list[Annotated[StrictStr, Field(max_length=MAX_CHOICE_CHARS)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_CHOICES)  # vLLM's extension
 
     @property
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def refused_field(self) -> str | None:
-        """Why a field of the request cannot be honoured, or None."""
+    def problem(self, limits: RequestLimits) -> str | None:
+        """Why the request cannot be served as it is (a field this server cannot honour, stop strings beyond
+        the limits), or None."""
         for name, value in (self.model_extra or {}).items():
             if name in LABELS:
                 continue
             if name not in self.NEUTRAL:
-                return f"{name}: not a field of this API that this server knows"
+                return f"{shown(name)}: not a field of this API that this server knows"
             if value not in self.NEUTRAL[name]:
-                return f"{name}: {value!r} is not supported by this server"
+                return f"{name}: {shown(repr(value))} is not supported by this server"
+        stops = self.stop_strings
+        if len(stops) > limits.max_stop_strings:
+            return f"stop: {len(stops)} stop strings; at most {limits.max_stop_strings} allowed"
+        if (longest := max(map(len, stops), default=0)) > limits.max_stop_chars:
+            return f"stop: a stop string of {longest} characters; at most {limits.max_stop_chars} allowed"
+        if not all(stops):
+            return "stop: an empty stop string (it would end every answer before it starts)"
         return None
 
     def structure(self) -> Structure | None:
@@ -121,7 +149,7 @@ class GenerationRequest(BaseModel):
 class ChatRequest(GenerationRequest):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -153,20 +181,26 @@ class CompletionRequest(GenerationRequest):
 
 @dataclasses.dataclass(frozen=True)
 class RequestLimits:
-    """What one request may ask of the server; beyond, a 4xx before the work that would cost it."""
+    """What one request may ask of the server, and what all of them may hold at once; beyond, a 4xx (or a
+    503) before the work that would cost it."""
 
     max_body_bytes: int = 16 * 2**20  # checked before the body is read
+    body_timeout: float = 30.0  # seconds for the whole body to arrive (then 408)
+    max_buffered_bytes: int = 256 * 2**20  # bodies being read or waiting to be prepared, in all (then 503)
     max_prompt_chars: int = 100_000  # checked before tokenizing
     max_images: int = 4
-    # requests read, parsed, fetched or tokenized at once (others wait, unread): bounds memory
+    max_stop_strings: int = 16  # OpenAI takes 4
+    max_stop_chars: int = 256  # each stop string's length
+    # requests parsed, fetched or tokenized at once (others wait, read): bounds their images and tokens
     max_preparing: int = 32
 
     @property
-    def max_json_containers(self) -> int:
-        """Objects and arrays a body may hold, counted from its `{` and `[` bytes before parsing (parsing runs
-        under Python's lock, so a body of millions of `{}` would stall the server): a prompt's own brackets
-        count, so the bound is the prompt limit plus room for the request's structure."""
-        return self.max_prompt_chars + 10_000
+    def max_json_values(self) -> int:
+        """Objects, arrays and list items (or object members) a body may hold, counted from its `{`, `[` and
+        `,` bytes before parsing (parsing runs under Python's lock, so a body of millions of `{}` or of stop
+        strings would stall the server): a prompt's own brackets and commas count, so the bound is the prompt
+        limit plus room for the request's structure."""
+        return self.max_prompt_chars + 100_000
 
 
 def to_engine_request(chat: ChatRequest, default_max_tokens: int | None, limits: RequestLimits,
@@ -174,8 +208,8 @@ def to_engine_request(chat: ChatRequest, default_max_tokens: int | None, limits:
     """The conversation (system / developer, user and assistant messages, images in any user message) and its
     images in order, with the sampling settings; RequestError otherwise. The last message is the user's to
     answer; if it holds images and no text, it asks for a caption (generate.py's caption prompt)."""
-    if refused := chat.refused_field():
-        raise RequestError(refused)
+    if problem := chat.problem(limits):
+        raise RequestError(problem)
     if chat.top_logprobs and not chat.logprobs:
         raise RequestError("top_logprobs: needs logprobs: true")
     messages, urls = [], []
@@ -185,7 +219,11 @@ def to_engine_request(chat: ChatRequest, default_max_tokens: int | None, limits:
         parts = [ContentPart(type="text", text=message.content)] if isinstance(message.content, str) else \
             message.content
         texts, images = [], []
-        for part in parts:
+        for j, part in enumerate(parts):
+            if part.type not in CONTENT_TYPES:
+                raise RequestError(f"messages.{i}.content.{j}: content part type {shown(part.type)!r} is not "
+                                   f"supported; this server takes {' and '.join(map(repr, CONTENT_TYPES))} "
+                                   "parts")
             if part.type == "text":
                 texts.append(part.text or "")
             elif part.image_url is None:
@@ -218,7 +256,7 @@ def to_engine_request(chat: ChatRequest, default_max_tokens: int | None, limits:
 def completion_to_engine_request(completion: CompletionRequest, tokenizer, limits: RequestLimits,
                                  request_id: str) -> Request:
     """A text completion's prompt as token ids, with the sampling settings; RequestError otherwise."""
-    if refused := completion.refused_field():
-        raise RequestError(refused)
+    if problem := completion.problem(limits):
+        raise RequestError(problem)
     return Request(completion.prompt_ids(tokenizer, limits.max_prompt_chars), None,
                    completion.params(completion.max_tokens), request_id)

@@ -14,6 +14,8 @@ from models.sampling import SamplingParams
 from typed_config import check
 
 MAX_LOGPROBS = 20  # top log-probabilities a request may ask for (OpenAI's limit)
+SEED_RANGE = (-(2**63), 2**63 - 1)  # torch's generators take 64 bits (vLLM's bound)
+MAX_TOP_K = 2**31 - 1  # any k beyond the vocabulary keeps every token
 STRUCTURES = ("json_schema", "json_object", "choice")
 
 
@@ -62,6 +64,10 @@ class RequestParams(SamplingParams):
               f"logprobs must lie in 0..{MAX_LOGPROBS}, got {self.logprobs}")
         check(self.max_tokens is None or self.max_tokens >= 1,
               f"max_tokens must be >= 1, got {self.max_tokens}")
+        # checked here, not when a step seats the request (where one out of range failed every request)
+        check(self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1],
+              f"seed must lie in {SEED_RANGE[0]}..{SEED_RANGE[1]}, got {self.seed}")
+        check(self.top_k <= MAX_TOP_K, f"top_k must be <= {MAX_TOP_K}, got {self.top_k}")
 
 
 @dataclasses.dataclass

@@ -4,31 +4,42 @@
 
     from openai import OpenAI
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
-    client.chat.completions.create(model="tinyvlm", messages=[{"role": "user", "content": [
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [
         {"type": "text", "text": "What color is the circle?"},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}]}])
+
+(the model's name is the checkpoint directory's, here `tiny`, or --model-name; GET /v1/models lists it)
 
 Endpoints: POST /v1/chat/completions (a conversation: system, user and assistant messages, images in any user
 message; `n`, `max_tokens` (default: the rest of the context), `temperature`, `top_p`, `top_k`, `seed`,
 `stop`, `ignore_eos`, `logprobs` / `top_logprobs`, `response_format` json_object / json_schema,
 `guided_choice`, streaming as server-sent events with `stream_options.include_usage`), POST /v1/completions (a
-plain text prompt or token ids, the same settings but log-probabilities), GET /v1/models, /health and /metrics
-(Prometheus' text format: running and waiting requests, KV-cache blocks, prefix-cache hits, preemptions,
-tokens in and out, time to first token and between tokens, end to end). A client that disconnects aborts its
-request; bad requests get a 4xx JSON error in OpenAI's shape, and a full server answers 429.
+plain text prompt or token ids, the same settings but log-probabilities), GET /v1/models and
+/v1/models/{id}, /health and /metrics (Prometheus' text format: running and waiting requests, KV-cache
+blocks, prefix-cache hits, preemptions, tokens in and out, time to first token and between tokens, end to
+end). A client that disconnects aborts its request; bad requests get a 4xx JSON error in OpenAI's shape, and a
+full server answers 429.
 
 Safe to expose: with --api-key (or TINYVLM_API_KEY) every /v1 route wants `Authorization: Bearer KEY` (401
 without); images come as data URLs, as http(s) URLs fetched with limits from public addresses only
 (--allow-private-image-urls lifts that), or as local files under --allowed-local-media-path only (none by
-default); the body's size is checked before it is read and the prompt's length before it is tokenized; a
-request is parsed, its images fetched and decoded and its prompt tokenized off the event loop, so /health and
-the other streams keep answering.
+default). Every field is bounded (serving/protocol.py: a seed to 64 bits, at most --max-stop-strings (16)
+stop strings of --max-stop-chars (256) each, 1024 messages, 64 content parts a message, 256 guided choices);
+the body's size is checked before it is read, its JSON values before it is parsed and the prompt's length
+before it is tokenized. Each connection is timed: a request's head must arrive within --header-timeout (10 s)
+of the connection or of the last response, its body within --body-timeout (30 s), an idle keep-alive
+connection closes after 5 s. Bodies are read outside the 32 preparation slots (a body sent slowly holds none)
+and hold at most --max-buffered-mib (256) in all (then 503); a request is parsed, its images fetched and
+decoded and its prompt tokenized off the event loop, and stop strings are matched by one automaton whatever
+their number, so /health and the other streams keep answering. A client gone while sending its body is one
+line in the log; no message shows a path of the server's machine or what a host resolves to.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
@@ -45,13 +56,14 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException
 
 from data.detokenizer import IncrementalDetokenizer
 from loading import load_for_inference, pick_device
 from models.errors import TinyVLMError
 from serving.async_engine import AsyncEngine, EngineFailure, QueueFull
+from serving.body import BodyBudget, read_body
 from serving.engine import Engine, engine_settings
+from serving.errors import Refused, add_error_handlers, error, invalid, shown
 from serving.media import MediaPolicy
 from serving.metrics import ServerMetrics
 from serving.protocol import (
@@ -64,6 +76,7 @@ from serving.protocol import (
 )
 from serving.requests import Output, TokenLogprobs
 from serving.sequence import RequestState
+from serving.stop_strings import StopMatcher, StopStrings
 
 CHAT_PAGE = (Path(__file__).parent / "static" / "chat.html").read_text()
 # the page's own inline script and style, and its images as data URLs; nothing from anywhere else
@@ -71,34 +84,22 @@ PAGE_POLICY = ("default-src 'self'; script-src 'unsafe-inline'; style-src 'unsaf
                "data: blob:; connect-src 'self'")
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error",
-          code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
-
-
-class Refused(Exception):
-    """A request answered with a 4xx before any work: the status, the message and the error code."""
-
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code = status, code
-
-
 class Completion:
     """One request's samples as text: incremental detokenization, stop strings, finish reasons, and each
     token's log-probabilities in OpenAI's shape when the request asked for them."""
 
     def __init__(self, tokenizer, n: int, stop_strings: list[str], logprobs: bool = False) -> None:
-        self.tokenizer, self.stop_strings = tokenizer, stop_strings
-        self.longest_stop = max(map(len, stop_strings), default=0)
+        self.tokenizer = tokenizer
+        stops = StopStrings(stop_strings)
+        self.matchers = [StopMatcher(stops) for _ in range(n)]
         self.detokenizers = [IncrementalDetokenizer(tokenizer) for _ in range(n)]
         self.texts = [""] * n  # text sent so far
         self.finish_reasons: list[str | None] = [None] * n
         self.logprobs: list[list[dict]] | None = [[] for _ in range(n)] if logprobs else None
 
     def update(self, output: Output) -> list[str]:
-        """Each sample's new text from `output` (held back while it might end in a cut character or a stop
-        string)."""
+        """Each sample's new text from `output` (held back while it might end in a cut character or the start
+        of a stop string)."""
         deltas = []
         for i, new in enumerate(output.new_tokens):
             if self.finish_reasons[i]:
@@ -112,18 +113,11 @@ class Completion:
                 ]
             if reason is not None:
                 detokenizer.finish()
-            text = detokenizer.text
-            # a stop string not found before overlaps the text not yet sent
-            start = max(0, len(self.texts[i]) - self.longest_stop + 1)
-            for stop in self.stop_strings:  # the earliest stop string wins
-                if (at := text.find(stop, start)) >= 0:
-                    text, reason = text[:at], "stop"
-            if reason is None:  # hold back what could be the start of a stop string
-                held = max(
-                    (k for stop in self.stop_strings for k in range(1, len(stop)) if text.endswith(stop[:k])),
-                    default=0,
-                )
-                text = text[: len(text) - held]
+            text, matcher = detokenizer.text, self.matchers[i]
+            if (at := matcher.scan(text)) is not None:
+                text, reason = text[:at], "stop"
+            elif reason is None:
+                text = text[: len(text) - matcher.held]
             self.finish_reasons[i] = reason
             deltas.append(text[len(self.texts[i]) :])
             self.texts[i] = text
@@ -148,8 +142,7 @@ def base_app(server_metrics: ServerMetrics, documented: bool) -> FastAPI:
     (a server with an API key shows none)."""
     docs = {} if documented else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="tinyvlm", **docs)
-    for kind, handler in ((HTTPException, http_error), (Refused, refused), (Exception, internal_error)):
-        app.add_exception_handler(kind, handler)
+    add_error_handlers(app)
     add_open_routes(app, server_metrics)
     return app
 
@@ -160,26 +153,32 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
     """The server's routes. default_max_tokens: for requests that set none (None: the rest of the context)."""
     server_metrics = ServerMetrics(engine.stats, model_name)
     app = base_app(server_metrics, documented=api_key is None)
+    budget = BodyBudget(limits.max_buffered_bytes)
     preparing = asyncio.Semaphore(limits.max_preparing)
     workers = ThreadPoolExecutor(max_workers=min(8, limits.max_preparing), thread_name_prefix="prepare")
     prepare = functools.partial(prepare_request, engine=engine, tokenizer=tokenizer, model_name=model_name,
                                 default_max_tokens=default_max_tokens, limits=limits, media=media)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_check(api_key))])
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "tinyvlm"}
 
     @v1.get("/models")
     async def models() -> dict:
-        return {"object": "list",
-                "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "tinyvlm"}]}
+        return {"object": "list", "data": [card]}
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if model_id != model_name:
+            raise unknown_model(model_id, model_name)
+        return card
 
     async def serve(http: Request, chat: bool):
         arrival = time.monotonic()
         if engine.full:
             raise Refused(429, "too many requests in flight; try again later", "rate_limit_exceeded")
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        async with preparing:
-            body = await read_body(http, limits.max_body_bytes)
+        async with read_body(http, limits, budget) as body, preparing:
             try:
-                parsed, group = await asyncio.get_running_loop().run_in_executor(
+                parsed, group, completion = await asyncio.get_running_loop().run_in_executor(
                     workers, prepare, body, request_id, chat
                 )
                 stream = engine.submit(group)
@@ -187,7 +186,6 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
                 raise Refused(429, str(e), "rate_limit_exceeded") from None
             except TinyVLMError as e:
                 raise Refused(400, str(e)) from None
-        completion = Completion(tokenizer, parsed.n, parsed.stop_strings, chat and parsed.logprobs)
         reply = Reply(engine, stream, completion, request_id,
                       {"id": request_id, "created": int(time.time()), "model": model_name}, group,
                       server_metrics, arrival, chat)
@@ -240,67 +238,31 @@ def bearer_check(api_key: str | None):
     return authorize
 
 
-def prepare_request(body: bytes, request_id: str, chat: bool, *, engine: AsyncEngine, tokenizer,
+def unknown_model(asked: str, model_name: str) -> Refused:
+    return Refused(404, f"the model `{shown(asked)}` does not exist (this server serves `{model_name}`)",
+                   "model_not_found", "model")
+
+
+def prepare_request(body: bytes | bytearray, request_id: str, chat: bool, *, engine: AsyncEngine, tokenizer,
                     model_name: str, default_max_tokens: int | None, limits: RequestLimits,
-                    media: MediaPolicy) -> tuple[GenerationRequest, RequestState]:
-    """Parse and check the request, fetch and decode its images, tokenize its prompt (in a worker thread)."""
-    if body.count(b"{") + body.count(b"[") > limits.max_json_containers:
-        raise Refused(400,
-                      f"the request holds more than {limits.max_json_containers} JSON objects and arrays")
+                    media: MediaPolicy) -> tuple[GenerationRequest, RequestState, Completion]:
+    """Parse and check the request, fetch and decode its images, tokenize its prompt, set up its stop strings
+    (in a worker thread)."""
+    if body.count(b"{") + body.count(b"[") + body.count(b",") > limits.max_json_values:
+        raise Refused(400, f"the request holds more than {limits.max_json_values} JSON objects, arrays and "
+                           "items")
     try:
         parsed = (ChatRequest if chat else CompletionRequest).model_validate_json(body)
     except ValidationError as e:
-        raise Refused(400, invalid(e)) from None
+        raise invalid(e) from None
     if parsed.model is not None and parsed.model != model_name:
-        raise Refused(404, f"the model `{parsed.model}` does not exist (this server serves `{model_name}`)",
-                      "model_not_found")
+        raise unknown_model(parsed.model, model_name)
     if chat:
         request = to_engine_request(parsed, default_max_tokens, limits, media, request_id)
     else:
         request = completion_to_engine_request(parsed, tokenizer, limits, request_id)
-    return parsed, engine.prepare(request)
-
-
-async def read_body(http: Request, limit: int) -> bytes:
-    """The request's body, refused (413) as soon as it is known to exceed `limit` bytes: by its Content-Length
-    before anything is read, or while it streams in."""
-    declared = http.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise Refused(413, f"the request body ({declared} bytes) exceeds the limit of {limit} bytes")
-    body = bytearray()
-    async for chunk in http.stream():
-        body += chunk
-        if len(body) > limit:
-            raise Refused(413, f"the request body exceeds the limit of {limit} bytes")
-    return bytes(body)
-
-
-def invalid(exc: ValidationError) -> str:
-    """A request the protocol's models refuse, in one line naming the field, as OpenAI's API answers."""
-    problem = exc.errors()[0] if exc.errors() else {}
-    if problem.get("type") == "json_invalid":
-        return "the request body is not valid JSON"
-    where = ".".join(str(p) for p in problem.get("loc", ()))
-    return f"{where + ': ' if where else ''}{problem.get('msg', 'invalid request')}"
-
-
-async def refused(_, exc: Refused) -> JSONResponse:
-    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(exc.status,
-                                                                                              "invalid_request_error")
-    return error(exc.status, str(exc), kind, exc.code)
-
-
-async def internal_error(_, exc: Exception) -> JSONResponse:
-    """Anything unforeseen: a 500 in OpenAI's error shape, naming the error's type, with no traceback for the
-    client (the server's log has it)."""
-    print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-    return error(500, f"internal server error ({type(exc).__name__})", "server_error")
-
-
-async def http_error(http: Request, exc: HTTPException) -> JSONResponse:
-    """Unknown routes and methods in OpenAI's error shape (a client's own error handling reads it)."""
-    return error(exc.status_code, f"{exc.detail}: {http.method} {http.url.path}",
-                 "not_found_error" if exc.status_code == 404 else "invalid_request_error")
+    group = engine.prepare(request)
+    return parsed, group, Completion(tokenizer, parsed.n, parsed.stop_strings, chat and parsed.logprobs)
 
 
 @dataclasses.dataclass
@@ -378,7 +340,7 @@ class Reply:
             while not completion.done:
                 try:
                     item = await asyncio.wait_for(self.stream.get(), timeout=0.5)
-                except TimeoutError:
+                except asyncio.TimeoutError:  # TimeoutError from Python 3.11 on
                     if http is not None and await http.is_disconnected():
                         return
                     continue
@@ -438,13 +400,28 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-prompt-chars", type=int, default=100_000,
                         help="prompt length limit (characters)")
     parser.add_argument("--max-images", type=int, default=4, help="images per request")
+    parser.add_argument("--max-stop-strings", type=int, default=16, help="stop strings per request")
+    parser.add_argument("--max-stop-chars", type=int, default=256, help="a stop string's length limit")
+    parser.add_argument("--max-buffered-mib", type=float, default=256,
+                        help="request bodies held at once, in all (MiB; then 503)")
+    parser.add_argument("--header-timeout", type=float, default=10,
+                        help="seconds for a request's head to arrive (then the connection closes)")
+    parser.add_argument("--body-timeout", type=float, default=30,
+                        help="seconds for a request's body to arrive (then 408)")
     return parser
+
+
+def served_name(args: argparse.Namespace) -> str:
+    """The model id clients use: --model-name, else the checkpoint directory's name."""
+    return args.model_name or (Path(args.checkpoint).name if args.checkpoint else "tinyvlm")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         import uvicorn
+
+        from serving.connections import server_config
 
         model, processor = load_for_inference(args.checkpoint, pick_device(args.device))
     except ImportError:
@@ -465,15 +442,18 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # settings that cannot run together here (--attention triton on a CPU, ...)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    name = args.model_name or (Path(args.checkpoint).name if args.checkpoint else "tinyvlm")
     async_engine = AsyncEngine(engine, args.max_in_flight,
                                log=lambda line: print(line, file=sys.stderr, flush=True))
-    limits = RequestLimits(int(args.max_request_mib * 2**20), args.max_prompt_chars, args.max_images)
+    limits = RequestLimits(max_body_bytes=int(args.max_request_mib * 2**20), body_timeout=args.body_timeout,
+                           max_buffered_bytes=int(args.max_buffered_mib * 2**20),
+                           max_prompt_chars=args.max_prompt_chars, max_images=args.max_images,
+                           max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars)
     media = MediaPolicy(args.allowed_local_media_path, args.allow_private_image_urls,
                         int(args.max_image_mib * 2**20))
-    app = create_app(async_engine, processor.tokenizer, name, limits=limits, media=media,
+    app = create_app(async_engine, processor.tokenizer, served_name(args), limits=limits, media=media,
                      api_key=args.api_key)
-    uvicorn.run(app, host=args.host, port=args.port)
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C, after uvicorn's graceful shutdown (as uvicorn.run)
+        uvicorn.Server(server_config(app, args.host, args.port, args.header_timeout)).run()
     async_engine.shutdown()
     return 0
 

@@ -8,19 +8,26 @@ JSON gets no free whitespace (xgrammar's `any_whitespace=False`): a model cannot
 forever. Chosen over llguidance (both well kept, both used by vLLM) by measurement on SmolLM2's tokenizer
 (49,152 tokens): a JSON-schema mask and accept took 13 us a token with xgrammar, 177 us with llguidance; both
 compile a schema in ~2 ms.
+
+A structure no answer can begin (`{"$ref": "#"}`: a schema that is only itself) is refused when compiled, as
+is one xgrammar cannot take; xgrammar's messages reach the client without its source locations.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 
+import torch
 from torch import Tensor
 
 from serving.requests import RequestError, Structure
 
 CACHE_BYTES = 64 * 2**20  # compiled grammars kept for requests that repeat a structure
+# where xgrammar's C++ raised: "[12:34:56] /project/cpp/json_schema_converter.cc:4944: "
+SOURCE_LOCATION = re.compile(r"\[\d\d:\d\d:\d\d\]\s*|\S+\.(?:cc|cpp|cxx|h|hpp|py)(?::\d+)+:?\s*")
 
 
 class Grammars:
@@ -44,19 +51,42 @@ class Grammars:
         return xgrammar.GrammarCompiler(info, cache_limit_bytes=CACHE_BYTES)
 
     def compile(self, structure: Structure):
-        """The compiled grammar (an xgrammar CompiledGrammar); RequestError for a schema it cannot take."""
+        """The compiled grammar (an xgrammar CompiledGrammar); RequestError for a schema it cannot take or
+        that no answer can begin."""
         with self._lock:
             compiler = self._compiler
+        kind = structure.kind.replace("_", " ")
         try:
             if structure.kind == "choice":
-                return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
-                                                                         for c in structure.spec))
-            schema = structure.spec if structure.kind == "json_schema" else '{"type": "object"}'
-            return compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))
+                grammar = compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                            for c in structure.spec))
+            else:
+                schema = structure.spec if structure.kind == "json_schema" else '{"type": "object"}'
+                grammar = compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))
         except (RuntimeError, ValueError) as e:
-            raise RequestError(
-                f"the {structure.kind.replace('_', ' ')} cannot be compiled ({str(e)[:200]})"
-            ) from None
+            raise RequestError(f"the {kind} cannot be compiled ({cleaned(e)})") from None
+        if not self._can_begin(grammar):
+            raise RequestError(f"the {kind} admits no answer (a schema that is only a reference to itself, "
+                               'as {"$ref": "#"}, or one that contradicts itself)')
+        return grammar
+
+    def _can_begin(self, grammar) -> bool:
+        """Whether an answer held to `grammar` can begin: a fresh matcher allows some token other than a stop
+        token."""
+        import xgrammar
+
+        bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        xgrammar.GrammarMatcher(grammar).fill_next_token_bitmask(bitmask)
+        bits = (bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = bits.flatten()[: self.vocab_size].bool()
+        allowed[[i for i in self.stop_ids if i < self.vocab_size]] = False
+        return bool(allowed.any())
+
+
+def cleaned(exc: Exception) -> str:
+    """xgrammar's message, its first line without the source locations (paths on the server's machine)."""
+    line = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    return SOURCE_LOCATION.sub("", line).strip()[:200]
 
 
 def matcher(grammar):

@@ -27,10 +27,11 @@ from serving.async_engine import AsyncEngine  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.media import MediaPolicy, _public, open_image  # noqa: E402
 from serving.protocol import RequestLimits  # noqa: E402
-from serving.requests import RequestError  # noqa: E402
+from serving.requests import RequestError, RequestParams  # noqa: E402
 from serving.server import create_app  # noqa: E402
 from tests.models.helpers import base_tokenizer, chat_vlm  # noqa: E402
 from tests.serving.test_server import Server, _alone, _data_url, _idle, _png  # noqa: E402
+from typed_config import ConfigError  # noqa: E402
 
 KEY = "sesame"
 
@@ -184,6 +185,12 @@ def test_image_urls_on_private_addresses_are_refused_before_connecting(host):
         open_image(f"http://{host}:9/a.png", 0, MediaPolicy())
 
 
+def test_a_refusal_does_not_say_what_a_host_resolves_to():
+    with pytest.raises(RequestError) as refusal:
+        open_image("http://localhost:9/a.png", 0, MediaPolicy())
+    assert "127.0.0.1" not in str(refusal.value) and "::1" not in str(refusal.value), refusal.value
+
+
 def test_public_addresses_are_public():
     for address in ("8.8.8.8", "2606:4700::1111", "2a00:1450:4007:80e::200e"):
         assert _public(ipaddress.ip_address(address)), address
@@ -285,6 +292,77 @@ def test_fields_are_honoured_or_refused(served):
                          headers={"authorization": f"Bearer {KEY}"})
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
     _idle(engine)
+
+
+BOUNDED = [  # fields out of range, each a 400 naming the field, in a short message
+    ({"seed": 2**64}, "seed: Input should be less than or equal to 9223372036854775807"),
+    ({"seed": -(2**63) - 1}, "seed: Input should be greater than or equal to -9223372036854775808"),
+    ({"top_k": 10**30}, "top_k: Input should be less than or equal to 2147483647"),
+    ({"stop": ["s"] * 17}, "stop: 17 stop strings; at most 16 allowed"),
+    ({"stop": "s" * 257}, "stop: a stop string of 257 characters; at most 256 allowed"),
+    ({"stop": ["s", ""]}, "stop: an empty stop string"),
+    ({"guided_choice": ["yes"] * 257}, "guided_choice: List should have at most 256 items"),
+    ({"guided_choice": ["y" * 257]}, "guided_choice.0: String should have at most 256 characters"),
+    ({"messages": [{"role": "user", "content": "hi"}] * 1025},
+     "messages: List should have at most 1024 items"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}] * 65}]},
+     "messages.0.content: List should have at most 64 items"),
+    ({"model": "m" * 100_000}, "model: String should have at most 256 characters"),
+    ({"logit_bias": {str(i): 1 for i in range(10_000)}}, "logit_bias: {'0': 1, '1': 1"),
+    ({"x" * 100_000: 1}, "xxx...: not a field of this API"),
+    ({"n": "x" * 100_000}, "n: Input should be a valid integer"),
+]
+
+
+@pytest.mark.parametrize("fields, message", BOUNDED, ids=[str(list(f))[:30] for f, _ in BOUNDED])
+def test_every_field_is_bounded(served, fields, message):
+    """Out of range is a 400 in OpenAI's shape (a seed beyond 64 bits was a 500, a top_k beyond 64 bits failed
+    every request in flight), and a refusal quotes at most a little of what was sent."""
+    server, *_ = served
+    response = _ask(server, "hi", **fields)
+    error = response.json()["error"]
+    assert response.status_code == 400 and message in error["message"], response.text[:500]
+    assert len(error["message"]) < 200 and set(error) == {"message", "type", "param", "code"}, error
+
+
+def test_the_edges_of_each_bound_are_served(served):
+    server, *_ = served
+    for fields in ({"seed": 2**63 - 1}, {"seed": -(2**63)}, {"top_k": 2**31 - 1},
+                   {"stop": [f"{i:x}" * 256 for i in range(16)]}, {"guided_choice": ["y" * 256, "no"]}):
+        response = _ask(server, "hi", **fields)
+        assert response.status_code == 200, (fields, response.text[:300])
+    completion = httpx.post(f"{server.url}/v1/completions", headers={"authorization": f"Bearer {KEY}"},
+                            json={"prompt": "hi", "seed": 2**70, "max_tokens": 2})
+    assert completion.status_code == 400 and completion.json()["error"]["param"] == "seed"
+
+
+def test_the_engine_refuses_a_seed_or_top_k_out_of_range_before_a_step_seats_it():
+    """Through the Python API too: a top_k beyond 64 bits failed the step that seated it, and with it every
+    request in flight."""
+    for settings in ({"seed": 2**64}, {"seed": -(2**63) - 1}, {"top_k": 2**31}):
+        with pytest.raises(ConfigError, match=next(iter(settings))):
+            RequestParams(**settings)
+
+
+def test_an_engine_failure_tells_the_client_no_more_than_its_type():
+    """A step that raises fails its requests with the error's type; its message, which may name paths of the
+    server's machine, goes to the server's log only."""
+    tokenizer = base_tokenizer()
+    engine = Engine(chat_vlm(tokenizer), tokenizer, num_blocks=64, block_size=8)
+    engine.step = lambda: (_ for _ in ()).throw(RuntimeError("failed at /home/server/secret.py:12"))
+    lines = []
+    async_engine = AsyncEngine(engine, log=lines.append)
+    try:
+        app = create_app(async_engine, tokenizer, "tiny")
+        from fastapi.testclient import TestClient
+
+        response = TestClient(app).post("/v1/chat/completions", json={"messages": [
+            {"role": "user", "content": "hi"}], "max_tokens": 2})
+    finally:
+        async_engine.shutdown()
+    assert response.status_code == 500 and "/home" not in response.text, response.text
+    assert "RuntimeError" in response.json()["error"]["message"]
+    assert any("/home/server/secret.py" in line for line in lines), lines
 
 
 def test_without_max_tokens_the_answer_may_fill_the_context(served):
