@@ -41,7 +41,8 @@ from transformers import PreTrainedTokenizerBase
 from data.images import ImageProcessor, to_rgb
 from data.prompts import encode_text
 from data.tokenizer import IMAGE_TOKEN, token_id
-from models.config import Resample, SplitConfig, SplitLayout, VLMConfig
+from models.config import VLMConfig
+from models.split_config import Resample, SplitConfig, SplitLayout
 
 Backend = Literal["torchvision", "pil"]
 

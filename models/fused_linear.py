@@ -1,10 +1,10 @@
 """Linear layers that read the same input, fused into one matmul for inference: fewer and larger kernels per
 block (gpt-fast's wqkv, vLLM's QKVParallelLinear). The owner's state dict still holds the separate layers'
 tensors under their own names (its hooks split and join them), so saving, exporting and loading see the
-layout the checkpoints have.
+layout the checkpoints have, and training (LoRA's adapters included) sees the separate layers.
 
-    fuse(block.attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
-    q, k, v = project(block.attn, x, "qkv_proj", ("q_proj", "k_proj", "v_proj"))   # fused or not
+    fuse_projections(model)                      # every q/k/v and gate/up of the model, for inference
+    q, k, v = project(block.attn, x, "qkv_proj")   # fused or not
 """
 
 from __future__ import annotations
@@ -72,6 +72,17 @@ def _join_parts(owner: nn.Module, state: dict, prefix: str, *_) -> None:
                 state[f"{prefix}{name}.{kind}"] = torch.cat([state.pop(key) for key in keys])
 
 
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """Every module of `model` whose children include all of a fused layer's parts gets that fused layer."""
+    for owner in list(model.modules()):
+        for name, parts in FUSED.items():
+            if all(part in owner._modules for part in parts):
+                fuse(owner, name, parts)
+
+
 def fuse(owner: nn.Module, name: str, parts: tuple[str, ...]) -> None:
     """Replace `owner`'s linear layers `parts` with one FusedLinear called `name` (no-op if already fused)."""
     if name in owner._modules:
@@ -87,8 +98,8 @@ def fuse(owner: nn.Module, name: str, parts: tuple[str, ...]) -> None:
     owner._modules.update(children)
 
 
-def project(owner: nn.Module, x: Tensor, name: str, parts: tuple[str, ...]) -> tuple[Tensor, ...]:
-    """Each of `parts`' outputs for `x`: from the fused layer `name` where `owner` has one, else layer by
-    layer."""
+def project(owner: nn.Module, x: Tensor, name: str) -> tuple[Tensor, ...]:
+    """Each of the fused layer `name`'s parts' outputs for `x`: from that layer where `owner` has one, else
+    layer by layer."""
     fused = owner._modules.get(name)
-    return fused(x) if fused is not None else tuple(getattr(owner, part)(x) for part in parts)
+    return fused(x) if fused is not None else tuple(getattr(owner, part)(x) for part in FUSED[name])

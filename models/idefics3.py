@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from models.config import ProjectorConfig, SplitConfig, VLMConfig
-from models.language_model import HF_LLAMA_KEYS
-from models.language_model import config_from_hf as language_config_from_hf
-from models.vision_transformer import HF_SIGLIP_KEYS
-from models.vision_transformer import config_from_hf as vision_config_from_hf
+from models.config import ProjectorConfig, VLMConfig
+from models.llama import HF_LLAMA_KEYS
+from models.llama import config_from_hf as language_config_from_hf
+from models.siglip import HF_SIGLIP_KEYS
+from models.siglip import config_from_hf as vision_config_from_hf
+from models.split_config import SplitConfig
 from models.weights import CheckpointError, atomic_write, read_json, read_weights, rename_keys
 
 if TYPE_CHECKING:

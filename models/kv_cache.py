@@ -9,10 +9,9 @@ plugs its paged layout in (serving/paged_layout.py) by subclassing `Layout`, wit
 | Preallocated()                  | [B, Hkv, capacity, D]   | slots start_pos .. + T | slots 0 .. start + T |
 | Preallocated(shape_static=True) | [B, Hkv, capacity, D]   | the same, index_copy_  | all slots, masked    |
 
-`start_pos` is an int for Growing and Preallocated, and a 0-dim device tensor for the shape-static mode (so
-every step of a compiled decode has one shape). A preallocated cache never grows: writing past its capacity
-raises `CacheCapacityError` (int positions; a tensor position is the caller's to check once, before decoding,
-since reading a device tensor would stall the step).
+`start_pos` is an int, or a 0-dim device tensor for the shape-static mode (every step of a compiled decode has
+one shape). A preallocated cache never grows: writing past its capacity raises `CacheCapacityError` (a tensor
+position is the caller's to check once, before decoding: reading it would stall the step).
 
 Memory (the formula from the KV-cache articles, with grouped-query attention's fewer kv heads):
     bytes = 2 (K and V) x layers x kv_heads x head_dim x tokens x batch x bytes_per_element
@@ -108,8 +107,7 @@ class Preallocated(Layout):
             if not isinstance(start_pos, Tensor):
                 raise TypeError("a shape-static cache takes its position as a 0-dim device tensor")
             slots = torch.arange(key.shape[2], device=key.device) + start_pos
-            # Cast as slice assignment does: under autocast the projections give bfloat16 K/V for a float32
-            # cache.
+            # cast as slice assignment does (under autocast, bfloat16 K/V into a float32 cache)
             cache["key"].index_copy_(2, slots, key.to(cache["key"].dtype))
             cache["value"].index_copy_(2, slots, value.to(cache["value"].dtype))
             return cache, cache["key"], cache["value"]

@@ -1,10 +1,10 @@
 """A Llama-style decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) with a per-block dict
 KV cache.
 
-Weights load from Hugging Face Llama checkpoints (safetensors, sharded or not) and from GGUF files (SmolLM2
-ships as one). Every block maps `(x, kv_cache)` to `(x, kv_cache)`; positions come from `start_pos` and, for
-padded batches, from the attention mask, so each row's (or each packed sequence's) rotary positions start at 0
-at its first real token.
+Weights load from Hugging Face Llama checkpoints and GGUF files (models/llama.py). Every block maps
+`(x, kv_cache)` to `(x, kv_cache)`; positions come from `start_pos` and, for padded batches, from the
+attention mask, so each row's (or each packed sequence's) rotary positions start at 0 at its first real
+token.
 """
 
 from __future__ import annotations
@@ -18,18 +18,10 @@ from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.checkpoint import checkpoint
 
 from models.config import LanguageConfig
-from models.fused_linear import fuse, project
-from models.gguf import read_gguf
+from models.fused_linear import project
 from models.kv_cache import KVCache, allocate, layout_of
-from models.weights import (
-    CheckpointError,
-    load_checked,
-    read_json,
-    read_weights,
-    rename_keys,
-    resolve,
-    weight_patterns,
-)
+from models.llama import read_llama
+from models.weights import load_checked
 
 
 # Root-mean-square LayerNorm (Zhang & Sennrich, 2019), as transformers' LlamaRMSNorm computes it (in float32),
@@ -68,9 +60,6 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos.to(x.dtype) + torch.cat([-second, first], dim=-1) * sin.to(x.dtype)
 
 
-QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
-
-
 # Grouped-query attention (Ainslie et al. 2023) over any cache layout (models/kv_cache.py).
 class Attention(nn.Module):
     def __init__(self, config: LanguageConfig) -> None:
@@ -86,7 +75,7 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | BlockMask | None,
                 kv_cache: KVCache | None, start_pos: int | Tensor) -> tuple[Tensor, KVCache]:
         batch, seq, _ = x.shape
-        q, k, v = project(self, x, "qkv_proj", QKV)
+        q, k, v = project(self, x, "qkv_proj")
         q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -104,7 +93,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = project(self, x, "gate_up_proj", GATE_UP)
+        gate, up = project(self, x, "gate_up_proj")
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -125,47 +114,6 @@ class Block(nn.Module):
         attended, kv_cache = self.attn(self.attn_norm(x), cos, sin, mask, kv_cache, start_pos)
         x = x + attended
         return x + self.mlp(self.mlp_norm(x)), kv_cache
-
-
-HF_LLAMA_KEYS = [
-    (r"^model\.embed_tokens\.", "token_embedding."),
-    (r"^model\.layers\.(\d+)\.self_attn\.", r"blocks.\1.attn."),
-    (r"^model\.layers\.(\d+)\.mlp\.", r"blocks.\1.mlp."),
-    (r"^model\.layers\.(\d+)\.input_layernorm\.", r"blocks.\1.attn_norm."),
-    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.", r"blocks.\1.mlp_norm."),
-    (r"^model\.norm\.", "norm."),
-    (r"^lm_head\.", "head."),
-]
-
-
-def config_from_hf(hf: dict) -> LanguageConfig:
-    """Our config for a Hugging Face Llama `config.json`; unsupported variants fail with a clear message."""
-    if hf.get("model_type") not in ("llama", None):
-        raise CheckpointError(f"model_type {hf.get('model_type')!r} is not supported (expected a Llama "
-                              "checkpoint)")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    unsupported = {
-        "hidden_act": hf.get("hidden_act", "silu") != "silu",
-        "attention_bias": bool(hf.get("attention_bias")),
-        "mlp_bias": bool(hf.get("mlp_bias")),
-        "rope scaling": rope.get("rope_type", rope.get("type", "default")) != "default",
-        "head_dim": (hf.get("head_dim",
-                            hf["hidden_size"] // hf["num_attention_heads"]) * hf["num_attention_heads"]
-                     != hf["hidden_size"]),
-    }
-    if bad := [name for name, flag in unsupported.items() if flag]:
-        raise CheckpointError(f"unsupported Llama variant: {', '.join(bad)}")
-    eos = hf.get("eos_token_id")
-    return LanguageConfig(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        eos_token_id=eos[0] if isinstance(eos, list) else eos,
-    )
 
 
 # The decoder (Llama 2, Touvron et al. 2023; SmolLM2-compatible).
@@ -198,26 +146,14 @@ class LanguageModel(nn.Module):
     def tied_weight_keys(self) -> list[str]:
         return ["head.weight"] if self.config.tie_word_embeddings else []
 
-    def fuse_projections(self) -> None:
-        """Each block's q/k/v and gate/up projections as one matmul each (models/fused_linear.py): for
-        inference; the state dict keeps the separate tensors."""
-        for block in self.blocks:
-            fuse(block.attn, "qkv_proj", QKV)
-            fuse(block.mlp, "gate_up_proj", GATE_UP)
-
     def forward(self, embeddings: Tensor, attention_mask: Tensor | None = None,
                 kv_cache: list[KVCache] | None = None,
                 start_pos: int | Tensor = 0) -> tuple[Tensor, list[KVCache]]:
-        """Run the blocks over `embeddings` [B, T, C] placed at slots start_pos .. start_pos + T.
-
-        attention_mask: [B, L] with 1 for real tokens and 0 for padding over slots 0 .. L-1 (L >= the slots
-        attended), or, for rows that pack several sequences, 1, 2, ... for the tokens of each (in order; see
-        data/packing.py); None means no padding. kv_cache: one dict per block (see `allocate_kv_cache`), or
-        None for a plain pass; its "layout" entry says how it is written and read (models/kv_cache.py).
-        start_pos: an int, or a 0-dim tensor for a shape-static cache; a layout may carry each token's
-        position itself (serving's paged one: one row [1, N] of packed sequences, no attention mask).
-        Returns the final-normed hidden states and the cache; logits are `head(hidden)`.
-        """
+        """The final-normed hidden states of `embeddings` [B, T, C] at slots start_pos .. start_pos + T (an
+        int, or a 0-dim tensor for a shape-static cache), and the cache; logits are `head(hidden)`.
+        attention_mask [B, L]: 1 real, 0 padding over slots 0 .. L-1, or 1, 2, ... for the sequences packed
+        in a row (data/packing.py). kv_cache: one dict per block (`allocate_kv_cache`), or None; its "layout"
+        says how it is written and read, and may carry the positions itself (models/kv_cache.py)."""
         batch, seq, _ = embeddings.shape
         caches = kv_cache if kv_cache is not None else [None] * len(self.blocks)
         flex = self.flex_attention and self.training and kv_cache is None and isinstance(start_pos, int) \
@@ -263,16 +199,9 @@ class LanguageModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, source: str | Path, allow_pickle: bool = False) -> LanguageModel:
-        """A Hugging Face Llama checkpoint (directory or hub id, safetensors) or a `.gguf` file, as our model.
-        `allow_pickle` also reads `.bin` weights, with `torch.load(weights_only=True)`."""
-        path = resolve(source, allow_patterns=weight_patterns(allow_pickle))
-        if path.suffix == ".gguf":
-            hf_config, hf_weights = read_gguf(path)
-            config = config_from_hf(hf_config)
-        else:  # check the architecture before reading any weights
-            config = config_from_hf(read_json(path / "config.json"))
-            hf_weights = read_weights(path, allow_pickle)
-        config = LanguageConfig.from_dict({**config.to_dict(), "pretrained": str(source)})
+        """A Hugging Face Llama checkpoint (directory or hub id, safetensors) or a `.gguf` file, as our model
+        (models/llama.py). `allow_pickle` also reads `.bin` weights, with `torch.load(weights_only=True)`."""
+        config, weights = read_llama(source, allow_pickle)
         model = cls(config)
-        load_checked(model, rename_keys(hf_weights, HF_LLAMA_KEYS, ignore=r"rotary_emb\.inv_freq$"), source)
+        load_checked(model, weights, source)
         return model

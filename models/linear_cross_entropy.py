@@ -12,6 +12,7 @@ chunk's logits again (one more head matmul, a few percent of a step's FLOPs) ins
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 IGNORE_INDEX = -100
@@ -90,3 +91,22 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor) -> Ten
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
     with torch.autocast(device_type, enabled=False):
         return _LinearCrossEntropy.apply(hidden, weight, targets, dtype)
+
+
+def head_and_loss(hidden: Tensor, head: nn.Module, targets: Tensor | None, reduction: str = "mean",
+                  return_logits: bool = True, chunked: bool = False) -> tuple[Tensor | None, Tensor | None]:
+    """The logits `head(hidden)` [B, T, V] (None unless `return_logits`) and, given `targets` [B, T], the
+    cross-entropy over the positions that have one: their mean, their sum, or (reduction="none") each
+    position's own, [B, T]. `chunked` without logits: the head and the loss a chunk of positions at a time
+    where that keeps less (`chunking_pays`)."""
+    if chunked and targets is not None and not return_logits and chunking_pays(head, targets.numel()):
+        losses = linear_cross_entropy(hidden.flatten(0, 1), head.weight, targets.flatten())
+        if reduction == "none":
+            return None, losses.view(targets.shape)
+        return None, losses.sum() / ((targets != IGNORE_INDEX).sum() if reduction == "mean" else 1)
+    logits = head(hidden)
+    if targets is None:
+        return logits if return_logits else None, None
+    loss = F.cross_entropy(loss_precision(logits.flatten(0, 1)), targets.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction=reduction)
+    return logits if return_logits else None, loss.view(targets.shape) if reduction == "none" else loss

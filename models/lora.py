@@ -232,7 +232,8 @@ def _our_key(key: str, model: nn.Module) -> str:
     """An adapter weight's name in tinyvlm's modules: transformers' names (model.layers...,
     model.text_model...) mapped as the Llama and Idefics3 loaders map them; our own kept."""
     from models.idefics3 import to_tinyvlm_key
-    from models.language_model import HF_LLAMA_KEYS, LanguageModel
+    from models.language_model import LanguageModel
+    from models.llama import HF_LLAMA_KEYS
 
     if not key.startswith(("model.", "lm_head.")):
         return key

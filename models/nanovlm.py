@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from models.config import LanguageConfig, ProjectorConfig, SplitConfig, VisionConfig, VLMConfig
+from models.config import LanguageConfig, ProjectorConfig, VisionConfig, VLMConfig
+from models.split_config import SplitConfig
 from models.weights import CheckpointError, read_weights, rename_keys
 from typed_config import ConfigError, one_line
 

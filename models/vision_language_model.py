@@ -14,31 +14,21 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from huggingface_hub import PyTorchModelHubMixin
 from torch import Tensor, nn
 
+from models.checkpoints import read_checkpoint
 from models.compiled_decode import bucket_capacity, compiled_step, pad_rows, shape_static
 from models.config import VLMConfig
 from models.errors import InputError, TinyVLMError
-from models.idefics3 import read_idefics3
+from models.fused_linear import fuse_projections
 from models.kv_cache import repeat_rows
 from models.language_model import LanguageModel
-from models.linear_cross_entropy import IGNORE_INDEX, chunking_pays, linear_cross_entropy, loss_precision
+from models.linear_cross_entropy import head_and_loss
 from models.modality_projector import ModalityProjector
-from models.nanovlm import read_nanovlm
 from models.sampling import SamplingParams, sample
 from models.vision_transformer import VisionTransformer
-from models.weights import (
-    CheckpointError,
-    atomic_write,
-    load_checked,
-    read_json,
-    read_weights,
-    resolve,
-    save_weights,
-    weight_patterns,
-)
+from models.weights import atomic_write, load_checked, save_weights
 
 STOP_CHECK_INTERVAL = 8  # generate's decode steps between host-side "has every row finished?" checks
 
@@ -59,7 +49,6 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         # Training's loss without logits (forward(return_logits=False)): the head and the cross-entropy a
         # chunk of positions at a time where the logits would be large (models/linear_cross_entropy.py).
         self.chunked_loss = False
-        # ("decode" | "prefill", device type) -> decode_step / prefill_logits through torch.compile
 
     @classmethod
     def from_backbones(cls, config: VLMConfig, allow_pickle: bool = False) -> VisionLanguageModel:
@@ -86,8 +75,7 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         each run as one matmul (models/fused_linear.py), 3 kernels fewer per LM block. The weights are
         copied once; saving, exporting and loading still see the separate tensors. Plain layers only:
         merge LoRA adapters first (models/lora.py), and do not fuse a model to train."""
-        self.language.fuse_projections()
-        self.vision.fuse_projections()
+        fuse_projections(self)
         return self
 
     def resize_token_embeddings(self, vocab_size: int, image_token_id: int | None = None) -> None:
@@ -116,21 +104,18 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
     def embed(self, input_ids: Tensor, images: Tensor | None = None, features: Tensor | None = None,
               slots: Tensor | None = None) -> Tensor:
         """Token embeddings [B, T, C] with the projected image patches written at the image-token positions,
-        images in the row-major order of their placeholders. `features` (rows of `image_features`, in
-        placeholder order) may stand in for `images`: a chunk of a prompt then takes just its part of an
-        image's features. `slots` says where they go when not every image-token id is a placeholder (the model
-        may generate that id; in a generated token it is just a token): a [B, T] bool mask, or the
-        placeholders' indices into the flattened B x T tokens, whose count is then known without reading
-        anything back from the device."""
+        in the row-major order of the placeholders. `features` (rows of `image_features`) may stand in for
+        `images` (a prompt chunk takes its part of an image's). `slots`, where not every image-token id is
+        a placeholder (a generated one is a token): a [B, T] bool mask, or indices into the flat B x T
+        tokens."""
         embeddings = self.language.token_embedding(input_ids)
         if slots is None:
             slots = self._image_slots(input_ids)
         if features is None and images is not None and len(images):
             features = self.image_features(images)
         num_features = 0 if features is None else features.shape[:-1].numel()
-        # Counting a mask's placeholders reads a value back from the device: eager calls only (train.compile's
-        # graph would break here; its batches come from the collator, which places one placeholder per image
-        # token; generate(compile=True) counts them before its compiled prefill).
+        # Counting a mask's placeholders reads a value back from the device: eager calls only (compiled
+        # training trusts the collator; generate(compile=True) counts them before its compiled prefill).
         if slots.dtype != torch.bool:
             num_slots = slots.numel()
         else:
@@ -138,8 +123,7 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         self.check_image_tokens(num_slots, num_features)
         if num_features == 0:
             return embeddings
-        # Under autocast the projector returns bfloat16 while embeddings stay float32: splice in the
-        # embeddings' dtype.
+        # under autocast the projector returns bfloat16 while embeddings stay float32
         features = features.to(embeddings.dtype)
         if slots.dtype != torch.bool:
             return embeddings.flatten(0, 1).index_copy(0, slots, features.flatten(0, -2)).view_as(embeddings)
@@ -149,26 +133,10 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
                 targets: Tensor | None = None, reduction: Literal["mean", "sum", "none"] = "mean",
                 return_logits: bool = True) -> tuple[Tensor | None, Tensor | None]:
         """Logits [B, T, V] and, given `targets` [B, T] (the token to predict at each position, -100 to skip),
-        the cross-entropy over the positions that have one: their mean, their sum (0 when there are none), or
-        (reduction="none") each position's own, [B, T] with 0 where there is no target.
-
-        return_logits=False (training) returns None for the logits; with `self.chunked_loss` it then computes
-        the loss a chunk of positions at a time where they would be large (models/linear_cross_entropy.py):
-        no [B, T, V] tensor is kept for the backward pass, for one more head matmul in it."""
+        the cross-entropy (models/linear_cross_entropy.py `head_and_loss`). return_logits=False (training)
+        returns None for the logits; with `self.chunked_loss` the loss is then computed a chunk at a time."""
         hidden, _ = self.language(self.embed(input_ids, images), attention_mask)
-        head = self.language.head
-        chunked = self.chunked_loss and targets is not None and not return_logits
-        if chunked and chunking_pays(head, targets.numel()):
-            losses = linear_cross_entropy(hidden.flatten(0, 1), head.weight, targets.flatten())
-            if reduction == "none":
-                return None, losses.view(targets.shape)
-            return None, losses.sum() / ((targets != IGNORE_INDEX).sum() if reduction == "mean" else 1)
-        logits = head(hidden)
-        if targets is None:
-            return logits if return_logits else None, None
-        loss = F.cross_entropy(loss_precision(logits.flatten(0, 1)), targets.flatten(),
-                               ignore_index=IGNORE_INDEX, reduction=reduction)
-        return logits if return_logits else None, loss.view(targets.shape) if reduction == "none" else loss
+        return head_and_loss(hidden, self.language.head, targets, reduction, return_logits, self.chunked_loss)
 
     @torch.inference_mode()
     def stream(self, input_ids: Tensor, images: Tensor | None = None, attention_mask: Tensor | None = None, *,
@@ -176,20 +144,13 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
                top_p: float = 1.0, num_samples: int = 1, eos_token_id: int | list[int] | None = None,
                pad_token_id: int | None = None, use_cache: bool = True, compile: bool = False,
                generator: torch.Generator | None = None, stop_check_every: int = 1) -> Iterator[Tensor]:
-        """Yield each step's new tokens, [B * num_samples] (rows of one prompt are adjacent), ending once
-        every row has yielded a token of `eos_token_id`; rows that finished before the others yield
-        `pad_token_id`. `stop_check_every`: decode steps between those checks (each reads a flag back from the
-        device, which a consumer that reads every step's tokens pays anyway; `generate` checks every 8).
-        Prefills image + prompt tokens in one pass, then decodes one token per step at `start_pos` offsets in
-        a preallocated cache (or, with use_cache=False, recomputes the whole sequence).
-
-        input_ids [B, T] are left-padded prompts with `attention_mask` [B, T] (1 real, 0 pad); each row's
-        rotary positions start at 0 at its first real token, so a row gives what it would give alone.
-
-        compile=True runs the same decode step shape-static through torch.compile (models/compiled_decode.py:
-        the position in a device tensor, attention over the whole preallocated cache under a mask, the batch
-        and the cache rounded up to buckets): no recompilation and no host sync between steps but the stop
-        checks (CUDA graphs on GPU); the prefill runs through torch.compile too, its sizes symbolic."""
+        """Prefill image + prompt tokens in one pass, then decode one token a step at `start_pos` offsets in
+        a preallocated cache (use_cache=False: recompute the whole sequence); yield each step's tokens [B *
+        num_samples] (a prompt's samples adjacent) until every row has yielded an `eos_token_id` (checked
+        every `stop_check_every` steps, a device read each); rows that finished yield `pad_token_id`.
+        input_ids [B, T] are left-padded with `attention_mask` [B, T] (1 real, 0 pad); each row's rotary
+        positions start at its first real token. compile=True: the decode step shape-static through
+        torch.compile (models/compiled_decode.py; CUDA graphs on a GPU), the prefill with symbolic sizes."""
         params = SamplingParams(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
         prompt_len = input_ids.shape[1]
         capacity = self._capacity(prompt_len, max_new_tokens, num_samples, stop_check_every,
@@ -301,24 +262,9 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
     @classmethod
     def from_pretrained(cls, source: str | Path, map_location: str | torch.device = "cpu",
                         allow_pickle: bool = False) -> VisionLanguageModel:
-        """A checkpoint directory or hub id: tinyvlm's own (`save_pretrained`:
-        config.json + model.safetensors), a transformers Idefics3 / SmolVLM checkpoint, or nanoVLM's published
-        format, told apart by config.json. With `allow_pickle`, a `pytorch_model.bin` read by
-        `torch.load(weights_only=True)` will also do."""
-        path = resolve(source, allow_patterns=weight_patterns(allow_pickle))
-        if not path.is_dir():
-            raise CheckpointError(f"{source}: expected a checkpoint directory with config.json and "
-                                  "model.safetensors")
-        hf_config = read_json(path / "config.json")
-        if hf_config.get("model_type") == "idefics3":
-            config, weights = read_idefics3(path, hf_config, allow_pickle)
-        elif "model_type" in hf_config:
-            raise CheckpointError(f"{path}: model_type {hf_config['model_type']!r} is not supported (tinyvlm "
-                                  f"loads its own checkpoints, Idefics3 / SmolVLM and nanoVLM)")
-        elif "vit_hidden_dim" in hf_config:
-            config, weights = read_nanovlm(path, hf_config, allow_pickle)
-        else:
-            config, weights = VLMConfig.from_dict(hf_config), read_weights(path, allow_pickle)
+        """A checkpoint directory or hub id: tinyvlm's own, Idefics3 / SmolVLM or nanoVLM
+        (models/checkpoints.py). With `allow_pickle`, a `pytorch_model.bin` will also do."""
+        config, weights, path = read_checkpoint(source, allow_pickle)
         model = cls(config)
         load_checked(model, weights, path)
         return model.to(map_location)

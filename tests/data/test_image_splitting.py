@@ -38,7 +38,8 @@ from data.image_splitting import (
 )
 from data.prompts import encode_text
 from models import LanguageConfig, VisionConfig, VisionLanguageModel, VLMConfig
-from models.config import ProjectorConfig, SplitConfig
+from models.config import ProjectorConfig
+from models.split_config import SplitConfig
 from serving.engine import Engine
 from serving.requests import Request, RequestError, RequestParams
 from typed_config import ConfigError

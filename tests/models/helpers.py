@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_model
 from torch import nn
 
 from models import LanguageConfig, VisionConfig, VisionLanguageModel, VLMConfig
+from models.fused_linear import fuse_projections
 
 # Triton kernels on CPU tensors run in Triton's interpreter, which tests/conftest.py turns on where there is
 # no GPU.
@@ -44,7 +45,7 @@ def fused_copy(model: nn.Module) -> nn.Module:
     """A copy of `model` (a VisionLanguageModel, LanguageModel or VisionTransformer) with its projections
     fused for inference (models/fused_linear.py)."""
     fused = copy.deepcopy(model)
-    fused.fuse_projections()
+    fuse_projections(fused)
     return fused
 
 

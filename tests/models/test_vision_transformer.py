@@ -75,7 +75,7 @@ def test_a_sparse_hub_config_takes_transformers_defaults():
     "patch_size"}}."""
     from transformers import SiglipVisionConfig
 
-    from models.vision_transformer import config_from_hf
+    from models.siglip import config_from_hf
 
     config = config_from_hf({"model_type": "siglip", "vision_config": {"model_type": "siglip_vision_model",
                                                                        "patch_size": 16}})

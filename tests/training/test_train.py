@@ -264,12 +264,11 @@ def test_the_chunked_loss_trains_the_same_run(tmp_path, monkeypatch):
     """train.chunked_loss: training and validation losses come from the chunked head + cross-entropy
     (counted), for the same run as the plain loss (float32, the same batches)."""
     import models.linear_cross_entropy
-    import models.vision_language_model
 
     monkeypatch.setattr(models.linear_cross_entropy, "CHUNK_ELEMENTS", 64 * 8)  # chunks of 8 positions
     chunked_calls = []
-    original = models.vision_language_model.linear_cross_entropy
-    monkeypatch.setattr(models.vision_language_model, "linear_cross_entropy",
+    original = models.linear_cross_entropy.linear_cross_entropy
+    monkeypatch.setattr(models.linear_cross_entropy, "linear_cross_entropy",
                         lambda *args: (chunked_calls.append(1), original(*args))[1])
     settings = {"train.max_steps": "3", "train.eval_every": "3", "train.save_every": "3"}
     train(small_config(tmp_path / "plain", **settings))
