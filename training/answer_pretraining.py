@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import random
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,7 +33,7 @@ from torch import nn
 from data.images import ImageProcessor
 from models.modality_projector import ModalityProjector
 from models.vision_transformer import VisionTransformer
-from training.vision_pretraining import optimize
+from training.vision_pretraining import Pretraining, random_state, set_random_state
 from typed_config import ConfigError
 
 READER_HEADS = 4
@@ -122,6 +123,18 @@ class LossProportionalTypes:
             mean = sum(loss for k, loss in zip(kinds, losses) if k == kind) / kinds.count(kind)
             self.running_loss[kind] = LOSS_DECAY * self.running_loss[kind] + (1 - LOSS_DECAY) * mean
 
+    def state_dict(self) -> dict[str, Any]:
+        """What draws next, as JSON: the random state, the types still drawn, their running losses and failed
+        draws."""
+        return {"rng": random_state(self.rng), "kinds": list(self.groups),
+                "running_loss": list(self.running_loss.items()), "failed": list(self._failed.items())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_random_state(self.rng, state["rng"])
+        self.groups = {kind: self.groups[kind] for kind in state["kinds"]}
+        self.running_loss = {kind: loss for kind, loss in state["running_loss"]}
+        self._failed = {kind: count for kind, count in state["failed"]}
+
 
 def read_question_types(dataset: Sequence[dict]) -> list[str] | None:
     """An Arrow dataset's `question_type` column, read without decoding its images; None when it has none."""
@@ -130,19 +143,18 @@ def read_question_types(dataset: Sequence[dict]) -> list[str] | None:
     return list(dataset.with_format(None)["question_type"])
 
 
-def pretrain_vision_on_answers(vision: VisionTransformer, processor: ImageProcessor,
-                               records: Sequence[dict | None], encode: Callable[[str], Sequence[int]],
-                               vocab_size: int, steps: int, batch_size: int, lr: float, seed: int,
-                               device: torch.device, question_types: Sequence[str | None] | None = None,
-                               projector: ModalityProjector | None = None,
-                               report: Callable[[str], None] = print) -> tuple[AnswerReader, list[float]]:
-    """Train `vision` in place for `steps` AdamW steps (constant `lr`) to answer the records' questions
+def pretraining_on_answers(vision: VisionTransformer, processor: ImageProcessor,
+                           records: Sequence[dict | None], encode: Callable[[str], Sequence[int]],
+                           vocab_size: int, steps: int, batch_size: int, lr: float, seed: int,
+                           device: torch.device, question_types: Sequence[str | None] | None = None,
+                           projector: ModalityProjector | None = None) -> Pretraining:
+    """A pre-training (`Pretraining.run` trains it) of `vision` in place to answer the records' questions
     through an `AnswerReader`; `encode` turns a text into token ids. Records are drawn at random (seeded) from
     `records` (the training split: a CheckedRecords, where a bad record reads as None), one turn each; records
     without an image, and bad ones, are passed over; `question_types` (one per record) draws them as
-    `LossProportionalTypes` does. Returns the reader and the losses; training needs only the ViT afterwards.
-    With a `projector` (ViT tokens -> image tokens of `projector.proj.out_features`), the reader reads its
-    tokens; a copy of it, never trained here."""
+    `LossProportionalTypes` does. Training needs only the ViT afterwards. With a `projector` (ViT tokens ->
+    image tokens of `projector.proj.out_features`), the reader reads its tokens; a copy of it, never trained
+    here."""
     width = vision.config.hidden_size if projector is None else projector.proj.out_features
     reader = AnswerReader(width, vocab_size).to(device)
     fixed = nn.Identity() if projector is None else copy.deepcopy(projector).requires_grad_(False)
@@ -155,8 +167,7 @@ def pretrain_vision_on_answers(vision: VisionTransformer, processor: ImageProces
             drawing.update(kinds, losses.tolist())  # a host sync per step: pre-training only
         return losses.mean()
 
-    vision.train()
-    return reader, optimize(batch_loss, [*vision.parameters(), *reader.parameters()], steps, lr, report)
+    return Pretraining.start(batch_loss, vision, reader, drawing, steps, lr)
 
 
 def _batch(records: Sequence[dict | None], processor: ImageProcessor, encode: Callable[[str], Sequence[int]],

@@ -53,6 +53,11 @@ class LoraConfig(Config):
 @dataclasses.dataclass
 class TrainConfig(Config):
     output_dir: str = "runs/tiny"  # where checkpoints, metrics.json and the plots go
+    # A fresh run refuses an output_dir that holds another run (a step_* checkpoint, vision_pretraining/ or
+    # metrics.json); true writes into it anyway: the files this run writes replace those of the same name
+    # (metrics.json, the plots, a checkpoint at a step this run saves too), the other run's other checkpoints
+    # stay (a run prunes only its own).
+    overwrite: bool = False
     max_steps: int = 1000  # optimizer steps
     # per rank and micro-batch: a step sees batch_size x grad_accum_steps x world_size samples
     batch_size: int = 32

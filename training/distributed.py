@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from loading import pick_device
+from typed_config import ConfigError
 
 
 class ShardError(RuntimeError):
@@ -141,6 +142,28 @@ def all_reduce(values: list[float], op: str = "sum", device: torch.device | None
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return tensor.tolist()
+
+
+def any_rank(flag: bool, device: torch.device | None = None) -> bool:
+    """Whether `flag` holds on any rank (a collective: every rank asks at the same point)."""
+    return all_reduce([float(flag)], op="max", device=device)[0] > 0
+
+
+def checked_on_main(check: Callable[[], None]) -> None:
+    """`check()` on rank 0 alone (it looks at what rank 0 writes: the run directory), its ConfigError raised
+    on every rank, so that the ranks decide once and alike."""
+    refusal = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            check()
+        except ConfigError as e:
+            refusal = str(e)
+    if dist.is_initialized():
+        shared = [refusal]
+        dist.broadcast_object_list(shared, src=0)
+        refusal = shared[0]
+    if refusal is not None:
+        raise ConfigError(refusal)
 
 
 def union(values: set[int]) -> set[int]:

@@ -22,9 +22,11 @@ from models import TinyVLMError
 from training import distributed
 from training.checkpoint import save_checkpoint
 from training.config import RunConfig, TrainConfig
-from training.distributed import Ranks, all_reduce, gradient_sync
+from training.distributed import Ranks, all_reduce, any_rank, gradient_sync
 from training.evaluate import validation_loss
 from training.loss import target_weights
+from training.progress import Phase
+from training.run_dir import new_run_id
 from training.signals import GracefulStop
 
 
@@ -36,6 +38,7 @@ class TrainingError(TinyVLMError, RuntimeError):
 class TrainState:
     """A run's progress: saved with each checkpoint (see `saved`), continued by a run that resumes from it."""
 
+    run_id: str = dataclasses.field(default_factory=new_run_id)  # recorded in each checkpoint; see run_dir.py
     step: int = 0
     samples_seen: int = 0  # of the sampler's stream, over all ranks
     history: list[list[float]] = dataclasses.field(default_factory=list)  # [step, train loss] each step
@@ -45,12 +48,12 @@ class TrainState:
     too_long_records: set[int] = dataclasses.field(default_factory=set)  # and of those over train.max_length
 
     @classmethod
-    def resumed(cls, saved: dict[str, Any], config: TrainConfig) -> TrainState:
-        """The state a checkpoint saved; checkpoints from before multi-GPU training counted batches, not
-        samples."""
+    def resumed(cls, saved: dict[str, Any], config: TrainConfig, run_id: str) -> TrainState:
+        """The state a checkpoint saved, continued as run `run_id`; checkpoints from before multi-GPU training
+        counted batches, not samples."""
         batches_to_samples = config.batch_size * config.grad_accum_steps
         samples_seen = saved.get("samples_seen", saved.get("data_position", 0) * batches_to_samples)
-        return cls(saved["step"], samples_seen, saved["history"], saved.get("validation", []),
+        return cls(run_id, saved["step"], samples_seen, saved["history"], saved.get("validation", []),
                    saved.get("skipped_steps", 0), set(saved.get("bad_record_indices", [])),
                    set(saved.get("too_long_record_indices", [])))
 
@@ -63,7 +66,7 @@ class TrainState:
                 "too_long_records": len(self.too_long_records)}
 
     def saved(self) -> dict[str, Any]:
-        """What a checkpoint keeps besides its step (which `save_checkpoint` writes)."""
+        """What a checkpoint keeps besides its step and run id (which `save_checkpoint` writes)."""
         return {"samples_seen": self.samples_seen, "history": self.history,
                 "skipped_steps": self.skipped_steps, "validation": self.validation,
                 "bad_records": len(self.bad_records), "bad_record_indices": sorted(self.bad_records),
@@ -89,6 +92,7 @@ class Trainer:
     validation_batches: list[dict[str, torch.Tensor]] = dataclasses.field(default_factory=list)
     ranks: Ranks = dataclasses.field(default_factory=Ranks)
     wandb_run: Any = None
+    stop: GracefulStop = dataclasses.field(default_factory=GracefulStop)  # the run's, in place while it runs
 
     @property
     def output_dir(self) -> Path:
@@ -140,8 +144,9 @@ def peak_memory_mib(device: torch.device) -> float:
 
 
 def run(trainer: Trainer, state: TrainState) -> str | None:
-    """Train from `state.step` to train.max_steps, updating `state`; log, validate and save on the way.
-    Returns the name of the signal that stopped the run early (after a checkpoint), or None at max_steps."""
+    """Train from `state.step` to train.max_steps, updating `state`; log, validate and save on the way. A stop
+    signal (`trainer.stop`) ends the run after its step and a checkpoint: returns the signal's name then, None
+    at max_steps."""
     train_config, ranks = trainer.config.train, trainer.ranks
     say, report = distributed.main_rank_only(ranks, print), distributed.main_rank_only(ranks, tqdm.write)
     # A progress bar on a terminal; plain lines where the output goes to a file (a bar would fill it with
@@ -152,10 +157,13 @@ def run(trainer: Trainer, state: TrainState) -> str | None:
     started = time.perf_counter()
     tokens_seen = 0
     batches = _counted(trainer.batches, state)
-    with GracefulStop(escalate=not ranks.distributed) as stop:
+    stop = trainer.stop
+    # the first step (its batches, a compilation) says it still runs until the step lines take over
+    with Phase(f"training step {state.step + 1}/{train_config.max_steps}", report, announce=False) as first:
         for step in progress:
             micro_batches = [next(batches) for _ in range(train_config.grad_accum_steps)]
             step_loss, tokens, finite = train_step(trainer, micro_batches)
+            first.end()
             state.step = step + 1
             state.samples_seen += train_config.batch_size * train_config.grad_accum_steps * ranks.world_size
             tokens_seen += tokens
@@ -178,8 +186,7 @@ def run(trainer: Trainer, state: TrainState) -> str | None:
                 state.validation.append([state.step, val_loss])
                 report(f"step {state.step}: train loss {step_loss:.4f}, validation loss {val_loss:.4f}")
                 _log(trainer, state.step, {"val/loss": val_loss})
-            stop_requested = all_reduce([float(stop.requested is not None)], op="max",
-                                        device=trainer.device)[0] > 0
+            stop_requested = any_rank(stop.requested is not None, trainer.device)
             if state.step % train_config.save_every == 0 or done or stop_requested:
                 state.bad_records = distributed.union(state.bad_records)
                 state.too_long_records = distributed.union(state.too_long_records)
@@ -187,7 +194,7 @@ def run(trainer: Trainer, state: TrainState) -> str | None:
                 if stop_requested and not done:
                     progress.close()
                     say(f"{stop.requested or 'stop signal'}: saved {path}; continue with: "
-                        f"python train.py --resume {trainer.output_dir}", flush=True)
+                        f"python train.py --resume {path}", flush=True)
                     return stop.requested or "stop signal"
     progress.close()
     return None
@@ -223,4 +230,4 @@ def _save(trainer: Trainer, state: TrainState) -> Path:
                             f"{trainer.output_dir} are intact")
     return save_checkpoint(trainer.output_dir, state.step, trainer.model, trainer.processor,
                            trainer.optimizer, trainer.config, trainer.config.train.keep_checkpoints,
-                           extra=state.saved(), ranks=trainer.ranks)
+                           state.run_id, extra=state.saved(), ranks=trainer.ranks)

@@ -10,22 +10,23 @@ from data import CheckedRecords
 from models import VisionLanguageModel
 from training.evaluate import answer, exact_match, save_loss_curve, save_prediction_grid
 from training.loop import Trainer, TrainState, peak_memory_mib
-from training.signals import GracefulStop
+from training.run_dir import METRICS
 
 GRID_EXAMPLES = 16
 
 
 def write_results(model: VisionLanguageModel, trainer: Trainer, state: TrainState,
-                  validation_records: CheckedRecords, stop: GracefulStop) -> dict:
+                  validation_records: CheckedRecords) -> dict:
     """Score `model` (the trained model, unwrapped) on held-out questions asked through the run's chat
-    processor, write the artifacts; return the metrics. A stop signal (`stop`) ends the scoring after its
-    batch: metrics.json is then written without held-out scores, saying so."""
+    processor, write the artifacts; return the metrics. A stop signal (`trainer.stop`) ends the scoring after
+    its batch: metrics.json is then written without held-out scores, saying so."""
     train_config, output_dir = trainer.config.train, trainer.output_dir
     metrics = {**state.summary(), "peak_memory_mib": round(peak_memory_mib(trainer.device)),
                "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}
     model.to(trainer.device)
     count = min(train_config.eval_questions, len(validation_records))
     records = [r for r in map(validation_records.__getitem__, range(count)) if r]
+    stop = trainer.stop
     if records:
         predictions = answer(model, trainer.processor.tokenizer, trainer.processor, records, trainer.device,
                              stopped=lambda: stop.requested is not None)
@@ -43,7 +44,7 @@ def write_results(model: VisionLanguageModel, trainer: Trainer, state: TrainStat
         if example:
             example["images"][0].save(output_dir / "heldout_example.png")
     save_loss_curve(state.history, state.validation, output_dir / "loss_curve.png")
-    (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    (output_dir / METRICS).write_text(json.dumps(metrics, indent=2) + "\n")
     if trainer.wandb_run:
         trainer.wandb_run.log({f"final/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
         trainer.wandb_run.finish()

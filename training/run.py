@@ -10,23 +10,33 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from datasets import Dataset
 from tqdm import tqdm
 
 from data import CheckedRecords, ImageProcessor, VQACollator, build_datasets, text_lengths
 from data.batches import training_batches
-from data.chat_processors import ChatProcessor
+from data.chat_processors import ChatProcessor, ConversationEncoder
 from data.sampler import ResumableBatchSampler
 from models import VisionLanguageModel
 from models.lora import WholeModuleError, adapter_base, add_adapters, load_adapter, quantize_frozen
 from training import distributed, loop
-from training.answer_pretraining import pretrain_vision_on_answers, read_question_types
-from training.checkpoint import RUN_CONFIG, load_training_state
+from training.answer_pretraining import pretraining_on_answers, read_question_types
+from training.checkpoint import (
+    RUN_CONFIG,
+    is_pretraining,
+    load_pretraining,
+    load_training_state,
+    run_id_of,
+    save_pretraining,
+)
 from training.config import RunConfig, check_fresh_start
 from training.optim import build_optimizer, build_scheduler, check_same_parts, freeze_parts, learning_rates
+from training.progress import Phase
 from training.results import write_results
+from training.run_dir import check_output_dir, check_resumable, new_run_id
 from training.setup import model_and_processor, unsharded
 from training.signals import GracefulStop
-from training.vision_pretraining import pretrain_vision
+from training.vision_pretraining import Pretraining, pretraining_on_scenes
 from typed_config import ConfigError, check, one_line
 
 
@@ -41,60 +51,91 @@ def train(config: RunConfig, resume: Path | None = None) -> dict:
 
 
 def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, device: torch.device) -> dict:
+    """Start-up (checks, data, model; a stop signal ends it at once: nothing to save yet), then, where a stop
+    signal saves what exists and ends the run (training/signals.py): the ViT's pre-training, the training loop
+    and the results."""
     train_config = config.train
     torch.manual_seed(train_config.seed)
     if train_config.num_threads:
         torch.set_num_threads(train_config.num_threads)
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and train_config.bf16
-                else contextlib.nullcontext())
     say, report = distributed.main_rank_only(ranks, print), distributed.main_rank_only(ranks, tqdm.write)
-    check(not train_config.flex_attention or device.type == "cuda", "train.flex_attention trains on a CUDA "
-          f"GPU (FlexAttention has no backward pass on a CPU); this run's device is {device.type}")
-    if not resume:
-        check_fresh_start(config)
-    train_data, validation_data = build_datasets(config.data)
-    model, processor = model_and_processor(config, resume, train_data)
+    _check_start(config, resume, device)
+    run_id = (resume and run_id_of(resume)) or new_run_id()
+    if resume:
+        say(f"resuming from {resume}", flush=True)
+    with Phase(f"reading the data (data.source {config.data.source})", say):
+        train_data, validation_data = build_datasets(config.data)
+    with Phase(f"loading {resume or config.init_from}" if resume or config.init_from
+               else "building the tokenizer and the model", say):
+        model, processor = model_and_processor(config, resume, train_data)
     config = dataclasses.replace(config, model=model.config)
     _check(config, resume)
     train_records = CheckedRecords(train_data, config.data.on_bad_record, "train", report=report,
                                    check_texts=processor.check_texts)
-    if config.pretrain_steps() and not resume:
-        _pretrain_vision(config, model, processor, train_records, device, say)
-        distributed.broadcast_parameters(model.vision)  # GPU kernels need not be bit-exact across ranks
-    _prepare_parts(model, train_config, device, resume)
-    model = distributed.wrap(model.to(device), train_config.parallel, ranks, device)
-    optimizer = build_optimizer(distributed.unwrap(model), train_config, device)
-    state = loop.TrainState.resumed(load_training_state(resume, model, optimizer, ranks),
-                                    train_config) if resume \
-        else loop.TrainState()
-    # Records encoded the way the model is asked: tinyvlm's ChatML, or a checkpoint's own chat template and
-    # images.
-    collator = VQACollator.for_encoder(processor, train_config.max_length, ensure_image=ranks.distributed,
-                                       pack=train_config.packing)
-    validation_records = CheckedRecords(validation_data, config.data.on_bad_record, "validation",
-                                        report=report, check_texts=processor.check_texts)
-    lengths = text_lengths(train_data) if train_config.group_by_length else None
-    sampler = ResumableBatchSampler(len(train_records), train_config.batch_size, train_config.seed,
-                                    state.samples_seen, ranks.rank, ranks.world_size, lengths)
-    validation_batches = _validation_batches(collator, validation_records, train_config)
+    with GracefulStop(escalate=not ranks.distributed) as stop:
+        if config.pretrain_steps() and (resume is None or is_pretraining(resume)):
+            if not _pretrain_vision(config, model, processor, train_records, device, say, stop, resume,
+                                    run_id, ranks):
+                return {"step": 0, "stopped_by": stop.requested or "stop signal"}
+            distributed.broadcast_parameters(model.vision)  # GPU kernels need not be bit-exact across ranks
+        resumed = resume if resume is not None and not is_pretraining(resume) else None
+        return _train_model(config, resumed, run_id, model, processor, train_records, validation_data, ranks,
+                            device, stop)
+
+
+def _train_model(config: RunConfig, resume: Path | None, run_id: str, model: VisionLanguageModel,
+                 processor: ConversationEncoder, train_records: CheckedRecords, validation_data: Dataset,
+                 ranks: distributed.Ranks, device: torch.device, stop: GracefulStop) -> dict:
+    """The training loop from step 0, or from the step checkpoint `resume`, then the results."""
+    train_config, train_data = config.train, train_records.dataset
+    say, report = distributed.main_rank_only(ranks, print), distributed.main_rank_only(ranks, tqdm.write)
+    with Phase("preparing the training loop", say, announce=False):
+        _prepare_parts(model, train_config, device, resume)
+        model = distributed.wrap(model.to(device), train_config.parallel, ranks, device)
+        optimizer = build_optimizer(distributed.unwrap(model), train_config, device)
+        state = (loop.TrainState.resumed(load_training_state(resume, model, optimizer, ranks), train_config,
+                                         run_id) if resume else loop.TrainState(run_id))
+        # Records encoded the way the model is asked: tinyvlm's ChatML, or a checkpoint's own chat template
+        # and images.
+        collator = VQACollator.for_encoder(processor, train_config.max_length, ensure_image=ranks.distributed,
+                                           pack=train_config.packing)
+        validation_records = CheckedRecords(validation_data, config.data.on_bad_record, "validation",
+                                            report=report, check_texts=processor.check_texts)
+        lengths = text_lengths(train_data) if train_config.group_by_length else None
+        sampler = ResumableBatchSampler(len(train_records), train_config.batch_size, train_config.seed,
+                                        state.samples_seen, ranks.rank, ranks.world_size, lengths)
+        validation_batches = _validation_batches(collator, validation_records, train_config)
     say(_description(config, distributed.unwrap(model), train_data, validation_data, device, ranks),
         flush=True)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and train_config.bf16
+                else contextlib.nullcontext())
     with training_batches(train_records, sampler, collator, train_config.num_workers,
                           train_config.prefetch_factor, pin_memory=device.type == "cuda") as batches:
         trainer = loop.Trainer(config, model, torch.compile(model) if train_config.compile else model,
                                optimizer, build_scheduler(optimizer, train_config, state.step), device,
                                autocast, processor, batches, validation_batches, ranks,
-                               _wandb_run(config, ranks))
+                               _wandb_run(config, ranks), stop)
         stopped_by = loop.run(trainer, state)
     if stopped_by:
         return {"step": state.step, "stopped_by": stopped_by}
     # the last checkpoint is written: a stop signal from here on ends the run with its results, unscored
-    with GracefulStop(escalate=not ranks.distributed) as stop:
-        final = Path(train_config.output_dir) / f"step_{train_config.max_steps:06d}"
-        final_model = unsharded(model, config, final, ranks)
-        if not ranks.is_main:
-            return state.summary()
-        return write_results(final_model, trainer, state, validation_records, stop)
+    final = Path(train_config.output_dir) / f"step_{train_config.max_steps:06d}"
+    final_model = unsharded(model, config, final, ranks)
+    if not ranks.is_main:
+        return state.summary()
+    return write_results(final_model, trainer, state, validation_records)
+
+
+def _check_start(config: RunConfig, resume: Path | None, device: torch.device) -> None:
+    """What refuses a run before it reads any data: a setting this device cannot train, a resume with no step
+    left to train, or a fresh run's config or output directory (decided on rank 0: it writes there)."""
+    check(not config.train.flex_attention or device.type == "cuda", "train.flex_attention trains on a CUDA "
+          f"GPU (FlexAttention has no backward pass on a CPU); this run's device is {device.type}")
+    if resume:
+        check_resumable(resume, config.train.max_steps)
+    else:
+        check_fresh_start(config)
+        distributed.checked_on_main(lambda: check_output_dir(config))
 
 
 def _prepare_parts(model: VisionLanguageModel, train_config, device: torch.device,
@@ -171,35 +212,53 @@ def _add_adapters(model: VisionLanguageModel, train_config) -> None:
 
 
 def _pretrain_vision(config: RunConfig, model: VisionLanguageModel, chat: ChatProcessor,
-                     train_records: CheckedRecords, device: torch.device, say: Callable[..., None]) -> None:
+                     train_records: CheckedRecords, device: torch.device, say: Callable[..., None],
+                     stop: GracefulStop, resume: Path | None, run_id: str, ranks: distributed.Ranks) -> bool:
     """Pre-train the from-scratch ViT in place with the run's objective (see
-    RunConfig.vision_pretrain_objective)."""
+    RunConfig.vision_pretrain_objective), from the start or from where the pre-training checkpoint `resume`
+    stopped, then save a pre-training checkpoint (the run's, until its first step checkpoint). Returns
+    False when a stop signal ended it first; it says how to continue then."""
     train_config = config.train
-    objective = config.vision_pretrain_objective()
-    steps = config.pretrain_steps()
+    pretraining = _pretraining(config, model, chat, train_records, device)
+    if resume is not None:
+        load_pretraining(resume, pretraining)
     field = (
-        "vision_pretrain_steps" if steps == train_config.vision_pretrain_steps else "answer_pretrain_steps"
+        "vision_pretrain_steps" if pretraining.steps == train_config.vision_pretrain_steps
+        else "answer_pretrain_steps"
     )
-    say(f"vision pre-training ({objective}): {steps} steps (train.{field}) of "
-        f"{train_config.vision_pretrain_batch_size} images", flush=True)
+    say(f"vision pre-training ({config.vision_pretrain_objective()}): {pretraining.steps} steps "
+        f"(train.{field}) of {train_config.vision_pretrain_batch_size} images"
+        + (f", from step {pretraining.step}" if pretraining.step else ""), flush=True)
+    finished = pretraining.run(functools.partial(say, flush=True),
+                               stop=lambda: distributed.any_rank(stop.requested is not None, device))
+    path = save_pretraining(Path(train_config.output_dir), pretraining, model, chat, config, run_id, ranks)
+    if not finished:
+        say(f"{stop.requested or 'stop signal'}: stopped the ViT's pre-training at step {pretraining.step}/"
+            f"{pretraining.steps}, saved {path}; continue with: python train.py --resume {path}", flush=True)
+    return finished
+
+
+def _pretraining(config: RunConfig, model: VisionLanguageModel, chat: ChatProcessor,
+                 train_records: CheckedRecords, device: torch.device) -> Pretraining:
+    """The ViT's pre-training with the run's objective, at step 0."""
+    train_config = config.train
     processor, vision = ImageProcessor.from_config(config.model.vision), model.vision.to(device)
-    common = dict(steps=steps, batch_size=train_config.vision_pretrain_batch_size,
-                  lr=train_config.vision_pretrain_lr, seed=train_config.seed, device=device, report=say)
-    if objective == "cells":
-        pretrain_vision(vision, processor, config.data.shapes, **common)
-    else:
-        encode = functools.partial(chat.tokenizer.encode, add_special_tokens=False)
-        pretrain_vision_on_answers(
-            vision,
-            processor,
-            train_records,
-            encode,
-            model.config.language.vocab_size,
-            question_types=read_question_types(train_records.dataset),
-            # read through it only where the LM will read through it as it is now
-            projector=model.projector.to(device) if train_config.lr_projector == 0 else None,
-            **common,
-        )
+    common = dict(steps=config.pretrain_steps(), batch_size=train_config.vision_pretrain_batch_size,
+                  lr=train_config.vision_pretrain_lr, seed=train_config.seed, device=device)
+    if config.vision_pretrain_objective() == "cells":
+        return pretraining_on_scenes(vision, processor, config.data.shapes, **common)
+    encode = functools.partial(chat.tokenizer.encode, add_special_tokens=False)
+    return pretraining_on_answers(
+        vision,
+        processor,
+        train_records,
+        encode,
+        model.config.language.vocab_size,
+        question_types=read_question_types(train_records.dataset),
+        # read through it only where the LM will read through it as it is now
+        projector=model.projector.to(device) if train_config.lr_projector == 0 else None,
+        **common,
+    )
 
 
 def _check(config: RunConfig, resume: Path | None) -> None:

@@ -12,8 +12,10 @@ projector and the LM learn to read it.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -23,6 +25,7 @@ from torch import nn
 from data import ImageProcessor, ShapesConfig
 from data.synthetic import CELL_CLASSES, Split, add_noise, cell_labels, render, sample_scene_of
 from models.vision_transformer import VisionTransformer
+from training.progress import Every
 
 GRID = 3  # the scenes' cells per side
 
@@ -49,41 +52,107 @@ def scene_batch(shapes: ShapesConfig, processor: ImageProcessor, cells: torch.Te
     return torch.stack([processor(image) for image in images]), labels
 
 
-def pretrain_vision(vision: VisionTransformer, processor: ImageProcessor, shapes: ShapesConfig, steps: int,
-                    batch_size: int, lr: float, seed: int, device: torch.device,
-                    report: Callable[[str], None] = print) -> tuple[nn.Linear, list[float]]:
-    """Train `vision` in place with a per-patch (shape, colour, size) classifier for `steps` AdamW steps
-    (constant `lr`); returns the classifier (logits for CELL_CLASSES' classes, concatenated) and the losses
-    (the mean of the three cross-entropies). Training needs only the ViT afterwards."""
+def random_state(rng: random.Random) -> list:
+    """`rng`'s state as JSON (`set_random_state` restores it)."""
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def set_random_state(rng: random.Random, state: list) -> None:
+    version, internal, gauss = state
+    rng.setstate((version, tuple(internal), gauss))
+
+
+class Draws(Protocol):
+    """What draws a pre-training's batches, with the state a checkpoint keeps (JSON) to draw on exactly."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Scenes:
+    """`batch_size` fresh training-split scenes at a time, with each patch's labels (`scene_batch`), from a
+    seeded stream."""
+
+    def __init__(self, shapes: ShapesConfig, processor: ImageProcessor, grid_size: int, batch_size: int,
+                 seed: int) -> None:
+        self.shapes, self.processor, self.batch_size = shapes, processor, batch_size
+        self.cells, self.rng = patch_cells(grid_size), random.Random(f"vision-pretraining:{seed}")
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return scene_batch(self.shapes, self.processor, self.cells, self.batch_size, self.rng)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": random_state(self.rng)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_random_state(self.rng, state["rng"])
+
+
+@dataclasses.dataclass
+class Pretraining:
+    """A ViT pre-training under way: a fresh batch's loss, the module trained beside the ViT and thrown away
+    after it (a classifier or a reader), the AdamW of both (constant learning rate, no weight decay), what
+    draws the batches, and how far it got. With the ViT's weights, this is all a checkpoint needs to continue
+    it exactly (training/checkpoint.py `save_pretraining`)."""
+
+    batch_loss: Callable[[], torch.Tensor]
+    head: nn.Module
+    optimizer: torch.optim.Optimizer
+    draws: Draws
+    steps: int
+    step: int = 0
+    # each step's loss: a tensor, read only when reported (no host sync per step), or a checkpoint's float
+    losses: list[torch.Tensor | float] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def start(cls, batch_loss: Callable[[], torch.Tensor], vision: VisionTransformer, head: nn.Module,
+              draws: Draws, steps: int, lr: float) -> Pretraining:
+        """A pre-training of `vision` and `head` at step 0, the ViT in training mode."""
+        vision.train()
+        optimizer = torch.optim.AdamW([*vision.parameters(), *head.parameters()], lr=lr, weight_decay=0.0)
+        return cls(batch_loss, head, optimizer, draws, steps)
+
+    def run(self, report: Callable[[str], None] = print, stop: Callable[[], bool] = lambda: False) -> bool:
+        """Train from `step` to `steps`, reporting the loss every REPORT_S seconds and at the last step;
+        `stop()`, asked before each step, ends it early. Returns whether it reached `steps`."""
+        every = Every()
+        while self.step < self.steps:
+            if stop():
+                return False
+            loss = self.batch_loss()
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            loss = loss.detach()
+            self.losses.append(loss)
+            if every.due() or self.step == self.steps:
+                report(f"vision pre-training step {self.step}/{self.steps}: loss {float(loss):.4f}")
+        return True
+
+    def loss_history(self) -> list[float]:
+        return [float(loss) for loss in self.losses]
+
+
+def pretraining_on_scenes(vision: VisionTransformer, processor: ImageProcessor, shapes: ShapesConfig,
+                          steps: int, batch_size: int, lr: float, seed: int,
+                          device: torch.device) -> Pretraining:
+    """A pre-training (`Pretraining.run` trains it) of `vision` in place, with a per-patch (shape, colour,
+    size) classifier (logits for CELL_CLASSES' classes, concatenated; the loss: the mean of the three
+    cross-entropies). Training needs only the ViT afterwards."""
     sizes = [len(classes) for classes in CELL_CLASSES.values()]
     head = nn.Linear(vision.config.hidden_size, sum(sizes)).to(device)
     nn.init.normal_(head.weight, std=0.02, generator=torch.Generator(head.weight.device).manual_seed(seed))
     nn.init.zeros_(head.bias)
-    cells, rng = patch_cells(vision.config.grid_size), random.Random(f"vision-pretraining:{seed}")
+    scenes = Scenes(shapes, processor, vision.config.grid_size, batch_size, seed)
 
     def batch_loss() -> torch.Tensor:
-        images, labels = scene_batch(shapes, processor, cells, batch_size, rng)
+        images, labels = scenes.batch()
         logits = head(vision(images.to(device))).split(sizes, dim=-1)
         labels = labels.to(device)
         return sum(F.cross_entropy(part.flatten(0, 1), labels[..., k].flatten())
                    for k, part in enumerate(logits)) / len(sizes)
 
-    vision.train()
-    return head, optimize(batch_loss, [*vision.parameters(), *head.parameters()], steps, lr, report)
-
-
-def optimize(batch_loss: Callable[[], torch.Tensor], parameters: list[nn.Parameter], steps: int, lr: float,
-             report: Callable[[str], None]) -> list[float]:
-    """`steps` AdamW steps (constant `lr`, no weight decay) on `batch_loss()`, a fresh batch's loss at each
-    call; returns the losses, reported every 100 steps."""
-    optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
-    losses = []
-    for step in range(steps):
-        loss = batch_loss()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())  # read only when reporting: no host sync per step
-        if (step + 1) % 100 == 0 or step + 1 == steps:
-            report(f"vision pre-training step {step + 1}/{steps}: loss {losses[-1].item():.4f}")
-    return torch.stack(losses).tolist() if losses else []
+    return Pretraining.start(batch_loss, vision, head, scenes, steps, lr)

@@ -15,6 +15,12 @@ SMALL = {
     "train.min_lr_tail_fraction": "0",  # the cosine over all of max_steps (tiny.yaml ends it 20% before)
 }
 
+# A 3x3 patch grid, so that the ViT can be pre-trained on the scenes' cells; the ViT then stays frozen.
+PRETRAINED_VIT = {"model.vision.image_size": "48", "model.vision.patch_size": "16",
+                  "data.shapes.image_size": "48", "model.projector.pixel_shuffle_factor": "1",
+                  "train.vision_pretrain_steps": "3", "train.vision_pretrain_batch_size": "8",
+                  "train.lr_vision": "0"}
+
 
 def small_config(tmp_path, **overrides) -> RunConfig:
     return load_run_config("configs/tiny.yaml", {**SMALL, "train.output_dir": str(tmp_path), **overrides})

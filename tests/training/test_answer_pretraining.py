@@ -20,7 +20,7 @@ from training.answer_pretraining import (
     _batch,
     answer_losses,
     bag,
-    pretrain_vision_on_answers,
+    pretraining_on_answers,
     read_question_types,
 )
 from typed_config import ConfigError
@@ -93,10 +93,11 @@ def test_the_vit_learns_what_the_answers_say_about_its_images(through_projector,
     projector = _projector(vision) if through_projector else None
     before = {k: v.clone() for k, v in projector.state_dict().items()} if projector else {}
     kinds = [_kind(record) for record in records] if typed else None
-    reader, losses = pretrain_vision_on_answers(vision, processor, records, _encode, len(WORDS), steps=150,
-                                                batch_size=32, lr=3e-3, seed=0, device=torch.device("cpu"),
-                                                question_types=kinds, projector=projector,
-                                                report=lambda _: None)
+    pretraining = pretraining_on_answers(vision, processor, records, _encode, len(WORDS), steps=150,
+                                         batch_size=32, lr=3e-3, seed=0, device=torch.device("cpu"),
+                                         question_types=kinds, projector=projector)
+    assert pretraining.run(report=lambda _: None)
+    reader, losses = pretraining.head, pretraining.loss_history()
     assert len(losses) == 150 and sum(losses[-10:]) < 0.2 * sum(losses[:10])
     if projector is not None:
         assert all(torch.equal(before[k], v) for k, v in projector.state_dict().items())
@@ -119,9 +120,8 @@ def test_the_vit_learns_what_the_answers_say_about_its_images(through_projector,
 def test_data_without_images_is_a_one_line_error():
     records = [{"images": [], "texts": [{"user": "hi", "assistant": "hello"}]}] * 4
     with pytest.raises(ConfigError, match="set train.vision_pretrain_steps to 0"):
-        pretrain_vision_on_answers(_vision(1), ImageProcessor(48), records, lambda t: [0], 4, steps=1,
-                                   batch_size=2, lr=1e-3, seed=0, device=torch.device("cpu"),
-                                   report=lambda _: None)
+        pretraining_on_answers(_vision(1), ImageProcessor(48), records, lambda t: [0], 4, steps=1,
+                               batch_size=2, lr=1e-3, seed=0, device=torch.device("cpu")).run()
 
 
 def test_types_are_drawn_in_proportion_to_their_running_loss_squared():

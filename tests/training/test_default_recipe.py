@@ -14,7 +14,7 @@ import pytest
 
 from data.synthetic_objects import export_jsonl
 from training import run
-from training.answer_pretraining import pretrain_vision_on_answers
+from training.answer_pretraining import pretraining_on_answers
 from training.config import load_run_config
 from training.run import train
 
@@ -43,9 +43,9 @@ def test_the_default_recipe_learns_from_a_users_own_jsonl(tmp_path, monkeypatch)
 
     def spy(*args, **kwargs):
         calls.append(kwargs)
-        return pretrain_vision_on_answers(*args, **kwargs)
+        return pretraining_on_answers(*args, **kwargs)
 
-    monkeypatch.setattr(run, "pretrain_vision_on_answers", spy)
+    monkeypatch.setattr(run, "pretraining_on_answers", spy)
     paths = export_jsonl(tmp_path / "objects", num_train=1000, num_validation=100)
     steps = {"train.answer_pretrain_steps": "100", "train.max_steps": "400", "train.eval_every": "400",
              "train.save_every": "400"}

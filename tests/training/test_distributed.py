@@ -251,6 +251,23 @@ def test_a_hung_rank_ends_the_job_within_dist_timeout(tmp_path):
     assert "exitcode  : 3" in output and "[rank0]: Traceback" not in output, output[-3000:]
 
 
+def test_a_fresh_job_into_another_runs_directory_is_refused_on_every_rank(tmp_path):
+    """Rank 0 decides (it writes the run directory) and every rank stops with the same one line, exit code 2,
+    before reading any data: none waits for the others in a collective."""
+    run_dir = tmp_path / "run"
+    (run_dir / "step_000010").mkdir(parents=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               "train.py", *overrides(**{"train.max_steps": "2", "train.output_dir": str(run_dir)})]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    error = (f"error: train.output_dir ({run_dir}) holds another run (step_000010): continue it with "
+             f"--resume {run_dir}, give this run a new --train.output_dir, or write into it anyway with "
+             "--train.overwrite true")
+    assert done.returncode != 0 and output.count(error) == 2, output[-3000:]
+    assert "exitcode  : 2" in output and "reading the data" not in output, output[-3000:]
+    assert [path.name for path in run_dir.iterdir()] == ["step_000010"]
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():

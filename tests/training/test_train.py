@@ -15,12 +15,12 @@ from safetensors.torch import load_file
 
 from data import ResumableBatchSampler
 from tests.models.helpers import tiny_vlm
-from tests.training.helpers import small_config
+from tests.training.helpers import PRETRAINED_VIT, small_config
 from training import run
 from training.config import RunConfig, TrainConfig
 from training.loop import Trainer, train_step
 from training.run import train
-from training.vision_pretraining import pretrain_vision
+from training.vision_pretraining import Pretraining
 from typed_config import ConfigError
 
 
@@ -47,25 +47,22 @@ def test_loss_falls_and_the_run_leaves_its_artifacts(tmp_path):
     )
 
 
-# A 3x3 patch grid, so that the ViT can be pre-trained on the scenes' cells; the ViT then stays frozen.
-PRETRAINED_VIT = {"model.vision.image_size": "48", "model.vision.patch_size": "16",
-                  "data.shapes.image_size": "48", "model.projector.pixel_shuffle_factor": "1",
-                  "train.vision_pretrain_steps": "3", "train.vision_pretrain_batch_size": "8",
-                  "train.lr_vision": "0"}
-
-
 def test_a_fresh_run_pretrains_its_vit_and_lr_vision_0_keeps_it(tmp_path, monkeypatch):
     """The ViT leaves pre-training changed in every tensor, and with lr_vision 0 training ends with it bit for
     bit."""
-    snapshots = {}
+    snapshots, build, run_pretraining = {}, run.pretraining_on_scenes, Pretraining.run
 
-    def pretrain_and_snapshot(vision, *args, **kwargs):
-        snapshots["initial"] = copy.deepcopy(vision.state_dict())
-        result = pretrain_vision(vision, *args, **kwargs)
-        snapshots["pretrained"] = copy.deepcopy(vision.state_dict())
-        return result
+    def build_and_snapshot(vision, *args, **kwargs):
+        snapshots["vision"], snapshots["initial"] = vision, copy.deepcopy(vision.state_dict())
+        return build(vision, *args, **kwargs)
 
-    monkeypatch.setattr(run, "pretrain_vision", pretrain_and_snapshot)
+    def run_and_snapshot(self, *args, **kwargs):
+        finished = run_pretraining(self, *args, **kwargs)
+        snapshots["pretrained"] = copy.deepcopy(snapshots["vision"].state_dict())
+        return finished
+
+    monkeypatch.setattr(run, "pretraining_on_scenes", build_and_snapshot)
+    monkeypatch.setattr(Pretraining, "run", run_and_snapshot)
     train(small_config(tmp_path, **{**PRETRAINED_VIT, "train.max_steps": "3", "train.save_every": "3",
                                     "train.eval_every": "3"}))
     assert "pretrained" in snapshots, "the ViT was not pre-trained"

@@ -10,7 +10,7 @@ from data import ImageProcessor, ShapesConfig
 from data.synthetic import CELL_CLASSES
 from models.config import VisionConfig
 from models.vision_transformer import VisionTransformer
-from training.vision_pretraining import patch_cells, pretrain_vision, scene_batch
+from training.vision_pretraining import patch_cells, pretraining_on_scenes, scene_batch
 
 
 def test_patches_map_to_the_cell_they_lie_in():
@@ -31,8 +31,9 @@ def test_the_vit_learns_to_name_each_cells_shape_colour_and_size():
     processor, shapes = ImageProcessor.from_config(vision.config), ShapesConfig(image_size=48)
     images, labels = scene_batch(shapes, processor, patch_cells(3), 200, random.Random(1), "validation")
     sizes = [len(classes) for classes in CELL_CLASSES.values()]
-    head, losses = pretrain_vision(vision, processor, shapes, 150, 32, 3e-3, 0, torch.device("cpu"),
-                                   report=lambda _: None)
+    pretraining = pretraining_on_scenes(vision, processor, shapes, 150, 32, 3e-3, 0, torch.device("cpu"))
+    assert pretraining.run(report=lambda _: None)
+    head, losses = pretraining.head, pretraining.loss_history()
     with torch.no_grad():
         logits = head(vision.eval()(images)).split(sizes, dim=-1)
     accuracy = [(part.argmax(-1) == labels[..., k]).float().mean().item() for k, part in enumerate(logits)]
