@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: install
-	$(PY) train.py --config configs/tiny.yaml
+	$(PY) train.py --config configs/tiny.yaml --train.overwrite true  # a second `make demo` trains runs/tiny again
 	$(PY) generate.py --image runs/tiny/heldout_example.png --prompt "What color is the circle?"
 	$(PY) generate.py --image runs/tiny/heldout_example.png
 

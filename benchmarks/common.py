@@ -50,7 +50,9 @@ def run_training(arguments: Sequence[str], overrides: Sequence[str], out: Path,
     """`python train.py ARGUMENTS --train.output_dir OUT` with each SECTION.FIELD=VALUE override: its
     metrics.json, its stdout (the log) and its wall time in minutes. A failed run ends the benchmark with
     train.py's last line."""
-    command = [sys.executable, "train.py", *arguments, "--train.output_dir", str(out)]
+    # a re-run of a benchmark measures again into its own directory
+    command = [sys.executable, "train.py", *arguments, "--train.output_dir", str(out),
+               "--train.overwrite", "true"]
     for override in overrides:
         key, _, value = override.partition("=")
         command += [f"--{key}", value]
