@@ -99,8 +99,6 @@ def training_step(config: VLMConfig, args: argparse.Namespace, device: torch.dev
     """The model and one step (forward, backward, AdamW) on a fixed random batch with an image per row."""
     torch.manual_seed(0)
     model = VisionLanguageModel(config).to(device).train()
-    model.chunked_loss = chunked
-    model.language.flex_attention = args.flex
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     forward = torch.compile(model) if args.compile else model
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if args.bf16 and device.type == "cuda"
@@ -116,7 +114,8 @@ def training_step(config: VLMConfig, args: argparse.Namespace, device: torch.dev
 
     def step() -> None:
         with autocast:
-            _, loss = forward(ids, images, mask, targets=targets, return_logits=False)
+            _, loss = forward(ids, images, mask, targets=targets, return_logits=False, chunked_loss=chunked,
+                              flex_attention=args.flex)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

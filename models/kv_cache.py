@@ -99,7 +99,7 @@ class Preallocated(Layout):
     shape_static: bool = False
 
     def span(self, cache: KVCache | None, start_pos: int | Tensor, num_new: int) -> int:
-        return capacity(cache) if self.shape_static else start_pos + num_new
+        return cache["key"].shape[2] if self.shape_static else start_pos + num_new
 
     def write(self, cache: KVCache | None, key: Tensor, value: Tensor,
               start_pos: int | Tensor) -> tuple[KVCache, Tensor, Tensor]:
@@ -114,11 +114,11 @@ class Preallocated(Layout):
         if isinstance(start_pos, Tensor):
             raise TypeError("a preallocated cache takes an int start_pos (Preallocated(shape_static=True) "
                             "takes tensors)")
-        end = start_pos + key.shape[2]
-        if end > capacity(cache):
-            raise CacheCapacityError(f"writing KV slots {start_pos}..{end - 1} into a cache of "
-                                     f"{capacity(cache)} slots; allocate one that holds every token "
-                                     "(allocate_kv_cache(batch, capacity))")
+        end, capacity = start_pos + key.shape[2], cache["key"].shape[2]
+        if end > capacity:
+            raise CacheCapacityError(f"writing KV slots {start_pos}..{end - 1} into a cache of {capacity} "
+                                     "slots; allocate one that holds every token (allocate_kv_cache(batch, "
+                                     "capacity))")
         cache["key"][:, :, start_pos:end] = key
         cache["value"][:, :, start_pos:end] = value
         return cache, cache["key"][:, :, :end], cache["value"][:, :, :end]
@@ -146,10 +146,6 @@ def with_layout(caches: list[KVCache], layout: Layout) -> list[KVCache]:
 
 def tensors(cache: KVCache) -> dict[str, Tensor]:
     return {name: value for name, value in cache.items() if name != "layout"}
-
-
-def capacity(cache: KVCache) -> int:
-    return cache["key"].shape[2]
 
 
 def repeat_rows(caches: list[KVCache], repeats: int) -> list[KVCache]:

@@ -126,14 +126,6 @@ class LanguageModel(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # Training without a cache: keep each block's input only and recompute the block in the backward pass
-        # (activation checkpointing; the same loss and gradients for less memory).
-        self.activation_checkpointing = False
-        # In training mode, packed or padded rows without a cache attend through FlexAttention (a BlockMask,
-        # its fully masked tiles skipped) instead of SDPA under a dense mask, which no flash kernel takes: for
-        # compiled training on a GPU (FlexAttention has no backward pass on a CPU; evaluation, which runs
-        # uncompiled, keeps the dense mask).
-        self.flex_attention = False
         self.apply(self._init_weights)
         if config.tie_word_embeddings:
             self.head.weight = self.token_embedding.weight
@@ -148,21 +140,24 @@ class LanguageModel(nn.Module):
 
     def forward(self, embeddings: Tensor, attention_mask: Tensor | None = None,
                 kv_cache: list[KVCache] | None = None,
-                start_pos: int | Tensor = 0) -> tuple[Tensor, list[KVCache]]:
+                start_pos: int | Tensor = 0, *, checkpoint_activations: bool = False,
+                flex_attention: bool = False) -> tuple[Tensor, list[KVCache]]:
         """The final-normed hidden states of `embeddings` [B, T, C] at slots start_pos .. start_pos + T (an
         int, or a 0-dim tensor for a shape-static cache), and the cache; logits are `head(hidden)`.
         attention_mask [B, L]: 1 real, 0 padding over slots 0 .. L-1, or 1, 2, ... for the sequences packed
         in a row (data/packing.py). kv_cache: one dict per block (`allocate_kv_cache`), or None; its "layout"
-        says how it is written and read, and may carry the positions itself (models/kv_cache.py)."""
+        says how it is written and read, and may carry the positions itself (models/kv_cache.py).
+        Training without a cache: checkpoint_activations keeps each block's input only (the block recomputed
+        in the backward pass); flex_attention takes packed or padded rows through FlexAttention, its fully
+        masked tiles skipped (compiled, on a GPU: it has no backward pass on a CPU)."""
         batch, seq, _ = embeddings.shape
         caches = kv_cache if kv_cache is not None else [None] * len(self.blocks)
-        flex = self.flex_attention and self.training and kv_cache is None and isinstance(start_pos, int) \
-            and start_pos == 0
+        flex = flex_attention and kv_cache is None and isinstance(start_pos, int) and start_pos == 0
         positions, mask = layout_of(caches[0]).positions_and_mask(caches[0], attention_mask, start_pos, batch,
                                                                   seq, embeddings.device, flex)
         cos, sin = self.rotary(positions)
         x, new_caches = embeddings, []
-        if self.activation_checkpointing and kv_cache is None and torch.is_grad_enabled():
+        if checkpoint_activations and kv_cache is None and torch.is_grad_enabled():
             for block in self.blocks:  # no cache to return: nothing of a block is kept but its input
                 x = checkpoint(lambda x, block=block: block(x, cos, sin, mask, None, start_pos)[0], x,
                                use_reentrant=False)

@@ -46,9 +46,6 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         self.vision = VisionTransformer(config.vision)
         self.projector = ModalityProjector(config)
         self.language = LanguageModel(config.language)
-        # Training's loss without logits (forward(return_logits=False)): the head and the cross-entropy a
-        # chunk of positions at a time where the logits would be large (models/linear_cross_entropy.py).
-        self.chunked_loss = False
 
     @classmethod
     def from_backbones(cls, config: VLMConfig, allow_pickle: bool = False) -> VisionLanguageModel:
@@ -86,9 +83,10 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         self.config = dataclasses.replace(self.config, language=self.language.config,
                                           image_token_id=image_token_id)
 
-    def image_features(self, images: Tensor) -> Tensor:
+    def image_features(self, images: Tensor, checkpoint_activations: bool = False) -> Tensor:
         """The LM-space embeddings of `images` [N, C, H, W]: [N, tokens_per_image, hidden]."""
-        return self.projector(self.vision(images.to(self.language.token_embedding.weight.dtype)))
+        pixels = images.to(self.language.token_embedding.weight.dtype)
+        return self.projector(self.vision(pixels, checkpoint_activations))
 
     def _image_slots(self, input_ids: Tensor) -> Tensor:
         """[B, T] bool: the image-token placeholders of `input_ids`."""
@@ -131,12 +129,18 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
 
     def forward(self, input_ids: Tensor, images: Tensor | None = None, attention_mask: Tensor | None = None,
                 targets: Tensor | None = None, reduction: Literal["mean", "sum", "none"] = "mean",
-                return_logits: bool = True) -> tuple[Tensor | None, Tensor | None]:
+                return_logits: bool = True, *, chunked_loss: bool = False, flex_attention: bool = False,
+                checkpoint_activations: bool = False) -> tuple[Tensor | None, Tensor | None]:
         """Logits [B, T, V] and, given `targets` [B, T] (the token to predict at each position, -100 to skip),
         the cross-entropy (models/linear_cross_entropy.py `head_and_loss`). return_logits=False (training)
-        returns None for the logits; with `self.chunked_loss` the loss is then computed a chunk at a time."""
-        hidden, _ = self.language(self.embed(input_ids, images), attention_mask)
-        return head_and_loss(hidden, self.language.head, targets, reduction, return_logits, self.chunked_loss)
+        returns None for the logits; with `chunked_loss` the loss is then computed a chunk at a time.
+        Training's options (train.py sets them): see LanguageModel.forward."""
+        has_images = images is not None and len(images) > 0
+        features = self.image_features(images, checkpoint_activations) if has_images else None
+        embeddings = self.embed(input_ids, features=features)
+        hidden, _ = self.language(embeddings, attention_mask, flex_attention=flex_attention,
+                                  checkpoint_activations=checkpoint_activations)
+        return head_and_loss(hidden, self.language.head, targets, reduction, return_logits, chunked_loss)
 
     @torch.inference_mode()
     def stream(self, input_ids: Tensor, images: Tensor | None = None, attention_mask: Tensor | None = None, *,

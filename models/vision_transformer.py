@@ -61,7 +61,6 @@ class VisionTransformer(nn.Module):
                                                / config.hidden_size**0.5)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.num_layers))
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.activation_checkpointing = False  # recompute each block in the backward pass (see LanguageModel)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -74,14 +73,15 @@ class VisionTransformer(nn.Module):
         if isinstance(module, (nn.Conv2d, nn.Linear)):
             nn.init.zeros_(module.bias)
 
-    def forward(self, images: Tensor) -> Tensor:
+    def forward(self, images: Tensor, checkpoint_activations: bool = False) -> Tensor:
         """Patch features [N, num_patches, hidden] for normalised images [N, channels, image_size,
-        image_size]."""
+        image_size]. checkpoint_activations: keep each block's input only, recomputing the block in the
+        backward pass (the same gradients for less memory)."""
         expected = (self.config.num_channels, self.config.image_size, self.config.image_size)
         if tuple(images.shape[1:]) != expected:
             raise InputError(f"images must be [N, {', '.join(map(str, expected))}], got {list(images.shape)}")
         x = self.patch_embedding(images).flatten(2).transpose(1, 2) + self.position_embedding
-        recompute = self.activation_checkpointing and torch.is_grad_enabled()
+        recompute = checkpoint_activations and torch.is_grad_enabled()
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         return self.norm(x)

@@ -28,15 +28,16 @@ def normalize(answer: str) -> str:
 
 @torch.no_grad()
 def validation_loss(model: VisionLanguageModel, batches: Iterable[dict], device: torch.device, autocast,
-                    per: LossWeight = "token") -> float:
-    """Cross-entropy over every answer token of `batches`, weighted as in training (see `target_weights`)."""
+                    per: LossWeight = "token", chunked_loss: bool = False) -> float:
+    """Cross-entropy over every answer token of `batches`, weighted as in training (see `target_weights`),
+    chunked as in training."""
     model.eval()
     total, weight = 0.0, 0.0
     for batch in batches:
         weights = target_weights(batch["targets"], batch["attention_mask"], per)
         with autocast:
             inputs = {k: v.to(device) for k, v in batch.items()}
-            _, losses = model(**inputs, reduction="none", return_logits=False)
+            _, losses = model(**inputs, reduction="none", return_logits=False, chunked_loss=chunked_loss)
         total += float((losses * weights.to(device)).sum())
         weight += float(weights.sum())
     return total / (weight or 1)

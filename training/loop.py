@@ -99,6 +99,12 @@ class Trainer:
         return Path(self.config.train.output_dir)
 
 
+def forward_options(train_config: TrainConfig) -> dict[str, bool]:
+    """The model's training options (VisionLanguageModel.forward) as the run's config sets them."""
+    return {"checkpoint_activations": train_config.activation_checkpointing,
+            "chunked_loss": train_config.chunked_loss, "flex_attention": train_config.flex_attention}
+
+
 def train_step(trainer: Trainer, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, int, bool]:
     """One optimizer step over `micro_batches` (train.grad_accum_steps of them) on every rank; returns (loss,
     tokens, finite), both summed over ranks. The loss is the weighted mean (`target_weights`) over every
@@ -117,7 +123,8 @@ def train_step(trainer: Trainer, micro_batches: list[dict[str, torch.Tensor]]) -
     for i, (batch, weight) in enumerate(zip(micro_batches, weights)):
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}  # from pinned memory on GPU
         with gradient_sync(model, enabled=i == len(micro_batches) - 1), trainer.autocast:
-            _, losses = trainer.forward(**batch, reduction="none", return_logits=False)
+            _, losses = trainer.forward(**batch, reduction="none", return_logits=False,
+                                        **forward_options(train_config))
         loss = (losses * weight.to(device)).sum()
         # DDP and FSDP2 average gradients over ranks: scale by world_size so the step's gradient is the global
         # mean.
@@ -182,7 +189,8 @@ def run(trainer: Trainer, state: TrainState) -> str | None:
                                            "lr": trainer.scheduler.get_last_lr()[-1]})
             if state.step % train_config.eval_every == 0 or done:
                 val_loss = validation_loss(trainer.model, trainer.validation_batches, trainer.device,
-                                           trainer.autocast, train_config.loss_weight)
+                                           trainer.autocast, train_config.loss_weight,
+                                           train_config.chunked_loss)
                 state.validation.append([state.step, val_loss])
                 report(f"step {state.step}: train loss {step_loss:.4f}, validation loss {val_loss:.4f}")
                 _log(trainer, state.step, {"val/loss": val_loss})

@@ -140,14 +140,9 @@ def _check_start(config: RunConfig, resume: Path | None, device: torch.device) -
 
 def _prepare_parts(model: VisionLanguageModel, train_config, device: torch.device,
                    resume: Path | None) -> None:
-    """The parts at learning rate 0 frozen, LoRA's adapters (and QLoRA's 4-bit base) in place, activation
-    checkpointing, the chunked loss and FlexAttention as the config says."""
+    """The parts at learning rate 0 frozen, LoRA's adapters (and QLoRA's 4-bit base) in place."""
     freeze_parts(model, train_config)
     _adapt(model, train_config, device, resume)
-    for part in (model.language, model.vision):
-        part.activation_checkpointing = train_config.activation_checkpointing
-    model.chunked_loss = train_config.chunked_loss
-    model.language.flex_attention = train_config.flex_attention
 
 
 def _validation_batches(collator: VQACollator, records: CheckedRecords, train_config) -> list[dict]:

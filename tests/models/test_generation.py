@@ -64,7 +64,7 @@ def test_num_samples_reuse_one_prefill(model, batch, monkeypatch):
     greedy_one = model.generate(ids, images[:2], mask, max_new_tokens=12, greedy=True)
     calls = []
     original = model.vision.forward
-    monkeypatch.setattr(model.vision, "forward", lambda x: calls.append(x.shape[0]) or original(x))
+    monkeypatch.setattr(model.vision, "forward", lambda x, *a: calls.append(x.shape[0]) or original(x, *a))
     prefill_batches = []
     language_forward = model.language.forward
     monkeypatch.setattr(model.language, "forward",

@@ -228,11 +228,10 @@ def test_sharded_checkpoints_load_through_their_index(tmp_path):
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_flex_attention_gives_the_dense_masks_logits(llama_pair, compiled):
-    """LanguageModel.flex_attention (train.flex_attention): packed and padded rows through FlexAttention's
+    """forward(flex_attention=True) (train.flex_attention): packed and padded rows through FlexAttention's
     block mask give the logits of SDPA under the dense mask (itself checked against separate passes above),
-    compiled as one graph too; in evaluation mode the dense mask stays. Forward only: FlexAttention has no
-    backward pass on a CPU (a GPU test checks the gradients), and a CPU runs its unfused reference, which
-    skips no tile."""
+    compiled as one graph too. Forward only: FlexAttention has no backward pass on a CPU (a GPU test checks
+    the gradients), and a CPU runs its unfused reference, which skips no tile."""
     _, ours = llama_pair
     rows = [[40, 61, 30], [90, 50]]  # the sequences' lengths in each row, across flex's 128-token tiles
     ids = torch.randint(0, 128, (2, 150), generator=torch.Generator().manual_seed(3))
@@ -240,15 +239,8 @@ def test_flex_attention_gives_the_dense_masks_logits(llama_pair, compiled):
                          + [0] * (150 - sum(row)) for row in rows])
     torch._dynamo.reset()
     forward = torch.compile(ours, fullgraph=True, backend="aot_eager") if compiled else ours
-    try:
-        with torch.no_grad():
-            dense = ours.head(ours(ours.token_embedding(ids), attention_mask=mask)[0])
-            ours.flex_attention = True
-            evaluated = ours.head(ours.eval()(ours.token_embedding(ids), attention_mask=mask)[0])
-            flex = ours.head(forward.train()(ours.token_embedding(ids), attention_mask=mask)[0])
-    finally:
-        ours.flex_attention = False
-        ours.eval()
+    with torch.no_grad():
+        dense = ours.head(ours(ours.token_embedding(ids), attention_mask=mask)[0])
+        flex = ours.head(forward(ours.token_embedding(ids), attention_mask=mask, flex_attention=True)[0])
     torch.testing.assert_close(flex, dense, atol=5e-5, rtol=0)  # float32 sums in another order
-    torch.testing.assert_close(evaluated, dense, atol=0, rtol=0)  # evaluation keeps the dense mask
 

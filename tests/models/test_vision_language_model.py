@@ -96,7 +96,7 @@ def test_resizing_the_vocabulary_keeps_the_rest_of_the_config():
     assert model.config == dataclasses.replace(tiny_vlm_config(vocab_size=120), image_token_id=119)
 
 
-def _saved_elements_loss_and_grads(model, ids, images, targets) -> tuple[int, torch.Tensor, dict]:
+def _saved_elements_loss_and_grads(model, ids, images, targets, **options) -> tuple[int, torch.Tensor, dict]:
     """Elements kept for the backward pass, the loss, and every gradient, for one forward and backward."""
     model.zero_grad()
     saved = []
@@ -106,7 +106,7 @@ def _saved_elements_loss_and_grads(model, ids, images, targets) -> tuple[int, to
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        _, loss = model(ids, images, targets=targets)
+        _, loss = model(ids, images, targets=targets, **options)
     loss.backward()
     return sum(saved), loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()
                                        if p.grad is not None}
@@ -121,9 +121,8 @@ def test_activation_checkpointing_keeps_less_for_the_same_loss_and_gradients():
     images = torch.randn(2, 3, 32, 32, generator=generator, dtype=torch.float64)
     targets = ids.roll(-1, 1)
     kept, loss, grads = _saved_elements_loss_and_grads(model, ids, images, targets)
-    model.language.activation_checkpointing = model.vision.activation_checkpointing = True
     kept_checkpointed, loss_checkpointed, grads_checkpointed = _saved_elements_loss_and_grads(
-        model, ids, images, targets
+        model, ids, images, targets, checkpoint_activations=True
     )
     assert kept_checkpointed < 0.6 * kept
     torch.testing.assert_close(loss_checkpointed, loss, atol=1e-12, rtol=0)
@@ -132,12 +131,12 @@ def test_activation_checkpointing_keeps_less_for_the_same_loss_and_gradients():
         torch.testing.assert_close(grads_checkpointed[name], grad, atol=1e-12, rtol=0, msg=name)
 
 
-def _losses_and_gradients(model, forward, ids, images, mask, targets
+def _losses_and_gradients(model, forward, ids, images, mask, targets, **options
                           ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """A training forward's per-position losses through `forward` (the model or its compiled form), and the
     gradients of their sum."""
     model.zero_grad()
-    _, losses = forward(ids, images, mask, targets, reduction="none", return_logits=False)
+    _, losses = forward(ids, images, mask, targets, reduction="none", return_logits=False, **options)
     losses.sum().backward()
     return losses.detach(), [p.grad.clone() for p in model.parameters()]
 
@@ -152,7 +151,6 @@ def test_the_training_forward_compiles_as_one_graph_and_computes_what_eager_does
     monkeypatch.setattr(chunked_loss, "CHUNK_ELEMENTS", 10 * 96)  # 48 positions: 5 chunks
     torch._dynamo.reset()
     model = tiny_vlm(seed=4).train()
-    model.chunked_loss = chunked
     config = model.config
     ids = torch.randint(3, 90, (2, 24), generator=torch.Generator().manual_seed(0))
     ids[:, 1 : 1 + config.tokens_per_image] = config.image_token_id
@@ -162,10 +160,11 @@ def test_the_training_forward_compiles_as_one_graph_and_computes_what_eager_does
     mask = torch.ones(2, 24, dtype=torch.long)
     mask[:, 14:20] = 2  # a second record packed into each row
     mask[1, 20:] = 0  # and padding
-    model.language.activation_checkpointing = model.vision.activation_checkpointing = activation_checkpointing
-    eager, eager_grads = _losses_and_gradients(model, model, ids, images, mask, targets)
+    options = {"checkpoint_activations": activation_checkpointing, "chunked_loss": chunked}
+    eager, eager_grads = _losses_and_gradients(model, model, ids, images, mask, targets, **options)
     compiled, compiled_grads = _losses_and_gradients(
-        model, torch.compile(model, fullgraph=True, backend="aot_eager"), ids, images, mask, targets
+        model, torch.compile(model, fullgraph=True, backend="aot_eager"), ids, images, mask, targets,
+        **options
     )
     torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-6)
     for expected, got in zip(eager_grads, compiled_grads, strict=True):
@@ -174,12 +173,11 @@ def test_the_training_forward_compiles_as_one_graph_and_computes_what_eager_does
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_the_loss_without_logits_equals_the_loss_from_them(tie, monkeypatch):
-    """return_logits=False with model.chunked_loss (train.chunked_loss) computes the head and the loss a chunk
+    """return_logits=False with chunked_loss (train.chunked_loss) computes the head and the loss a chunk
     of positions at a time where the logits would be large: the same losses, for every reduction, and the same
     gradients (float64: equal but for the order of the sums, on any CPU)."""
     monkeypatch.setattr(chunked_loss, "CHUNK_ELEMENTS", 7 * 96)  # 2 x 16 positions: 5 chunks
     model = tiny_vlm(seed=6, tie_word_embeddings=tie).double().train()
-    model.chunked_loss = True
     ids = torch.randint(3, 90, (2, 16), generator=torch.Generator().manual_seed(1))
     ids[:, 1:5] = IMAGE_ID
     images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
@@ -190,7 +188,7 @@ def test_the_loss_without_logits_equals_the_loss_from_them(tie, monkeypatch):
         for return_logits in (True, False):
             model.zero_grad()
             logits, loss = model(ids, images, targets=targets, reduction=reduction,
-                                 return_logits=return_logits)
+                                 return_logits=return_logits, chunked_loss=True)
             assert (logits is None) == (not return_logits)
             loss.sum().backward()
             results.append((loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
@@ -221,9 +219,8 @@ def test_flex_attention_trains_as_the_dense_mask_does_on_a_gpu():
     mask[1, 280:] = 0  # and padding
     ids, images, targets, mask = (t.cuda() for t in (ids, images, targets, mask))
     dense, dense_grads = _losses_and_gradients(model, model, ids, images, mask, targets)
-    model.language.flex_attention = True
     flex, flex_grads = _losses_and_gradients(model, torch.compile(model, fullgraph=True), ids, images, mask,
-                                             targets)
+                                             targets, flex_attention=True)
     torch.testing.assert_close(flex, dense, atol=1e-4, rtol=1e-4)
     for expected, got in zip(dense_grads, flex_grads, strict=True):  # float32 rounding grows with gradients
         scale = max(1.0, expected.abs().max().item())
