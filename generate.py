@@ -34,7 +34,6 @@ from data.detokenizer import IncrementalDetokenizer
 from loading import load_for_inference, pick_device
 from models import GenerationError, TinyVLMError, kv_cache_bytes
 from models.weights import atomic_write
-from serving.engine import engine_settings
 from serving.requests import RequestError, RequestParams
 
 
@@ -142,6 +141,7 @@ def run_batch(args: argparse.Namespace, params: RequestParams) -> None:
     the lines with their answers to --output, in input order, once all are answered (atomically)."""
     from tqdm import tqdm
 
+    from serving.config import ServingConfig
     from serving.engine import Engine
     from serving.requests import Request
 
@@ -157,7 +157,7 @@ def run_batch(args: argparse.Namespace, params: RequestParams) -> None:
         prompt = check_prompt(record.get("prompt", CAPTION_PROMPT if image else ""))
         requests.append(Request(prompt, [image] if image else None, params))
     model, processor = load_for_inference(args.checkpoint, pick_device(args.device), args.allow_pickle)
-    engine = Engine(model, processor, **engine_settings(model, args.kv_cache_mib))
+    engine = Engine(model, processor, ServingConfig(kv_cache_mib=args.kv_cache_mib))
     with tqdm(total=len(requests), desc="answers", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
         results = engine.generate(requests, progress=lambda done: bar.update(done - bar.n))
     answers = [{**record, **({"answer": result.texts[0]} if params.n == 1 else {"answers": result.texts})}
@@ -170,13 +170,14 @@ def run_batch(args: argparse.Namespace, params: RequestParams) -> None:
 def run_chat(args: argparse.Namespace, params: RequestParams) -> None:
     """A conversation in the terminal on the serving engine: each line a user turn, the answer streamed; the
     earlier turns' KV blocks are found in the prefix cache, not computed again."""
+    from serving.config import ServingConfig
     from serving.engine import Engine
     from serving.requests import Request
 
     given = [load_image(path) for path in args.image or []]  # the command line's: for the first question
     pending = list(given)  # for the next turn
     model, processor = load_for_inference(args.checkpoint, pick_device(args.device), args.allow_pickle)
-    engine = Engine(model, processor, **engine_settings(model, args.kv_cache_mib))
+    engine = Engine(model, processor, ServingConfig(kv_cache_mib=args.kv_cache_mib))
     history, images = [], []
     print("Type a question. /image PATH attaches an image to your next question, /reset starts over, /quit "
           "ends.",
@@ -225,7 +226,7 @@ def answer_turn(engine, request) -> tuple[str, int, int]:
     group = engine.prepare(request)
     engine.enqueue(group)
     detokenizer = IncrementalDetokenizer(engine.tokenizer)
-    stops = set(engine.model.config.stop_ids)
+    stops = set(engine.model.stop_ids)
     while engine.has_unfinished():
         for output in engine.step():
             print(detokenizer.add([token for token in output.new_tokens[0] if token not in stops]), end="",

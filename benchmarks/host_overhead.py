@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decode import build_models  # noqa: E402
 from models import LanguageConfig, VisionConfig, VisionLanguageModel, VLMConfig  # noqa: E402
+from serving.config import ServingConfig  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.requests import (
     Request,  # noqa: E402
@@ -79,9 +80,9 @@ def measure(model, running: int, params: RequestParams, steps: int, kernels: lis
             compile_decode: bool = False) -> dict[str, float]:
     """Median over `steps` decode steps of each phase's time (ms), with `running` sequences decoding; the
     device's kernels appended to `kernels`, if given."""
-    engine = Engine(model, num_blocks=running * ((PROMPT + MAX_TOKENS) // BLOCK_SIZE + 2) + 1,
-                    block_size=BLOCK_SIZE, max_num_seqs=running, max_batch_tokens=max(2048, running),
-                    compile_decode=compile_decode)
+    engine = Engine(model, config=ServingConfig(
+        num_blocks=running * ((PROMPT + MAX_TOKENS) // BLOCK_SIZE + 2) + 1, block_size=BLOCK_SIZE,
+        max_num_seqs=running, max_batch_tokens=max(2048, running), compile_decode=compile_decode))
     for i in range(running):
         engine.add_request(Request([3 + (i * 7 + t) % 120 for t in range(PROMPT)], None, params))
     while engine.scheduler.waiting or not all(s.decoding for g in engine.scheduler.running for s in g.live):

@@ -48,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import hardware  # noqa: E402
 from benchmarks.decode import build_models, synchronize  # noqa: E402
+from serving.config import ServingConfig  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.requests import (
     Request,  # noqa: E402
@@ -98,11 +99,11 @@ def run_engine(model, requests, args, device, cuda_graphs: bool | None = None,
                compile_decode: bool = False) -> dict:
     context = model.config.language.max_position_embeddings
     started = time.perf_counter()
-    engine = Engine(model, num_blocks=args.kv_blocks, block_size=args.block_size,
-                    max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
-                    cuda_graphs=cuda_graphs, compile_decode=compile_decode)
-    print(f"engine start-up (graphs {engine.runner.graphs is not None}, compiled {compile_decode}): "
-          f"{time.perf_counter() - started:.1f} s", flush=True)
+    config = ServingConfig(num_blocks=args.kv_blocks, block_size=args.block_size,
+                           max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
+                           cuda_graphs=cuda_graphs, compile_decode=compile_decode)
+    engine = Engine(model, config=config)
+    print(f"engine start-up ({engine.settings.summary()}): {time.perf_counter() - started:.1f} s", flush=True)
     # warm-up on other prompts (kernels compiled, nothing shared with the workload's prefix)
     rng = random.Random(1)
     engine.generate([Request([rng.randrange(100, 49000) for _ in range(min(300, context - 20))], None,

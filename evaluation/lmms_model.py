@@ -9,7 +9,8 @@ Any checkpoint `generate.py` takes (tinyvlm's own, SmolVLM / Idefics3, nanoVLM; 
 asked the way it was trained: its own chat template and image splitting (data/chat_processors.py), every image
 of a document in its prompt. `generate_until` runs all of a task's requests through the serving engine
 (batched, greedy unless the task asks for a temperature); `loglikelihood` scores continuations with the
-model's log-probabilities.
+model's log-probabilities. Any setting of the engine (serving/config.py ServingConfig) is a model argument of
+the same name: `--model_args checkpoint=runs/tiny,kv_cache_mib=2048,attention=gather`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from PIL import Image
 from data.collator import pad
 from loading import load_for_inference, pick_device
 from models.errors import TinyVLMError
-from serving.engine import Engine, engine_settings
+from serving.config import ServingConfig
+from serving.engine import Engine
 from serving.requests import Request, RequestParams
 from typed_config import one_line
 
@@ -40,23 +42,25 @@ def manifest() -> ModelManifest:
 
 # lmms-eval's model interface (lmms_eval/api/model.py), as its llava_hf model implements it.
 class TinyVLM(lmms):
-    """`checkpoint`: a directory or hub id (None: the newest run under runs/); `batch_size`: the engine's
-    sequences at once, and the rows of a log-likelihood forward; `kv_cache_mib`: the engine's KV-cache
-    memory. A checkpoint that cannot be loaded ends the process: one line, exit code 2."""
+    """`checkpoint`: a directory or hub id (None: the newest run under runs/); `batch_size`: the rows of a
+    log-likelihood forward, and the engine's sequences at once unless `max_num_seqs` says; `serving`: any
+    other ServingConfig field by name (values as lmms-eval parses them, or as text). lmms-eval also passes its
+    `max_batch_size`, which changes nothing. A checkpoint that cannot be loaded or engine settings that do not
+    fit end the process: one line, exit code 2."""
 
     def __init__(self, checkpoint: str | None = None, device: str | None = None, batch_size: int | str = 16,
-                 kv_cache_mib: int = 1024, allow_pickle: bool = False, **unused) -> None:
+                 allow_pickle: bool = False, max_batch_size: int | None = None, **serving) -> None:
         super().__init__()
         self.device = pick_device(device or "auto")
+        self.batch_size = int(batch_size)
         try:
+            config = ServingConfig.from_dict({"max_num_seqs": self.batch_size, **serving})
             self.model, self.processor = load_for_inference(checkpoint, self.device, allow_pickle)
+            self.engine = Engine(self.model, self.processor, config)
         except TinyVLMError as e:  # lmms-eval would log any Exception with a traceback, then exit 0
             print(f"error: {one_line(e)}", file=sys.stderr)
             raise SystemExit(2) from None
         self.tokenizer = self.processor.tokenizer
-        self.batch_size = int(batch_size)
-        self.engine = Engine(self.model, self.processor,
-                             **engine_settings(self.model, int(kv_cache_mib), max_num_seqs=self.batch_size))
 
     def _visuals(self, doc_to_visual, doc_id: int, task: str, split: str) -> list[Image.Image]:
         visuals = doc_to_visual(self.task_dict[task][split][doc_id]) if doc_to_visual is not None else []

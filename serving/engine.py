@@ -1,6 +1,7 @@
 """The serving engine: requests in, tokens out, many requests sharing each forward pass over a paged KV cache.
 
-    engine = Engine(model, processor, num_blocks=512)     # processor: data.chat_processors (or a tokenizer)
+    engine = Engine(model, processor, ServingConfig(num_blocks=512))  # processor: data.chat_processors (or a
+                                                                      # tokenizer); config: serving/config.py
     outputs = engine.generate([Request("What color is the circle?", [image]), Request("Describe the image.")])
     # a conversation: its earlier turns reuse cached blocks
     turns = [Message("system", "Answer in one word."), Message("user", "Color?", 1)]
@@ -27,56 +28,45 @@ from data.chat_processors import ChatProcessor, CheckpointProcessor
 from data.prompts import Message, PromptError
 from models import InputError, VisionLanguageModel
 from serving.block_manager import BlockManager
+from serving.config import ServingConfig
 from serving.packed_linear import packing_available
 from serving.requests import Output, Request, RequestError, Result, TokenLogprobs
-from serving.runner import ModelRunner, resolve_step_settings
+from serving.runner import ModelRunner
 from serving.scheduler import Scheduler
 from serving.sequence import RequestState, Sequence, token_keys
+from serving.served_model import ServedModel
 from serving.structured import Grammars, accepted
-
-
-def engine_settings(model: VisionLanguageModel, kv_cache_mib: int, block_size: int = 16,
-                    max_num_seqs: int = 64) -> dict[str, int]:
-    """Engine keyword arguments for a KV-cache memory budget: as many blocks as fit, but no more than
-    `max_num_seqs` sequences of the full context need."""
-    per_block = ModelRunner.bytes_per_block(model, block_size)
-    per_sequence = -(-model.config.language.max_position_embeddings // block_size)
-    num_blocks = min(kv_cache_mib * 2**20 // per_block, max_num_seqs * per_sequence) + 1  # + the null block
-    return {"num_blocks": max(num_blocks, 2), "block_size": block_size, "max_num_seqs": max_num_seqs}
 
 
 class Engine:
     def __init__(self, model: VisionLanguageModel,
-                 processor: ChatProcessor | CheckpointProcessor | None = None, *, num_blocks: int = 256,
-                 block_size: int = 16, max_num_seqs: int = 64, max_batch_tokens: int = 512,
-                 attention: str = "auto", cuda_graphs: bool | None = None, compile_decode: bool = False,
-                 pack_weights: bool | None = None, admission_batch: int | None = None) -> None:
+                 processor: ChatProcessor | CheckpointProcessor | None = None,
+                 config: ServingConfig | None = None) -> None:
         """`processor` turns text prompts and PIL images into model inputs (data/chat_processors.py); a
         tokenizer is taken as tinyvlm's ChatML with it. Without one, requests give token ids and pixels.
-        `attention`, `cuda_graphs`, `compile_decode`, `pack_weights` and `admission_batch` (seats that must be
-        free before waiting requests join running decodes): serving/runner.py `resolve_step_settings` (by
-        default the Triton kernel, CUDA graphs and admission in batches of max_num_seqs / 8 on a GPU; sparse
-        decode attention and oneDNN's prepacked weights on a CPU; the decode forward compiled when asked)."""
+        `config` (default: ServingConfig()): the kernel, decode fast paths, KV cache and batch limits,
+        resolved here once for the model's device and dtype into `settings` (serving/config.py); ConfigError
+        for settings that cannot run there. The model is run through serving/served_model.py alone."""
+        self.model = ServedModel(model)
         if processor is not None and not isinstance(processor, (ChatProcessor, CheckpointProcessor)):
-            processor = ChatProcessor.from_config(model.config, processor)
-        self.model, self.processor = model.eval(), processor
+            processor = self.model.chat_processor(processor)
+        self.processor = processor
         self.tokenizer = None if processor is None else processor.tokenizer
-        self.blocks = BlockManager(num_blocks, block_size)
-        weight = model.language.token_embedding.weight
-        settings = resolve_step_settings(
-            weight.device.type, weight.dtype, max_num_seqs, attention=attention, cuda_graphs=cuda_graphs,
-            compile_decode=compile_decode, pack_weights=pack_weights, admission_batch=admission_batch,
+        kv = self.model.kv
+        self.settings = (config or ServingConfig()).resolve(
+            self.model.device.type, kv.dtype, kv_token_bytes=kv.token_bytes, context=self.model.context,
             onednn=packing_available(torch.zeros(1)),
         )
-        self.runner = ModelRunner(model, num_blocks, block_size, max_num_seqs, max_batch_tokens, settings)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_batch_tokens, settings.admission_batch)
+        settings = self.settings
+        self.blocks = BlockManager(settings.num_blocks, settings.block_size)
+        self.runner = ModelRunner(self.model, settings)
+        self.scheduler = Scheduler(self.blocks, settings.max_num_seqs, settings.max_batch_tokens,
+                                   settings.admission_batch)
         self.groups: dict[str, RequestState] = {}
         self._arrivals = itertools.count()
         self.prompt_tokens = self.generation_tokens = 0  # of the requests accepted, and the tokens sampled
-        vocab = model.language.head.out_features  # the logits' width, which the grammars' masks must match
-        self.grammars = (
-            None if self.tokenizer is None else Grammars(self.tokenizer, vocab, model.config.stop_ids)
-        )
+        self.grammars = (None if self.tokenizer is None
+                         else Grammars(self.tokenizer, self.model.vocab_size, self.model.stop_ids))
 
     # -- requests --------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> str:
@@ -96,8 +86,8 @@ class Engine:
         it from its own threads and answer a bad request at once. Raises RequestError."""
         request_id = request.request_id or f"req-{next(self._arrivals)}"
         prompt, images = self._encode(request)
-        params, config = request.params, self.model.config
-        context = config.language.max_position_embeddings
+        params, model = request.params, self.model
+        context = model.context
         if params.max_tokens is None:  # as many as fit the context after the prompt, and the KV cache
             params = dataclasses.replace(params, max_tokens=self._room(len(prompt), params.n, context))
         if len(prompt) + params.max_tokens > context:
@@ -109,7 +99,7 @@ class Engine:
                                f"{self.blocks.num_usable} there are")
         if params.n > self.scheduler.max_num_seqs:
             raise RequestError(f"n ({params.n}) exceeds max_num_seqs ({self.scheduler.max_num_seqs})")
-        stop = set() if params.ignore_eos else {*config.stop_ids, *params.stop_token_ids}
+        stop = set() if params.ignore_eos else {*model.stop_ids, *params.stop_token_ids}
         generator = None
         if params.seed is not None:
             generator = torch.Generator(self.runner.device).manual_seed(params.seed)
@@ -119,14 +109,14 @@ class Engine:
                 raise RequestError("structured output needs the engine's tokenizer")
             grammar = self.grammars.compile(params.structure)
         placeholders = (
-            np.flatnonzero(np.asarray(prompt) == config.image_token_id) if images is not None else []
+            np.flatnonzero(np.asarray(prompt) == model.image_token_id) if images is not None else []
         )
         group = RequestState(request_id, prompt, images, np.asarray(placeholders, np.int64), params,
                              frozenset(stop),
                       len(prompt) + params.max_tokens, next(self._arrivals), generator=generator,
                              grammar=grammar)
         group.sequences = [Sequence(group, 0, list(prompt),
-                                    token_keys(prompt, images, config.image_token_id))]
+                                    token_keys(prompt, images, model.image_token_id))]
         return group
 
     def _blocks_needed(self, prompt: int, max_tokens: int, n: int) -> int:
@@ -171,15 +161,15 @@ class Engine:
                     "a prompt of token ids takes processed pixels [N, C, H, W], not PIL images"
                 )
             prompt = list(request.prompt)
-            vocab = self.model.language.head.out_features
+            vocab = self.model.vocab_size
             if prompt and not all(0 <= token < vocab for token in prompt):
                 raise RequestError(f"the prompt's token ids must lie in 0..{vocab - 1}")
         if not prompt:
             raise RequestError("the prompt is empty")
-        config = self.model.config
+        model = self.model
         try:
-            self.model.check_image_tokens(sum(token == config.image_token_id for token in prompt),
-                                          0 if images is None else len(images) * config.tokens_per_image)
+            model.check_image_tokens(sum(token == model.image_token_id for token in prompt),
+                                     0 if images is None else len(images) * model.tokens_per_image)
         except InputError as e:
             raise RequestError(str(e)) from None
         return prompt, images
@@ -240,9 +230,10 @@ class Engine:
         self.runner.admit(self.scheduler.fork(group))
         return group.sequences
 
-    def _update(self, sampled: list[Sequence], tokens: list[int],
+    def _update(self, sampled: list[Sequence], tokens: list[int | None],
                 logprobs: list[TokenLogprobs | None] | None) -> list[Output]:
-        """Append each sampled token, end the samples that stop, and report each request's new tokens."""
+        """Append each sampled token, end the samples that stop, and report each request's new tokens. A
+        sample whose grammar allowed no token (None) ends as it is, cut short: finish reason "length"."""
         outputs: dict[RequestState, Output] = {}
         ended: set[RequestState] = set()  # requests a sample of which ended this step
         for i, (sequence, token) in enumerate(zip(sampled, tokens)):
@@ -252,18 +243,21 @@ class Engine:
                 output = outputs[group] = Output(group.request_id, [[] for _ in range(group.params.n)])
                 if group.params.logprobs is not None:
                     output.logprobs = [[] for _ in range(group.params.n)]
-            sequence.append(token)
-            output.new_tokens[sequence.index].append(token)
-            if output.logprobs is not None:
-                output.logprobs[sequence.index].append(logprobs[i])
-            if token in group.stop_ids or (
-                sequence.matcher is not None and not accepted(sequence.matcher, token)
-            ):
-                sequence.finish_reason = "stop"
-            elif len(sequence.tokens) >= group.max_length:
+            if token is None:  # its grammar allows no token: the answer ends where it is
                 sequence.finish_reason = "length"
             else:
-                continue
+                sequence.append(token)
+                output.new_tokens[sequence.index].append(token)
+                if output.logprobs is not None:
+                    output.logprobs[sequence.index].append(logprobs[i])
+                if token in group.stop_ids or (
+                    sequence.matcher is not None and not accepted(sequence.matcher, token)
+                ):
+                    sequence.finish_reason = "stop"
+                elif len(sequence.tokens) >= group.max_length:
+                    sequence.finish_reason = "length"
+                else:
+                    continue
             self.runner.release([sequence])
             self.scheduler.finish(sequence)
             ended.add(group)

@@ -8,33 +8,33 @@ blocks run every forward with a paged layout (serving/paged_layout.py) built fro
 exact; an eager decode sorts its rows by table length so that groups of them gather only what they need), in
 place with a Triton kernel ("triton": GPUs; the default there), or, for decode rows on a CPU, in place with
 sparse-matrix kernels ("sparse": the default there; prompt chunks are gathered). On a CPU the language model's
-linears run through oneDNN on weights packed once (serving/packed_linear.py).
+linears run through oneDNN on weights packed once (serving/packed_linear.py). Which of these a runner uses is
+its resolved ServingConfig (serving/config.py).
+
+The runner reaches the model only through serving/served_model.py's narrow interface (embed, hidden states
+through the blocks over a paged layout, logits, the KV shape, image features), never through its attributes.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from models import VisionLanguageModel, kv_cache_bytes
 from models.compiled_decode import CompiledCall
 from models.sampling import sample_rows
+from serving.config import ServingConfig
 from serving.decode_graphs import DecodeGraphs
 from serving.input_buffers import InputBuffers, StepInputs
-from serving.packed_linear import PackedLinears, packing_available
 from serving.paged_attention import GatherPlan, SparseIndex, sparse_index
-from serving.paged_layout import PAGED_LAYOUTS, Gathered, Paged, Sparse
+from serving.paged_layout import PAGED_LAYOUTS, Gathered, Sparse
 from serving.requests import MAX_LOGPROBS, TokenLogprobs
 from serving.sequence import Sequence
+from serving.served_model import ServedModel
 from serving.structured import apply_masks, matcher
-
-ATTENTION = ("auto", *PAGED_LAYOUTS)
 
 
 def row_groups(lengths: np.ndarray, most: int = 4, least_rows: int = 8
@@ -54,93 +54,37 @@ def row_groups(lengths: np.ndarray, most: int = 4, least_rows: int = 8
     return tuple(ends), tuple(widths)
 
 
-@dataclass(frozen=True)
-class StepSettings:
-    """How the runner computes a step, every default decided: the paged attention kernel, CUDA graphs per
-    batch bucket, the compiled decode forward, oneDNN's prepacked linears, and the free seats that waiting
-    requests need before joining running decodes (serving/scheduler.py)."""
-
-    attention: str
-    cuda_graphs: bool
-    compile_decode: bool
-    pack_weights: bool
-    admission_batch: int
-
-
-def resolve_step_settings(device_type: str, dtype: torch.dtype, max_num_seqs: int, *, attention: str = "auto",
-                          cuda_graphs: bool | None = None, compile_decode: bool = False,
-                          pack_weights: bool | None = None, admission_batch: int | None = None,
-                          onednn: bool = True) -> StepSettings:
-    """The settings a runner of `dtype` weights on a `device_type` device uses; None and "auto" take the
-    defaults: on a GPU the Triton kernel, CUDA graphs and admission in batches of max_num_seqs / 8; on a CPU
-    sparse decode attention (float32/float64, eager; else gather) and, for float32 where `onednn` (the torch
-    build has it), prepacked linears. A pure function of its arguments. ValueError for settings that cannot
-    run there or together."""
-    if attention not in ATTENTION:
-        raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
-    cuda, cpu = device_type == "cuda", device_type == "cpu"
-    sparse_usable = cpu and dtype in (torch.float32, torch.float64) and not compile_decode
-    if attention == "auto":
-        attention = "triton" if cuda else "sparse" if sparse_usable else "gather"
-    if attention == "triton" and not (cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        raise ValueError("triton paged attention needs a CUDA device (attention='gather' runs anywhere)")
-    if attention == "sparse" and not sparse_usable:
-        raise ValueError("sparse paged attention needs float32 or float64 weights on a CPU and an eager "
-                         "decode (no compile_decode); attention='gather' runs anywhere")
-    if cuda_graphs is None:  # gather + SDPA in a graph would gather every row's whole context
-        cuda_graphs = cuda and attention == "triton"
-    if cuda_graphs and not cuda:
-        raise ValueError("CUDA graphs need the model on a CUDA device")
-    packable = cpu and dtype == torch.float32 and onednn
-    if pack_weights is None:
-        pack_weights = packable and not compile_decode
-    if pack_weights and (compile_decode or not packable):
-        raise ValueError("pack_weights needs float32 weights on a CPU (in a torch built with oneDNN) and "
-                         "an eager forward (no compile_decode)")
-    if admission_batch is None:
-        admission_batch = max(1, max_num_seqs // 8) if cuda_graphs else 1
-    return StepSettings(attention, cuda_graphs, compile_decode, pack_weights, admission_batch)
-
-
 class ModelRunner:
-    def __init__(self, model: VisionLanguageModel, num_blocks: int, block_size: int, max_num_seqs: int = 64,
-                 max_batch_tokens: int = 512, settings: StepSettings | None = None) -> None:
-        """`settings`: see `resolve_step_settings` (default: its defaults for the model's device and dtype).
-        `compile_decode`: the decode forward through torch.compile (Inductor fuses its elementwise work into
-        far fewer kernels), before any capture: compiled once for a batch of many rows (its sizes symbolic)
-        and once for one row. `pack_weights`: the language model's linears through oneDNN with prepacked
-        weights (serving/packed_linear.py; as much memory again)."""
-        config, weight = model.config.language, model.language.token_embedding.weight
-        if settings is None:
-            settings = resolve_step_settings(weight.device.type, weight.dtype, max_num_seqs,
-                                             onednn=packing_available(torch.zeros(1)))
-        if settings.cuda_graphs and weight.device.type != "cuda":
-            raise ValueError("CUDA graphs need the model on a CUDA device")
+    def __init__(self, model: ServedModel, settings: ServingConfig) -> None:
+        """`settings`: resolved (ServingConfig.resolve) for the model's device and dtype. `compile_decode`:
+        the decode forward through torch.compile (Inductor fuses its elementwise work into far fewer kernels),
+        before any capture: compiled once for a batch of many rows (its sizes symbolic) and once for one row.
+        `pack_weights`: the language model's linears through oneDNN with prepacked weights
+        (serving/packed_linear.py; as much memory again)."""
+        kv, max_num_seqs = model.kv, settings.max_num_seqs
         self.model = model
         self.settings = settings
-        self.block_size = block_size
-        self.device = weight.device
-        self.attention = settings.attention
+        self.device = model.device
         self.layout = PAGED_LAYOUTS[settings.attention]  # the decode calls' kernel
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.pools = [{"key": torch.zeros(shape, dtype=weight.dtype, device=self.device),
-                       "value": torch.zeros(shape, dtype=weight.dtype, device=self.device)}
-                      for _ in range(config.num_layers)]
-        max_blocks = -(-config.max_position_embeddings // block_size)
-        self.inputs = InputBuffers(max_num_seqs, max_blocks, max_batch_tokens, block_size, self.device)
+        shape = (settings.num_blocks, settings.block_size, kv.kv_heads, kv.head_dim)
+        self.pools = [{"key": torch.zeros(shape, dtype=kv.dtype, device=self.device),
+                       "value": torch.zeros(shape, dtype=kv.dtype, device=self.device)}
+                      for _ in range(kv.layers)]
+        max_blocks = -(-model.context // settings.block_size)
+        self.inputs = InputBuffers(max_num_seqs, max_blocks, settings.max_batch_tokens, settings.block_size,
+                                   self.device)
         # the sampled ids (and any log-probabilities) come back through here: room for max_num_seqs rows of
         # the most a row packs (2 + 2 x MAX_LOGPROBS float64s)
         self.sampled = torch.zeros(max_num_seqs * (2 + 2 * MAX_LOGPROBS), dtype=torch.float64,
                                    pin_memory=self.device.type == "cuda")
         self.sampled_ready = torch.cuda.Event() if self.device.type == "cuda" else None
         self.bitmask: Tensor | None = None  # structured output's token masks (made when first needed)
-        self.compile_decode = settings.compile_decode
         self.gather_space: Tensor | None = None  # the gathered path's buffer, reused by every layer
         self.decode_hidden = self._decode_hidden
         if settings.compile_decode:  # past the recompile limit a new shape runs eagerly (with a warning)
             self.decode_hidden = CompiledCall(self._decode_hidden, "engine decode steps (rows, table width)",
                                               lambda tokens, block_table, *rest: block_table.shape)
-        self.packed = PackedLinears(model.language) if settings.pack_weights else None
+        self.packed = model.packed_linears() if settings.pack_weights else None
         self.graphs = None
         with torch.inference_mode():
             if settings.cuda_graphs:
@@ -148,11 +92,6 @@ class ModelRunner:
             elif settings.compile_decode:  # compiled now, as a capture compiles it, not in the first steps
                 for rows in sorted({min(2, max_num_seqs), 1}, reverse=True):
                     self._graphed_decode(rows)  # rows of the null seat: they write the null block alone
-
-    @staticmethod
-    def bytes_per_block(model: VisionLanguageModel, block_size: int) -> int:
-        dtype = model.language.token_embedding.weight.dtype
-        return kv_cache_bytes(model.config.language, batch=1, tokens=block_size, dtype=dtype)
 
     # -- seats -----------------------------------------------------------------------------------------------
     def admit(self, sequences: list[Sequence]) -> None:
@@ -186,7 +125,7 @@ class ModelRunner:
                 hidden.append(self.graphs.run(len(decodes)))
             elif self.layout is Sparse:
                 hidden.append(self._sparse_decode(decodes))
-            elif self.layout is Gathered and not self.compile_decode:
+            elif self.layout is Gathered and not self.settings.compile_decode:
                 hidden.append(self._grouped_decode(decodes))
             else:
                 hidden.append(self._decode(self.inputs.decode_inputs(decodes)))
@@ -201,44 +140,52 @@ class ModelRunner:
                 features = torch.cat(
                     [self._features(sequence)[lo:hi] for sequence, lo, hi in inputs.image_chunks]
                 )
-            embeddings = self.model.embed(inputs.tokens[None], features=features, slots=inputs.image_slots)
+            embeddings = self.model.embed(inputs.tokens, features, inputs.image_slots)
             paged = layout(inputs.block_table, inputs.slot_mapping, inputs.positions, inputs.query_start,
                            inputs.context_lens, inputs.max_query_len, **extra)
-            hidden.append(self._blocks(embeddings, paged)[inputs.last])
-        return self.model.language.head(hidden[0] if len(hidden) == 1 else torch.cat(hidden))
+            hidden.append(self.model.hidden_states(embeddings, self.pools, paged)[inputs.last])
+        return self.model.logits(hidden[0] if len(hidden) == 1 else torch.cat(hidden))
 
     @torch.inference_mode()
     def sample(self, logits: Tensor, sequences: list[Sequence], rows: list[int] | None = None
-               ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+               ) -> tuple[list[int | None], list[TokenLogprobs | None] | None]:
         """A token for each of `sequences` from its row of `logits` (row rows[i], or i), each with its
         request's settings (and structured-output mask), in one call, and, if any of them asks, the
         log-probabilities (the log-softmax of the model's logits, before any mask) of the sampled tokens and
-        of the top k: all in the step's one device-to-host copy."""
+        of the top k: all in the step's one device-to-host copy. None for a sequence whose grammar allows no
+        token (an answer begun that its structure cannot finish): its row's logits are all masked, so what
+        is drawn from them is no token of the answer."""
         if rows is not None:
             logits = logits[self.inputs.index(rows)]
         asked = self.inputs.logprobs[[sequence.row for sequence in sequences]]
         # the model's, before any mask
         logprobs = logits.float().log_softmax(-1) if asked.max() >= 0 else None
+        stuck: list[int] = []
         if any(sequence.group.grammar is not None for sequence in sequences):
-            apply_masks(logits, [self._matcher(sequence) for sequence in sequences],
-                        self._bitmask(logits.shape[-1]))
+            stuck = apply_masks(logits, [self._matcher(sequence) for sequence in sequences],
+                                self._bitmask(logits.shape[-1]))
         settings = self.inputs.sampling_settings(sequences)
         if settings is None:
             tokens = logits.argmax(-1)
         else:
             tokens = sample_rows(logits, settings, self._noise(logits, sequences))
+        results = None
         if logprobs is None:
-            return self._to_host(tokens), None
-        top = logprobs.topk(int(asked.max()), dim=-1)
-        # one copy back: ids (exact in float64), the sampled tokens' log-probabilities, the top k's ids and
-        # values
-        parts = [tokens[:, None], logprobs.gather(1, tokens[:, None]), top.indices, top.values]
-        host = self._to_host(torch.cat([part.double() for part in parts], 1))
-        k = len(top.indices[0]) if len(top.indices) else 0
-        results = [None if want < 0 else TokenLogprobs(row[1], list(zip(map(int, row[2 : 2 + want]),
-                                                                     row[2 + k : 2 + k + want])))
-                   for row, want in zip(host, asked.tolist())]
-        return [int(row[0]) for row in host], results
+            ids = self._to_host(tokens)
+        else:
+            top = logprobs.topk(int(asked.max()), dim=-1)
+            # one copy back: ids (exact in float64), the sampled tokens' log-probabilities, the top k's ids
+            # and values
+            parts = [tokens[:, None], logprobs.gather(1, tokens[:, None]), top.indices, top.values]
+            host = self._to_host(torch.cat([part.double() for part in parts], 1))
+            k = len(top.indices[0]) if len(top.indices) else 0
+            results = [None if want < 0 else TokenLogprobs(row[1], list(zip(map(int, row[2 : 2 + want]),
+                                                                         row[2 + k : 2 + k + want])))
+                       for row, want in zip(host, asked.tolist())]
+            ids = [int(row[0]) for row in host]
+        for row in stuck:
+            ids[row] = None
+        return ids, results
 
     def _noise(self, logits: Tensor, sequences: list[Sequence]) -> Tensor:
         """Exponential noise for the sampling race: one draw for the batch, and rows of seeded requests from
@@ -291,7 +238,7 @@ class ModelRunner:
     def _decode(self, inputs: StepInputs) -> Tensor:
         tensors = (inputs.tokens, inputs.block_table, inputs.slot_mapping, inputs.positions,
                    inputs.query_start, inputs.context_lens)
-        if self.compile_decode:  # sizes symbolic from the first call on: one compile for all batches
+        if self.settings.compile_decode:  # sizes symbolic from the first call on: one compile for all batches
             for tensor in tensors:
                 for dim in range(tensor.dim()):
                     torch._dynamo.maybe_mark_dynamic(tensor, dim)
@@ -304,7 +251,7 @@ class ModelRunner:
         tensors alone: only the eager gathered path passes a gather plan, and the sparse path its index."""
         extra = {"gather": gather} if gather is not None else {"index": sparse} if sparse is not None else {}
         layout = self.layout(block_table, slot_mapping, positions, query_start, context_lens, 1, **extra)
-        return self._blocks(self.model.language.token_embedding(tokens)[None], layout)
+        return self.model.hidden_states(self.model.embed_tokens(tokens), self.pools, layout)
 
     def _grouped_decode(self, decodes: list[Sequence]) -> Tensor:
         """The eager gathered decode: its rows sorted by table length, so that each group of them gathers
@@ -324,7 +271,7 @@ class ModelRunner:
         inputs = self.inputs.decode_inputs(decodes)
         pool = self.pools[0]["key"]
         index = sparse_index(inputs.block_table, inputs.context_lens, inputs.context_total,
-                             self.model.config.language.num_heads, pool.shape, pool.dtype)
+                             self.model.kv.heads, pool.shape, pool.dtype)
         return self._decode_hidden(inputs.tokens, inputs.block_table, inputs.slot_mapping, inputs.positions,
                                    inputs.query_start, inputs.context_lens, sparse=index)
 
@@ -342,15 +289,8 @@ class ModelRunner:
     def _graphed_decode(self, rows: int) -> Tensor:
         return self._decode(self.inputs.decode_views(rows, self.inputs.max_blocks))
 
-    def _blocks(self, embeddings: Tensor, layout: Paged) -> Tensor:
-        """The language model's final hidden states [N, hidden] of one packed row of tokens."""
-        hidden, _ = self.model.language(
-            embeddings, kv_cache=[{**pool, "layout": layout} for pool in self.pools]
-        )
-        return hidden[0]
-
     def _features(self, sequence: Sequence) -> Tensor:
         group = sequence.group
         if group.features is None:
-            group.features = self.model.image_features(group.images.to(self.device)).flatten(0, 1)
+            group.features = self.model.image_features(group.images)
         return group.features

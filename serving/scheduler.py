@@ -47,14 +47,9 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batch_tokens: int,
-                 admission_batch: int = 1
-                 ) -> None:
-        if max_batch_tokens < max_num_seqs:
-            raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_num_seqs "
-                             f"({max_num_seqs}): every running sequence decodes a token each step")
-        if not 1 <= admission_batch <= max_num_seqs:
-            raise ValueError(f"admission_batch must be in 1..max_num_seqs ({max_num_seqs}), got "
-                             f"{admission_batch}")
+                 admission_batch: int = 1) -> None:
+        """The sizes as a ServingConfig checks them (serving/config.py): max_batch_tokens >= max_num_seqs
+        >= admission_batch >= 1."""
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens

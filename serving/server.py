@@ -15,10 +15,12 @@ message; `n`, `max_tokens` (default: the rest of the context), `temperature`, `t
 `stop`, `ignore_eos`, `logprobs` / `top_logprobs`, `response_format` json_object / json_schema,
 `guided_choice`, streaming as server-sent events with `stream_options.include_usage`), POST /v1/completions (a
 plain text prompt or token ids, the same settings but log-probabilities), GET /v1/models and
-/v1/models/{id}, /health and /metrics (Prometheus' text format: running and waiting requests, KV-cache
-blocks, prefix-cache hits, preemptions, tokens in and out, time to first token and between tokens, end to
-end). A client that disconnects aborts its request; bad requests get a 4xx JSON error in OpenAI's shape, and a
-full server answers 429.
+/v1/models/{id}, /health (and the engine's settings, as resolved at start-up and printed there: the options
+of serving/config.py's ServingConfig, --attention, --kv-cache-mib, --max-num-seqs, --enforce-eager, ...) and
+/metrics (Prometheus' text format: running and waiting requests, KV-cache blocks, prefix-cache hits,
+preemptions, tokens in and out, time to first token and between tokens, end to end). A client that
+disconnects aborts its request; bad requests get a 4xx JSON error in OpenAI's shape, and a full server
+answers 429.
 
 Safe to expose: with --api-key (or TINYVLM_API_KEY) every /v1 route wants `Authorization: Bearer KEY` (401
 without); images come as data URLs, as http(s) URLs fetched with limits from public addresses only
@@ -62,7 +64,8 @@ from loading import load_for_inference, pick_device
 from models.errors import TinyVLMError
 from serving.async_engine import AsyncEngine, EngineFailure, QueueFull
 from serving.body import BodyBudget, read_body
-from serving.engine import Engine, engine_settings
+from serving.config import ServingConfig, add_arguments, from_arguments
+from serving.engine import Engine
 from serving.errors import Refused, add_error_handlers, error, invalid, shown
 from serving.media import MediaPolicy
 from serving.metrics import ServerMetrics
@@ -137,13 +140,13 @@ class Completion:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def base_app(server_metrics: ServerMetrics, documented: bool) -> FastAPI:
+def base_app(server_metrics: ServerMetrics, settings: ServingConfig, documented: bool) -> FastAPI:
     """The app with OpenAI's error replies and the open routes; its documentation pages only when `documented`
     (a server with an API key shows none)."""
     docs = {} if documented else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="tinyvlm", **docs)
     add_error_handlers(app)
-    add_open_routes(app, server_metrics)
+    add_open_routes(app, server_metrics, settings)
     return app
 
 
@@ -152,7 +155,7 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
                api_key: str | None = None) -> FastAPI:
     """The server's routes. default_max_tokens: for requests that set none (None: the rest of the context)."""
     server_metrics = ServerMetrics(engine.stats, model_name)
-    app = base_app(server_metrics, documented=api_key is None)
+    app = base_app(server_metrics, engine.engine.settings, documented=api_key is None)
     budget = BodyBudget(limits.max_buffered_bytes)
     preparing = asyncio.Semaphore(limits.max_preparing)
     workers = ThreadPoolExecutor(max_workers=min(8, limits.max_preparing), thread_name_prefix="prepare")
@@ -206,8 +209,10 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
     return app
 
 
-def add_open_routes(app: FastAPI, server_metrics: ServerMetrics) -> None:
-    """The routes no API key guards: the chat page, /health and /metrics."""
+def add_open_routes(app: FastAPI, server_metrics: ServerMetrics, settings: ServingConfig) -> None:
+    """The routes no API key guards: the chat page, /health (with the engine's resolved settings) and
+    /metrics."""
+    health_reply = {"status": "ok", "serving": settings.to_dict()}
 
     @app.get("/", response_class=HTMLResponse)
     async def page() -> HTMLResponse:
@@ -216,7 +221,7 @@ def add_open_routes(app: FastAPI, server_metrics: ServerMetrics) -> None:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok"}
+        return health_reply
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -375,18 +380,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--model-name",
                         help="the model id clients use (default: the checkpoint's directory name)")
-    parser.add_argument("--kv-cache-mib", type=int, default=1024, help="KV-cache memory (MiB)")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together")
     parser.add_argument("--max-in-flight", type=int, default=256, help="requests admitted at once (then 429)")
-    parser.add_argument("--attention", choices=["auto", "gather", "triton", "sparse"], default="auto",
-                        help="paged attention: gather + SDPA, the Triton kernel over the pool in place, or "
-                             "sparse kernels over the pool in place for a CPU's decode rows (auto: Triton on "
-                             "a GPU; sparse on a CPU with float32 weights and no --compile, else gather)")
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="no CUDA graphs for the decode step (as vLLM's)")
-    parser.add_argument("--compile", action="store_true",
-                        help="the decode forward through torch.compile (at start-up, before any CUDA graph "
-                             "capture: fewer, fused kernels a step)")
     parser.add_argument("--api-key", default=os.environ.get("TINYVLM_API_KEY"),
                         help="require `Authorization: Bearer KEY` on every /v1 route (default: "
                              "$TINYVLM_API_KEY)")
@@ -408,6 +402,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="seconds for a request's head to arrive (then the connection closes)")
     parser.add_argument("--body-timeout", type=float, default=30,
                         help="seconds for a request's body to arrive (then 408)")
+    add_arguments(parser)
     return parser
 
 
@@ -423,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from serving.connections import server_config
 
+        config = from_arguments(args)
         model, processor = load_for_inference(args.checkpoint, pick_device(args.device))
     except ImportError:
         print("error: the server needs FastAPI and uvicorn: pip install -e .[serve]", file=sys.stderr)
@@ -435,13 +431,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        engine = Engine(model, processor,
-                        **engine_settings(model, args.kv_cache_mib, max_num_seqs=args.max_num_seqs),
-                        attention=args.attention, cuda_graphs=False if args.enforce_eager else None,
-                        compile_decode=args.compile)
+        engine = Engine(model, processor, config)
     except ValueError as e:  # settings that cannot run together here (--attention triton on a CPU, ...)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    print(f"engine: {engine.settings.summary()}", file=sys.stderr, flush=True)
     async_engine = AsyncEngine(engine, args.max_in_flight,
                                log=lambda line: print(line, file=sys.stderr, flush=True))
     limits = RequestLimits(max_body_bytes=int(args.max_request_mib * 2**20), body_timeout=args.body_timeout,

@@ -10,7 +10,10 @@ forever. Chosen over llguidance (both well kept, both used by vLLM) by measureme
 compile a schema in ~2 ms.
 
 A structure no answer can begin (`{"$ref": "#"}`: a schema that is only itself) is refused when compiled, as
-is one xgrammar cannot take; xgrammar's messages reach the client without its source locations.
+is one xgrammar cannot take; xgrammar's messages reach the client without its source locations. One that an
+answer can begin but never finish (a required property that is only a reference to itself) leaves, once
+begun, no token allowed: the engine ends that answer there, finish reason "length" (cut short, its structure
+unfinished), where a sampler would otherwise draw from an all-masked row.
 """
 
 from __future__ import annotations
@@ -96,10 +99,11 @@ def matcher(grammar):
     return xgrammar.GrammarMatcher(grammar)
 
 
-def apply_masks(logits: Tensor, matchers: list, bitmask: Tensor) -> None:
+def apply_masks(logits: Tensor, matchers: list, bitmask: Tensor) -> list[int]:
     """Mask, in place, each row's tokens that its matcher (None: unconstrained) does not allow next; `bitmask`
     is a pinned [rows >= len(matchers), ceil(vocab / 32)] int32 buffer the masks are filled into, then sent in
-    one copy."""
+    one copy. Returns the rows whose matcher allows no token at all (a structure that can begin but not
+    finish, as a property that is only a reference to itself): their logits are all masked."""
     import xgrammar
 
     rows = bitmask[: len(matchers)]
@@ -109,6 +113,7 @@ def apply_masks(logits: Tensor, matchers: list, bitmask: Tensor) -> None:
             state.fill_next_token_bitmask(rows, row)
     xgrammar.apply_token_bitmask_inplace(logits, rows.to(logits.device, non_blocking=True),
                                          vocab_size=logits.shape[-1])
+    return rows.eq(0).all(1).nonzero().flatten().tolist()  # on the host: the masks are filled there
 
 
 def accepted(state, token: int) -> bool:

@@ -40,6 +40,7 @@ from data.prompts import encode_text
 from models import LanguageConfig, VisionConfig, VisionLanguageModel, VLMConfig
 from models.config import ProjectorConfig
 from models.split_config import SplitConfig
+from serving.config import ServingConfig
 from serving.engine import Engine
 from serving.requests import Request, RequestError, RequestParams
 from typed_config import ConfigError
@@ -323,7 +324,7 @@ def test_disabled_splitting_engine_prompts_are_todays():
     makes a text prompt's pixels)."""
     model, tokenizer = split_model()
     model.config = model.config.replace({"splitting.enabled": "false"})
-    engine = Engine(model.eval(), tokenizer, num_blocks=64, block_size=16)
+    engine = Engine(model.eval(), tokenizer, ServingConfig(num_blocks=64, block_size=16))
     image = noise(150, 60)
     pixels = ImageProcessor.from_config(model.config.vision)(image)[None]
     prompt = encode_prompt(tokenizer, "what?", 1, model.config.tokens_per_image, model.config.image_position)
@@ -422,7 +423,7 @@ def test_a_saved_split_config_makes_inference_split(tmp_path, monkeypatch, capsy
     assert token_id(loaded_tokenizer, tile_token(2, 3)) in placeholders[0]
     prompt = encode_prompt(loaded_tokenizer, "what colour is the sky?", placeholders=placeholders)
 
-    engine = Engine(loaded, loaded_tokenizer, num_blocks=64, block_size=16)
+    engine = Engine(loaded, loaded_tokenizer, ServingConfig(num_blocks=64, block_size=16))
     encoded, engine_pixels = engine._encode(Request("what colour is the sky?", [image]))
     assert encoded == prompt and torch.equal(engine_pixels, pixels)
     result = engine.generate([Request("what colour is the sky?", [image], RequestParams(max_tokens=2))])[0]

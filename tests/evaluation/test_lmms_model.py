@@ -54,6 +54,33 @@ def test_a_document_with_two_images_is_answered_with_both_and_cut_at_until(tmp_p
     assert wrapper.generate_until([ask(0, [cut])]) == [expected[0].split(cut)[0]]
 
 
+def test_model_args_are_the_engines_settings_by_name(tmp_path, capsys):
+    """checkpoint=..., then any ServingConfig field (as lmms-eval parses `--model_args`: numbers and booleans
+    typed, the rest text); batch_size is max_num_seqs unless that is given. Settings that do not fit end the
+    process: one line, exit code 2."""
+    tokenizer = base_tokenizer()
+    chat_vlm(tokenizer).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    wrapper = TinyVLM(checkpoint=str(tmp_path), device="cpu", batch_size=4, kv_cache_mib=16,
+                      attention="gather", num_blocks=50, max_batch_tokens="64", cuda_graphs=False,
+                      admission_batch="none")
+    settings = wrapper.engine.settings
+    assert (settings.max_num_seqs, settings.kv_cache_mib, settings.attention, settings.num_blocks,
+            settings.max_batch_tokens, settings.cuda_graphs, settings.admission_batch) == (
+        4, 16, "gather", 50, 64, False, 1)
+    assert TinyVLM(checkpoint=str(tmp_path), device="cpu", batch_size=4, max_num_seqs=2,
+                   num_blocks=20).engine.settings.max_num_seqs == 2
+    # an unknown setting is refused before the (missing) checkpoint is looked for
+    for checkpoint, fields, message in [
+        (tmp_path / "nope", {"kv_cache_gib": 1}, "error: unknown key kv_cache_gib; valid keys: attention, "),
+        (tmp_path, {"cuda_graphs": True}, "error: CUDA graphs need the model on a CUDA device"),
+    ]:
+        with pytest.raises(SystemExit) as ended:
+            TinyVLM(checkpoint=str(checkpoint), device="cpu", **fields)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert ended.value.code == 2 and len(err) == 1 and err[0].startswith(message), err
+
+
 def test_a_checkpoint_that_cannot_load_exits_2_with_one_line(tmp_path):
     """Regression: lmms-eval logs any exception from a model's constructor with a traceback and exits 0, so
     `python -m lmms_eval --model tinyvlm` with a checkpoint that cannot load looked like a finished run."""

@@ -15,6 +15,7 @@ webdriver = pytest.importorskip("selenium.webdriver")
 import generate  # noqa: E402
 from loading import load_for_inference  # noqa: E402
 from serving.async_engine import AsyncEngine  # noqa: E402
+from serving.config import ServingConfig  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.server import create_app  # noqa: E402
 from tests.models.helpers import base_tokenizer, chat_vlm  # noqa: E402
@@ -60,7 +61,7 @@ def test_the_page_answers_as_generate_does_and_keeps_the_conversation(checkpoint
                           "--max-new-tokens", "12"]) == 0
     expected = capsys.readouterr().out.strip()
     model, processor = load_for_inference(checkpoint, torch.device("cpu"))
-    engine = AsyncEngine(Engine(model, processor, num_blocks=200, block_size=8))
+    engine = AsyncEngine(Engine(model, processor, ServingConfig(num_blocks=200, block_size=8)))
     server = Server(create_app(engine, processor.tokenizer, "tiny"))
     try:
         browser.get(server.url)

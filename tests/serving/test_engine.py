@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from serving.config import ServingConfig
 from serving.engine import Engine
 from serving.requests import Request, RequestError, RequestParams
 from tests.models.generation_helpers import IMAGE_ID, TOKENS_PER_IMAGE
@@ -81,8 +82,8 @@ def test_continuous_batching_gives_each_request_its_greedy_tokens(
     """On a CPU the Triton kernel runs in Triton's interpreter (tests/conftest.py): ~14 s a case, so it runs
     the two that exercise preemption and chunked prefill over cached context."""
     requests = _requests()
-    engine = Engine(model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=8,
-                    max_batch_tokens=budget, attention=attention)
+    engine = Engine(model, config=ServingConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=8,
+                                                max_batch_tokens=budget, attention=attention))
     tokens = _serve(engine, requests, arrivals=[0, 0, 1, 3, 3, 4, 8, 9, 15, 15])
     for i, (prompt, images, params) in enumerate(requests):
         assert tokens[str(i)] == _alone(model, prompt, images, params)[0], i
@@ -107,15 +108,16 @@ def test_on_a_cpu_the_engine_packs_its_linears_and_serves_the_same_tokens_withou
     requests = _requests()
     for pack in (True, False):
         calls.clear()
-        engine = Engine(model, num_blocks=200, block_size=16, max_num_seqs=8, max_batch_tokens=512,
-                        pack_weights=pack)
+        engine = Engine(model, config=ServingConfig(num_blocks=200, block_size=16, max_num_seqs=8,
+                                                    max_batch_tokens=512, pack_weights=pack))
         tokens = _serve(engine, requests, arrivals=[0, 0, 1, 3, 3, 4, 8, 9, 15, 15])
         for i, (prompt, images, params) in enumerate(requests):
             assert tokens[str(i)] == _alone(model, prompt, images, params)[0], (pack, i)
         assert bool(calls) == pack
     with pytest.raises(ValueError, match="pack_weights"):
-        Engine(model, num_blocks=200, block_size=16, compile_decode=True, pack_weights=True)
-    assert Engine(copy.deepcopy(model).to(torch.bfloat16), num_blocks=20).runner.packed is None
+        Engine(model, config=ServingConfig(num_blocks=200, compile_decode=True, pack_weights=True))
+    bfloat16 = Engine(copy.deepcopy(model).to(torch.bfloat16), config=ServingConfig(num_blocks=20))
+    assert bfloat16.runner.packed is None and bfloat16.settings.pack_weights is False
 
 
 def test_a_float64_model_on_a_cpu_decodes_through_sparse_attention_and_serves_its_greedy_tokens(model):
@@ -124,18 +126,21 @@ def test_a_float64_model_on_a_cpu_decodes_through_sparse_attention_and_serves_it
     model64 = copy.deepcopy(model).double()
     requests = [(_prompt(5 + 9 * i, 70 + i, 0), None, RequestParams(greedy=True, max_tokens=7 + i))
                 for i in range(4)]
-    engine = Engine(model64, num_blocks=60, block_size=4, max_num_seqs=4, max_batch_tokens=16)
-    assert engine.runner.attention == "sparse"
+    engine = Engine(model64, config=ServingConfig(num_blocks=60, block_size=4, max_num_seqs=4,
+                                                  max_batch_tokens=16))
+    assert engine.settings.attention == "sparse"
     tokens = _serve(engine, requests, arrivals=[0, 0, 1, 2])
     for i, (prompt, images, params) in enumerate(requests):
         assert tokens[str(i)] == _alone(model64, prompt, images, params)[0], i
-    assert Engine(copy.deepcopy(model).to(torch.bfloat16), num_blocks=20).runner.attention == "gather"
+    bfloat16 = Engine(copy.deepcopy(model).to(torch.bfloat16), config=ServingConfig(num_blocks=20))
+    assert bfloat16.settings.attention == "gather"
 
 
 def test_a_model_with_fused_projections_serves_the_tokens_of_the_unfused_one(model):
     """load_for_inference fuses the projections of the models that generate.py and the server serve."""
     requests = _requests()
-    engine = Engine(fused_copy(model), num_blocks=40, block_size=8, max_num_seqs=8, max_batch_tokens=10)
+    engine = Engine(fused_copy(model), config=ServingConfig(num_blocks=40, block_size=8, max_num_seqs=8,
+                                                            max_batch_tokens=10))
     tokens = _serve(engine, requests, arrivals=[0, 0, 1, 3, 3, 4, 8, 9, 15, 15])
     for i, (prompt, images, params) in enumerate(requests):
         assert tokens[str(i)] == _alone(model, prompt, images, params)[0], i
@@ -160,8 +165,9 @@ def test_many_decode_rows_of_many_lengths_keep_their_greedy_tokens(model, monkey
     sparse = serving.paged_layout.sparse_paged_attention
     monkeypatch.setattr(serving.paged_layout, "sparse_paged_attention",  # decode calls, with the step's index
                         lambda *args: sparse_calls.append(args[-1] is not None) or sparse(*args))
-    engine = Engine(model, num_blocks=600, block_size=4, max_num_seqs=32, max_batch_tokens=2048,
-                    attention="auto" if attention == "sparse" else attention)  # sparse: the CPU default
+    engine = Engine(model, config=ServingConfig(  # sparse: the CPU default
+        num_blocks=600, block_size=4, max_num_seqs=32, max_batch_tokens=2048,
+        attention="auto" if attention == "sparse" else attention))
     # the late ones prefill in steps that decode the others
     tokens = _serve(engine, requests, arrivals=[0] * 26 + [2, 3, 4, 5, 6, 7])
     for i, (prompt, images, params) in enumerate(requests):
@@ -180,8 +186,8 @@ def test_the_compiled_decode_forward_serves_the_eager_tokens_compiled_twice_at_s
     torch._dynamo.reset()
     counters.clear()
     requests = _requests()
-    engine = Engine(fused_copy(model), num_blocks=40, block_size=8, max_num_seqs=8, max_batch_tokens=10,
-                    compile_decode=True)
+    engine = Engine(fused_copy(model), config=ServingConfig(num_blocks=40, block_size=8, max_num_seqs=8,
+                                                            max_batch_tokens=10, compile_decode=True))
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # compiled as the engine starts
     tokens = _serve(engine, requests, arrivals=[0, 0, 1, 3, 3, 4, 8, 9, 15, 15])
     for i, (prompt, images, params) in enumerate(requests):
@@ -196,8 +202,8 @@ def test_the_compiled_decode_forward_serves_the_eager_tokens_compiled_twice_at_s
 
 def test_requests_held_back_to_join_in_batches_keep_their_greedy_tokens(model):
     requests = _requests()
-    engine = Engine(model, num_blocks=200, block_size=8, max_num_seqs=4, max_batch_tokens=64,
-                    admission_batch=3)
+    engine = Engine(model, config=ServingConfig(num_blocks=200, block_size=8, max_num_seqs=4,
+                                                max_batch_tokens=64, admission_batch=3))
     tokens = _serve(engine, requests, arrivals=[0, 0, 1, 3, 3, 4, 8, 9, 15, 15])
     for i, (prompt, images, params) in enumerate(requests):
         assert tokens[str(i)] == _alone(model, prompt, images, params)[0], i
@@ -207,7 +213,7 @@ def test_requests_held_back_to_join_in_batches_keep_their_greedy_tokens(model):
 def test_n_samples_equal_generate_with_num_samples_under_the_same_seed(model):
     prompt, images = _prompt(13, 7, 1), _images(1, 7)
     params = RequestParams(temperature=1.3, top_k=40, max_tokens=12, n=3, seed=11)
-    engine = Engine(model, num_blocks=64, block_size=4)
+    engine = Engine(model, config=ServingConfig(num_blocks=64, block_size=4))
     (result,) = engine.generate([Request(prompt, images, params)])
     expected = _alone(model, prompt, images, params, generator=torch.Generator().manual_seed(11))
     assert result.token_ids == expected
@@ -224,7 +230,7 @@ def test_requests_with_different_settings_share_each_step_and_keep_their_own_tok
                 (_prompt(13, 7, 1), _images(1, 7), seeded),
                 (_prompt(8, 2, 0), None, RequestParams(temperature=1.5, max_tokens=12)),
                 (_prompt(20, 3, 0), None, RequestParams(greedy=True, max_tokens=7))]
-    engine = Engine(model, num_blocks=64, block_size=4, max_batch_tokens=64)
+    engine = Engine(model, config=ServingConfig(num_blocks=64, block_size=4, max_batch_tokens=64))
     results = engine.generate([Request(prompt, images, params) for prompt, images, params in requests])
     for i in (0, 3):
         assert results[i].token_ids == _alone(model, *requests[i]), i
@@ -236,7 +242,7 @@ def test_requests_with_different_settings_share_each_step_and_keep_their_own_tok
 def test_a_repeated_image_and_prompt_reuse_blocks_and_another_image_does_not(model):
     # image placeholders at positions 2-5: the text before them fits no full block of 4
     prompt = _prompt(30, 3, 1)
-    engine = Engine(model, num_blocks=64, block_size=4)
+    engine = Engine(model, config=ServingConfig(num_blocks=64, block_size=4))
     first = engine.generate([Request(prompt, _images(1, 3), RequestParams(greedy=True, max_tokens=4))])
     assert engine.blocks.hits == 0
     again = engine.generate([Request(prompt, _images(1, 3), RequestParams(greedy=True, max_tokens=4))])
@@ -255,7 +261,7 @@ def test_a_repeated_image_and_prompt_reuse_blocks_and_another_image_does_not(mod
 
 
 def test_abort_frees_every_block(model):
-    engine = Engine(model, num_blocks=64, block_size=4)
+    engine = Engine(model, config=ServingConfig(num_blocks=64, block_size=4))
     for i, (prompt, images, params) in enumerate(_requests()[:4]):
         engine.add_request(Request(prompt, images, params, request_id=str(i)))
     engine.step()
@@ -267,7 +273,7 @@ def test_abort_frees_every_block(model):
 
 
 def test_requests_that_can_never_be_served_are_refused_at_once(model):
-    engine = Engine(model, num_blocks=8, block_size=4)
+    engine = Engine(model, config=ServingConfig(num_blocks=8, block_size=4))
     with pytest.raises(RequestError, match="exceeds the context"):
         engine.add_request(Request(_prompt(100, 0, 0), None, RequestParams(max_tokens=40)))
     with pytest.raises(RequestError, match="KV-cache blocks"):
@@ -284,7 +290,7 @@ def test_log_probabilities_equal_a_float64_log_softmax_of_the_logits(model, para
     """Each sampled token's log-probability and the top k's equal a float64 log-softmax of the model's logits
     at that step (computed here in one uncached pass over the prompt and the tokens generated)."""
     prompt, images = _prompt(15, 3, 1), _images(1, 3)
-    engine = Engine(model, num_blocks=64, block_size=4)
+    engine = Engine(model, config=ServingConfig(num_blocks=64, block_size=4))
     (result,) = engine.generate([Request(prompt, images, params),
                                  Request(_prompt(9, 4, 0), None,
                                          RequestParams(greedy=True, max_tokens=8))])[:1]
@@ -304,7 +310,7 @@ def test_without_max_tokens_a_request_gets_all_the_room_the_context_and_the_cach
     """max_tokens=None: the largest count the request is accepted with (brute force over every count)."""
     for num_blocks, block_size, prompt, n in [(8, 4, 10, 1), (8, 4, 10, 2), (30, 4, 5, 3), (400, 8, 30, 1),
                                               (12, 16, 40, 1), (9, 4, 3, 2)]:
-        engine = Engine(model, num_blocks=num_blocks, block_size=block_size)
+        engine = Engine(model, config=ServingConfig(num_blocks=num_blocks, block_size=block_size))
         ids = _prompt(prompt, 0, 0)
         accepted = [m for m in range(1, 200) if _accepts(engine, ids, RequestParams(max_tokens=m, n=n))]
         given = engine.prepare(Request(ids, None, RequestParams(max_tokens=None, n=n))).params.max_tokens
@@ -338,19 +344,48 @@ def test_structured_answers_validate_and_leave_free_requests_in_the_same_steps_u
                                                             structure=structure)) for i in range(20)]
     free = [Request("what colour is the sky?", None, RequestParams(greedy=True, max_tokens=12)),
             Request("the sky", None, RequestParams(temperature=0.8, top_k=20, seed=3, max_tokens=12))]
-    mixed = Engine(model, tokenizer, num_blocks=400, block_size=8, max_num_seqs=32).generate(held + free)
+    roomy = ServingConfig(num_blocks=400, block_size=8, max_num_seqs=32)
+    mixed = Engine(model, tokenizer, roomy).generate(held + free)
     for result in mixed[:20]:
         jsonschema.validate(json.loads(result.texts[0]), schema)
         assert result.finish_reasons == ["stop"]
-    alone = Engine(model, tokenizer, num_blocks=400, block_size=8, max_num_seqs=32).generate(free)
+    alone = Engine(model, tokenizer, roomy).generate(free)
     assert [r.token_ids for r in mixed[20:]] == [r.token_ids for r in alone]
     choice = Structure("choice", ("yes", "no", "maybe"))
-    answers = Engine(model, tokenizer, num_blocks=400, block_size=8).generate(
+    answers = Engine(model, tokenizer, config=ServingConfig(num_blocks=400, block_size=8)).generate(
         [Request("well?", None, RequestParams(temperature=1.0, seed=s, max_tokens=10, structure=choice))
          for s in range(6)])
     assert {r.texts[0] for r in answers} <= {"yes", "no", "maybe"}
     # regression: written into the grammar as escaped surrogates, unreachable
     emoji = Structure("choice", ("😀", "🙂"))
-    (smile,) = Engine(model, tokenizer, num_blocks=400, block_size=8).generate(
+    (smile,) = Engine(model, tokenizer, config=ServingConfig(num_blocks=400, block_size=8)).generate(
         [Request("well?", None, RequestParams(temperature=1.0, seed=0, max_tokens=10, structure=emoji))])
     assert smile.texts[0] in ("😀", "🙂") and smile.finish_reasons == ["stop"]
+
+
+def test_an_answer_its_schema_cannot_finish_ends_cut_short_not_with_a_forced_stop_token():
+    """Regression: a schema an answer can begin but never finish (its required property is only a reference
+    to itself) allows no token after `{"a":`. That row's logits were all masked, the sampler took token 0
+    (a stop token of this model) and the answer ended "stop", looking complete; now it ends there, finish
+    reason "length", and nothing is drawn from the masked row. A free request in the same steps is
+    unchanged."""
+    pytest.importorskip("xgrammar")
+    from serving.requests import Structure
+    from tests.models.helpers import base_tokenizer, chat_vlm
+
+    tokenizer = base_tokenizer()
+    model = chat_vlm(tokenizer)
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/loop"}}, "required": ["a"],
+              "$defs": {"loop": {"$ref": "#/$defs/loop"}}}
+    structure = Structure("json_schema", json.dumps(schema))
+    stuck = [Request("well?", None, RequestParams(greedy=True, max_tokens=20, structure=structure)),
+             Request("well?", None, RequestParams(temperature=1.0, seed=1, n=2, max_tokens=20,
+                                                  structure=structure))]
+    free = Request("the sky", None, RequestParams(greedy=True, max_tokens=12))
+    engine = Engine(model, tokenizer, ServingConfig(num_blocks=400, block_size=8))
+    *results, alone = engine.generate([*stuck, free])
+    for result in results:
+        assert result.texts == ['{"a":'] * len(result.texts) and set(result.finish_reasons) == {"length"}
+        assert not {token for tokens in result.token_ids for token in tokens} & set(model.config.stop_ids)
+    assert alone.token_ids == engine.generate([free])[0].token_ids
+    assert engine.blocks.num_free == engine.blocks.num_usable

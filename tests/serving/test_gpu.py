@@ -6,6 +6,7 @@ ids."""
 import pytest
 import torch
 
+from serving.config import ServingConfig
 from serving.engine import Engine
 from serving.requests import Request, RequestParams
 from tests.models.helpers import tiny_vlm
@@ -28,8 +29,9 @@ def model():
 
 
 def _engine(model, cuda_graphs: bool, compile_decode: bool = False) -> Engine:
-    return Engine(model, num_blocks=600, block_size=16, max_num_seqs=MAX_NUM_SEQS, max_batch_tokens=4096,
-                  attention="triton", cuda_graphs=cuda_graphs, compile_decode=compile_decode)
+    return Engine(model, config=ServingConfig(
+        num_blocks=600, block_size=16, max_num_seqs=MAX_NUM_SEQS, max_batch_tokens=4096, attention="triton",
+        cuda_graphs=cuda_graphs, compile_decode=compile_decode))
 
 
 def test_graphed_decode_equals_eager_for_every_bucket_without_capturing_again(model):
@@ -48,8 +50,8 @@ def test_the_default_engine_captures_its_graphs(model):
     """Engine(model) with no flags, as the server and lmms-eval make it: the Triton kernel, a graph per
     bucket, admission in batches of max_num_seqs / 8 (the default once ran eagerly, one admission at a
     time)."""
-    engine = Engine(model, num_blocks=600, block_size=16, max_num_seqs=MAX_NUM_SEQS)
-    assert engine.runner.attention == "triton" and engine.runner.graphs is not None
+    engine = Engine(model, config=ServingConfig(num_blocks=600, block_size=16, max_num_seqs=MAX_NUM_SEQS))
+    assert engine.settings.attention == "triton" and engine.runner.graphs is not None
     assert sorted(engine.runner.graphs.graphs) == [1, 2, 4, 8, 16, 32, 40]
     assert engine.scheduler.admission_batch == MAX_NUM_SEQS // 8
 

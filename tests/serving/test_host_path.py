@@ -8,6 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import serving.block_manager
+from serving.config import ServingConfig
 from serving.engine import Engine
 from serving.requests import Request, RequestParams
 from tests.models.helpers import tiny_vlm
@@ -29,8 +30,9 @@ def model():
 def _decoding_engine(model, running: int, prompt_length: int, params: RequestParams,
                      attention: str = "auto") -> Engine:
     """An engine with `running` requests past their prompts, every one decoding in the next step."""
-    engine = Engine(model, num_blocks=running * ((prompt_length + 60) // 8 + 2) + 1, block_size=8,
-                    max_num_seqs=128, max_batch_tokens=4096, attention=attention)
+    engine = Engine(model, config=ServingConfig(
+        num_blocks=running * ((prompt_length + 60) // 8 + 2) + 1, block_size=8, max_num_seqs=128,
+        max_batch_tokens=4096, attention=attention))
     for i in range(running):
         engine.add_request(Request([3 + (i + t) % 90 for t in range(prompt_length)], None, params))
     while engine.scheduler.waiting or not all(s.decoding for g in engine.scheduler.running for s in g.live):

@@ -5,6 +5,7 @@ engine to that with held admissions)."""
 
 import pytest
 
+from serving.config import ServingConfig
 from serving.engine import Engine
 from serving.requests import Request, RequestParams
 from serving.scheduler import MAX_HELD_STEPS
@@ -36,8 +37,8 @@ def _steps_until_admitted(engine: Engine, names: list[str], limit: int = 100) ->
 
 
 def _engine(model, admission_batch: int) -> Engine:
-    return Engine(model, num_blocks=64, block_size=4, max_num_seqs=4, max_batch_tokens=64,
-                  admission_batch=admission_batch)
+    return Engine(model, config=ServingConfig(num_blocks=64, block_size=4, max_num_seqs=4,
+                                              max_batch_tokens=64, admission_batch=admission_batch))
 
 
 def test_waiting_requests_join_together_once_enough_seats_are_free(model):

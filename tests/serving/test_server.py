@@ -23,6 +23,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from data import ImageProcessor, Message, encode_prompt  # noqa: E402
 from serving.async_engine import AsyncEngine  # noqa: E402
+from serving.config import ServingConfig  # noqa: E402
 from serving.connections import server_config  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.protocol import RequestLimits  # noqa: E402
@@ -77,7 +78,8 @@ def serving(limits: RequestLimits = RequestLimits(), header_timeout: float = 10.
     """A tiny random chat VLM served on loopback: (server, openai client, model, tokenizer, engine)."""
     tokenizer = base_tokenizer()
     model = chat_vlm(tokenizer)
-    engine = Engine(model, tokenizer, num_blocks=400, block_size=8, max_num_seqs=16, max_batch_tokens=256)
+    engine = Engine(model, tokenizer, ServingConfig(num_blocks=400, block_size=8, max_num_seqs=16,
+                                                    max_batch_tokens=256))
     async_engine = AsyncEngine(engine, max_in_flight=300)
     server = Server(create_app(async_engine, tokenizer, "tiny", default_max_tokens=12, limits=limits),
                     header_timeout)
@@ -361,7 +363,7 @@ def test_the_help_examples_ask_for_the_model_the_server_serves():
 def test_models_health_and_prometheus_metrics_that_move_with_the_requests(served):
     server, client, model, tokenizer, engine = served
     assert [m.id for m in client.models.list().data] == ["tiny"]
-    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "serving": engine.settings.to_dict()}
     model_label = "[('model_name', 'tiny')]"
     before = _metrics(server)
     assert before["tinyvlm:num_requests_running" + model_label] == 0
@@ -458,7 +460,8 @@ def test_a_full_server_answers_429():
     from fastapi.testclient import TestClient
 
     tokenizer = base_tokenizer()
-    engine = AsyncEngine(Engine(chat_vlm(tokenizer), tokenizer, num_blocks=64, block_size=8), max_in_flight=0)
+    engine = AsyncEngine(Engine(chat_vlm(tokenizer), tokenizer, ServingConfig(num_blocks=64, block_size=8)),
+                         max_in_flight=0)
     try:
         response = TestClient(create_app(engine, tokenizer, "tiny")).post(
             "/v1/chat/completions", json={"messages": _message("hi")})
@@ -504,3 +507,34 @@ def test_engine_settings_that_cannot_run_together_stop_the_server_with_one_line(
     assert serving.server.main(["--device", "cpu", "--attention", "sparse", "--compile"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: sparse paged attention needs"), err
+    # a value that does not fit its field: one line, before the model loads
+    assert serving.server.main(["--device", "cpu", "--max-num-seqs", "many"]) == 2
+    assert capsys.readouterr().err.strip() == "error: max_num_seqs: expected int, got 'many'"
+
+
+def test_the_server_prints_its_resolved_engine_settings_and_health_reports_them(monkeypatch, capsys):
+    """The engine's options map onto ServingConfig (today's flags and the new ones); what the engine resolved
+    at start-up is one line on stderr and the `serving` entry of /health."""
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    import serving.server
+    from data.chat_processors import ChatProcessor
+    from models import kv_cache_bytes
+
+    tokenizer = base_tokenizer()
+    model = chat_vlm(tokenizer)
+    monkeypatch.setattr(serving.server, "load_for_inference",
+                        lambda *args: (model, ChatProcessor.from_config(model.config, tokenizer)))
+    health = []
+    monkeypatch.setattr(uvicorn.Server, "run",
+                        lambda self: health.append(TestClient(self.config.app).get("/health").json()))
+    assert serving.server.main(["--device", "cpu", "--attention", "gather", "--enforce-eager",
+                                "--max-num-seqs", "8", "--kv-cache-mib", "1", "--block-size", "8",
+                                "--max-batch-tokens", "64", "--pack-weights", "false"]) == 0
+    block = kv_cache_bytes(model.config.language, batch=1, tokens=8, dtype=torch.float32)
+    settings = ServingConfig(attention="gather", cuda_graphs=False, pack_weights=False, block_size=8,
+                             kv_cache_mib=1, max_num_seqs=8, max_batch_tokens=64, admission_batch=1,
+                             num_blocks=2**20 // block + 1)  # the blocks 1 MiB holds, + the null block
+    assert health == [{"status": "ok", "serving": settings.to_dict()}]
+    assert f"engine: {settings.summary()}" in capsys.readouterr().err.splitlines()

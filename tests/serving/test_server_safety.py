@@ -24,6 +24,7 @@ openai = pytest.importorskip("openai")
 
 from data import CAPTION_PROMPT  # noqa: E402
 from serving.async_engine import AsyncEngine  # noqa: E402
+from serving.config import ServingConfig  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.media import MediaPolicy, _public, open_image  # noqa: E402
 from serving.protocol import RequestLimits  # noqa: E402
@@ -106,7 +107,8 @@ def media_dir(tmp_path_factory) -> Path:
 def served(media_dir):
     tokenizer = base_tokenizer()
     model = chat_vlm(tokenizer)
-    engine = Engine(model, tokenizer, num_blocks=400, block_size=8, max_num_seqs=16, max_batch_tokens=256)
+    engine = Engine(model, tokenizer, ServingConfig(num_blocks=400, block_size=8, max_num_seqs=16,
+                                                    max_batch_tokens=256))
     async_engine = AsyncEngine(engine, max_in_flight=64)
     limits = RequestLimits(max_body_bytes=2 * 2**20, max_prompt_chars=50_000)
     app = create_app(async_engine, tokenizer, "tiny", limits=limits,
@@ -348,7 +350,7 @@ def test_an_engine_failure_tells_the_client_no_more_than_its_type():
     """A step that raises fails its requests with the error's type; its message, which may name paths of the
     server's machine, goes to the server's log only."""
     tokenizer = base_tokenizer()
-    engine = Engine(chat_vlm(tokenizer), tokenizer, num_blocks=64, block_size=8)
+    engine = Engine(chat_vlm(tokenizer), tokenizer, ServingConfig(num_blocks=64, block_size=8))
     engine.step = lambda: (_ for _ in ()).throw(RuntimeError("failed at /home/server/secret.py:12"))
     lines = []
     async_engine = AsyncEngine(engine, log=lines.append)
