@@ -30,18 +30,6 @@ class SamplingParams(Config):
         return self.greedy or self.temperature == 0
 
 
-@dataclasses.dataclass
-class RowSettings:
-    """Each row's sampling settings as tensors on the logits' device (a batch of requests, one step of the
-    engine). top_k / top_p are plain 0 / 1.0 when no row of the batch uses them (the host knows), so that work
-    is skipped."""
-
-    greedy: Tensor  # [B] bool
-    temperature: Tensor  # [B, 1] float32, 1 on greedy rows
-    top_k: Tensor | int = 0  # [B, 1] int64, 0 keeps every token
-    top_p: Tensor | float = 1.0  # [B, 1] float32, 1 keeps every token
-
-
 def filter_logits(logits: Tensor, top_k: int | Tensor = 0, top_p: float | Tensor = 1.0) -> Tensor:
     """Logits [B, V] with everything outside the top-k, then outside the top-p nucleus, set to -inf; top_k and
     top_p are one value for every row, or one per row ([B, 1]) where 0 and 1 leave that row as it is.
@@ -77,11 +65,3 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
         return logits.argmax(-1)
     probs = filter_logits(logits.float() / params.temperature, params.top_k, params.top_p).softmax(-1)
     return race(probs, torch.empty_like(probs).exponential_(1, generator=generator))
-
-
-def sample_rows(logits: Tensor, settings: RowSettings, noise: Tensor) -> Tensor:
-    """One token id per row of `logits` [B, V], each row with its own settings and exponential `noise` [B, V]
-    (a row drawn from the same generator as `sample` draws it gets the same token): one call for a whole
-    batch."""
-    probs = filter_logits(logits.float() / settings.temperature, settings.top_k, settings.top_p).softmax(-1)
-    return torch.where(settings.greedy, logits.argmax(-1), race(probs, noise))

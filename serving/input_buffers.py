@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from models.sampling import RowSettings
+from serving.row_sampling import RowSettings
 from serving.sequence import Sequence
 
 ALIGN = 16  # packed parts start at multiples of 16 elements: Triton specializes kernels on pointer alignment

@@ -25,13 +25,13 @@ import torch
 from torch import Tensor
 
 from models.compiled_decode import CompiledCall
-from models.sampling import sample_rows
 from serving.config import ServingConfig
 from serving.decode_graphs import DecodeGraphs
 from serving.input_buffers import InputBuffers, StepInputs
 from serving.paged_attention import GatherPlan, SparseIndex, sparse_index
 from serving.paged_layout import PAGED_LAYOUTS, Gathered, Sparse
 from serving.requests import MAX_LOGPROBS, TokenLogprobs
+from serving.row_sampling import sample_rows
 from serving.sequence import Sequence
 from serving.served_model import ServedModel
 from serving.structured import apply_masks, matcher
