@@ -66,7 +66,7 @@ def looks_like_hub_id(source: str) -> bool:
 
 
 def _siblings(path: Path, most: int = 8) -> str:
-    """What the nearest existing directory above `path` holds, as a hint after a typo."""
+    """What `path`'s parent directory holds, as a hint after a typo (nothing when it does not exist)."""
     parent = path.parent
     if not parent.is_dir():
         return ""

@@ -8,6 +8,7 @@ import asyncio
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 from serving.engine import Engine
@@ -89,8 +90,8 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
             except Exception as e:  # noqa: BLE001 -- a failed step fails its requests, never the server
-                if self.log:
-                    self.log(f"error: a step failed: {type(e).__name__}: {e}")
+                if self.log:  # an internal fault: its traceback, for whoever runs the server
+                    self.log(f"error: a step failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
                 # the client learns the error's type only: its message may name paths of this machine
                 self._fail_all(f"the engine failed on a step ({type(e).__name__}); the server's log has more")
                 continue

@@ -29,7 +29,7 @@ from data.prompts import Message, PromptError
 from models import InputError, VisionLanguageModel
 from serving.block_manager import BlockManager
 from serving.config import ServingConfig
-from serving.packed_linear import packing_available
+from serving.packed_linear import onednn_available
 from serving.requests import Output, Request, RequestError, Result, TokenLogprobs
 from serving.runner import ModelRunner
 from serving.scheduler import Scheduler
@@ -55,7 +55,7 @@ class Engine:
         kv = self.model.kv
         self.settings = (config or ServingConfig()).resolve(
             self.model.device.type, kv.dtype, kv_token_bytes=kv.token_bytes, context=self.model.context,
-            onednn=packing_available(torch.zeros(1)),
+            onednn=onednn_available(),
         )
         settings = self.settings
         self.blocks = BlockManager(settings.num_blocks, settings.block_size)
@@ -215,7 +215,6 @@ class Engine:
                     rows += [row] * len(samples)
         if not to_sample:
             return []
-        self.generation_tokens += len(to_sample)
         return self._update(to_sample, *self.runner.sample(logits, to_sample, rows))
 
     def _register(self, sequence: Sequence) -> None:
@@ -247,6 +246,7 @@ class Engine:
                 sequence.finish_reason = "length"
             else:
                 sequence.append(token)
+                self.generation_tokens += 1
                 output.new_tokens[sequence.index].append(token)
                 if output.logprobs is not None:
                     output.logprobs[sequence.index].append(logprobs[i])

@@ -52,7 +52,7 @@ class Staging:
 
 @dataclasses.dataclass
 class StepInputs:
-    """A packed forward's device tensors: N tokens of S sequences (see models.kv_cache.Paged)."""
+    """A packed forward's device tensors: N tokens of S sequences (see serving.paged_layout.Paged)."""
 
     tokens: Tensor  # [N]
     positions: Tensor  # [N]

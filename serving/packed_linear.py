@@ -26,10 +26,14 @@ PACKABLE = (nn.Linear, FusedLinear)  # these types exactly: subclasses (bitsandb
 ROWS_HINT = 64  # the batch size oneDNN picks its blocked layout for (any number of rows runs on it)
 
 
+def onednn_available() -> bool:
+    """Whether this torch build has oneDNN's linear with prepacked weights."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 def packing_available(weight: Tensor) -> bool:
     """Whether oneDNN can take this weight: float32 on a CPU, in a torch built with oneDNN."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_available()
 
 
 class PackedLinears:

@@ -133,7 +133,11 @@ class Pretraining:
         return True
 
     def loss_history(self) -> list[float]:
-        return [float(loss) for loss in self.losses]
+        """The losses so far as floats: the steps' tensors read back from the device at once (a resumed
+        checkpoint's are floats already)."""
+        tensors = [loss for loss in self.losses if torch.is_tensor(loss)]
+        values = iter(torch.stack(tensors).tolist() if tensors else [])
+        return [next(values) if torch.is_tensor(loss) else loss for loss in self.losses]
 
 
 def pretraining_on_scenes(vision: VisionTransformer, processor: ImageProcessor, shapes: ShapesConfig,

@@ -384,6 +384,8 @@ def test_an_answer_its_schema_cannot_finish_ends_cut_short_not_with_a_forced_sto
     free = Request("the sky", None, RequestParams(greedy=True, max_tokens=12))
     engine = Engine(model, tokenizer, ServingConfig(num_blocks=400, block_size=8))
     *results, alone = engine.generate([*stuck, free])
+    # tokens out counts the tokens appended, not the stuck rows' draws that never were
+    assert engine.generation_tokens == sum(len(t) for r in [*results, alone] for t in r.token_ids)
     for result in results:
         assert result.texts == ['{"a":'] * len(result.texts) and set(result.finish_reasons) == {"length"}
         assert not {token for tokens in result.token_ids for token in tokens} & set(model.config.stop_ids)
