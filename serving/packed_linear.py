@@ -7,23 +7,26 @@ weights read from memory, took 99 ms instead of 189 ms (1.9x), the 49k-column he
 from MKL's by float32 rounding; on that CPU a row's result also did not depend on how many
 rows ran with it (MKL's does, below 8 rows).
 
-    packed = PackedLinears(model.language)  # a packed copy of every plain linear weight: as much memory again
-    with packed:                            # in it those layers compute through oneDNN (no autograd)
-        hidden, _ = model.language(embeddings, kv_cache=cache)
+    language = packed_copy(model.language)  # its own modules on the same parameters; the model unchanged
+    hidden, _ = language(embeddings, kv_cache=cache)  # plain linears through packed copies of their weights
+
+A module conversion, as torchao's and peft's are, but of a copy: the model keeps its own forward for training,
+for `generate` and for any other engine.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
+import copy
+import itertools
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from models.fused_linear import FusedLinear
 
-PACKABLE = (nn.Linear, FusedLinear)  # these types exactly: subclasses (bitsandbytes' 4-bit) keep theirs
 ROWS_HINT = 64  # the batch size oneDNN picks its blocked layout for (any number of rows runs on it)
+M = TypeVar("M", bound=nn.Module)
 
 
 def onednn_available() -> bool:
@@ -32,74 +35,59 @@ def onednn_available() -> bool:
 
 
 def packing_available(weight: Tensor) -> bool:
-    """Whether oneDNN can take this weight: float32 on a CPU, in a torch built with oneDNN."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_available()
+    """Whether oneDNN can take this weight: a plain float32 tensor on a CPU (not a tensor subclass, as
+    torchao's quantized weights are), in a torch built with oneDNN."""
+    return (type(weight) in (Tensor, nn.Parameter) and weight.device.type == "cpu"
+            and weight.dtype == torch.float32 and onednn_available())
 
 
-class PackedLinears:
-    """The plain linear layers under `module`. Entering routes their forward, in the entering thread, through
-    a packed copy of each weight (made at the first entry, and again at an entry that finds a new weight
-    tensor or one updated in place since: an optimizer step, a loaded state dict; writes through `.data`,
-    as peft's merge does, bump no version and go unseen: make a new PackedLinears after them). Leaving puts
-    their forward back. Layers that already have a forward of their own on the instance (another
-    PackedLinears' entered on them, a hook library's) are left to it."""
+def packed_copy(module: M) -> M:
+    """A copy of `module` (its own module objects on the same parameters and buffers) in which every plain
+    linear layer (nn.Linear or FusedLinear exactly: subclasses such as bitsandbytes' 4-bit keep theirs) with a
+    packable weight computes through a packed copy of it at inference (as much memory again)."""
+    shared = {id(tensor): tensor for tensor in itertools.chain(module.parameters(), module.buffers())}
+    copied = copy.deepcopy(module, shared)
+    for owner in list(copied.modules()):
+        for name, layer in list(owner.named_children()):
+            kind = PACKED.get(type(layer))
+            if kind is not None and packing_available(layer.weight):
+                packed = kind.__new__(kind)
+                packed.__dict__.update(layer.__dict__)  # the copy's own layer: parameters, hooks, parts
+                owner._modules[name] = packed
+    return copied
 
-    def __init__(self, module: nn.Module) -> None:
-        self.layers = [layer for layer in module.modules()
-                       if type(layer) in PACKABLE and packing_available(layer.weight)]
-        self.forwards: dict[nn.Module, tuple[Tensor, int | None, Callable]] = {}  # weight, version, forward
-        self.entered: list[nn.Module] = []
-        self.thread: int | None = None
-        self.depth = 0  # entries of this object not left yet (a nested one changes nothing)
 
-    def __enter__(self) -> PackedLinears:
-        self.depth += 1
-        if self.depth > 1:
-            return self
-        self.thread = threading.get_ident()
-        try:
-            for layer in self.layers:
-                if "forward" not in layer.__dict__:  # (set in __dict__: nn.Module's setattr checks cost more)
-                    layer.__dict__["forward"] = self._forward(layer)
-                    self.entered.append(layer)
-        except BaseException:
-            self.depth = 1
-            self.__exit__()
-            raise
-        return self
+class PackedLinear(nn.Linear):
+    """nn.Linear through oneDNN on a packed copy of its weight at inference: packed at the first call, and
+    again at a call that finds a new weight tensor or one updated in place since (an optimizer step, a loaded
+    state dict; writes through `.data`, as peft's merge does, bump no version and go unseen: make a new copy
+    after them). Autograd and autocast, and inputs of another dtype, take nn.Linear's forward."""
 
-    def __exit__(self, *exc) -> None:
-        self.depth -= 1
-        if self.depth > 0:
-            return
-        for layer in self.entered:
-            if layer.__dict__.get("forward") is self.forwards[layer][2]:
-                del layer.__dict__["forward"]  # the class's forward again
-        self.entered.clear()
-        self.thread = None
+    _packed: tuple[Tensor, int | None, Tensor] | None = None  # the weight, its version, its packed copy
 
-    def _forward(self, layer: nn.Linear) -> Callable:
-        """The layer's forward through its packed weight, packed again if the weight changed."""
-        weight, version, forward = self.forwards.get(layer, (None, None, None))
+    def forward(self, x: Tensor) -> Tensor:
+        if torch.is_grad_enabled() or x.dtype != self.weight.dtype or torch.is_autocast_enabled("cpu"):
+            return super().forward(x)
+        return packed_matmul(x, self.packed_weight(), self.bias)
+
+    def packed_weight(self) -> Tensor:
+        weight, version, packed = self._packed or (None, None, None)
         # an inference tensor has no version: it can only change inside inference mode, unseen
-        current = None if layer.weight.is_inference() else layer.weight._version
-        if weight is not layer.weight or version != current:
-            packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), ROWS_HINT)
-            forward = self._packed_forward(layer, packed)
-            self.forwards[layer] = (layer.weight, current, forward)
-        return forward
+        current = None if self.weight.is_inference() else self.weight._version
+        if weight is not self.weight or version != current:
+            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), ROWS_HINT)
+            self._packed = (self.weight, current, packed)
+        return packed
 
-    def _packed_forward(self, layer: nn.Linear, packed: Tensor) -> Callable:
-        fused = isinstance(layer, FusedLinear)
 
-        def forward(x: Tensor) -> Tensor | tuple[Tensor, ...]:
-            if (torch.is_grad_enabled() or x.dtype != packed.dtype or torch.is_autocast_enabled("cpu")
-                    or threading.get_ident() != self.thread):  # a backward pass, autocast, another thread
-                return type(layer).forward(layer, x)
-            out = packed_matmul(x, packed, layer.bias)
-            return layer.split(out) if fused else out
+class PackedFusedLinear(FusedLinear, PackedLinear):
+    """FusedLinear through its packed weight: the fused matmul packed, its output split into the parts'."""
 
-        return forward
+    def forward(self, x: Tensor) -> tuple[Tensor, ...]:
+        return self.split(PackedLinear.forward(self, x))
+
+
+PACKED = {nn.Linear: PackedLinear, FusedLinear: PackedFusedLinear}
 
 
 def packed_matmul(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:

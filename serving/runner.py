@@ -18,7 +18,6 @@ through the blocks over a paged layout, logits, the KV shape, image features), n
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -62,7 +61,7 @@ class ModelRunner:
         `pack_weights`: the language model's linears through oneDNN with prepacked weights
         (serving/packed_linear.py; as much memory again)."""
         kv, max_num_seqs = model.kv, settings.max_num_seqs
-        self.model = model
+        self.model = model.with_packed_linears() if settings.pack_weights else model
         self.settings = settings
         self.device = model.device
         self.layout = PAGED_LAYOUTS[settings.attention]  # the decode calls' kernel
@@ -84,7 +83,6 @@ class ModelRunner:
         if settings.compile_decode:  # past the recompile limit a new shape runs eagerly (with a warning)
             self.decode_hidden = CompiledCall(self._decode_hidden, "engine decode steps (rows, table width)",
                                               lambda tokens, block_table, *rest: block_table.shape)
-        self.packed = model.packed_linears() if settings.pack_weights else None
         self.graphs = None
         with torch.inference_mode():
             if settings.cuda_graphs:
@@ -114,10 +112,6 @@ class ModelRunner:
     def forward(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> Tensor:
         """Logits [len(decodes) + len(prefills), vocab]: each decode's, then each prompt chunk's last
         token's."""
-        with nullcontext() if self.packed is None else self.packed:
-            return self._forward(decodes, prefills)
-
-    def _forward(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> Tensor:
         hidden = []
         if decodes:
             if self.graphs is not None:

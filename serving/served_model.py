@@ -12,9 +12,9 @@ import torch
 from torch import Tensor
 
 from data.chat_processors import ChatProcessor
-from models import VisionLanguageModel, kv_cache_bytes
+from models import LanguageModel, VisionLanguageModel, kv_cache_bytes
 from models.kv_cache import Layout, with_layout
-from serving.packed_linear import PackedLinears
+from serving.packed_linear import packed_copy
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,12 @@ class KVShape:
 
 
 class ServedModel:
-    """A VisionLanguageModel (put in eval mode) as the engine runs it."""
+    """A VisionLanguageModel (put in eval mode) as the engine runs it; its blocks and head are `language`'s
+    where given (a copy on the same parameters: `with_packed_linears`)."""
 
-    def __init__(self, model: VisionLanguageModel) -> None:
+    def __init__(self, model: VisionLanguageModel, language: LanguageModel | None = None) -> None:
         self._model = model.eval()
+        self._language = language or model.language
         config, language = model.config, model.language.config
         weight = model.language.token_embedding.weight
         self.device = weight.device
@@ -70,13 +72,14 @@ class ServedModel:
     def hidden_states(self, embeddings: Tensor, pools: list[dict[str, Tensor]], layout: Layout) -> Tensor:
         """The final hidden states [N, hidden] of one packed row of embeddings [1, N, hidden], every block
         writing and reading its pool ({"key", "value"}, one per layer) through `layout`."""
-        hidden, _ = self._model.language(embeddings, kv_cache=with_layout(pools, layout))
+        hidden, _ = self._language(embeddings, kv_cache=with_layout(pools, layout))
         return hidden[0]
 
     def logits(self, hidden: Tensor) -> Tensor:
         """The logits [N, vocab] of hidden states [N, hidden]."""
-        return self._model.language.head(hidden)
+        return self._language.head(hidden)
 
-    def packed_linears(self) -> PackedLinears:
-        """The language model's linears through oneDNN on prepacked weights (serving/packed_linear.py)."""
-        return PackedLinears(self._model.language)
+    def with_packed_linears(self) -> ServedModel:
+        """This model with its language model's linears through oneDNN on prepacked weights (a copy on the
+        same parameters: serving/packed_linear.py); the model itself is unchanged."""
+        return ServedModel(self._model, packed_copy(self._model.language))

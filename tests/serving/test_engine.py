@@ -117,7 +117,7 @@ def test_on_a_cpu_the_engine_packs_its_linears_and_serves_the_same_tokens_withou
     with pytest.raises(ValueError, match="pack_weights"):
         Engine(model, config=ServingConfig(num_blocks=200, compile_decode=True, pack_weights=True))
     bfloat16 = Engine(copy.deepcopy(model).to(torch.bfloat16), config=ServingConfig(num_blocks=20))
-    assert bfloat16.runner.packed is None and bfloat16.settings.pack_weights is False
+    assert bfloat16.runner.model is bfloat16.model and bfloat16.settings.pack_weights is False
 
 
 def test_a_float64_model_on_a_cpu_decodes_through_sparse_attention_and_serves_its_greedy_tokens(model):

@@ -1,8 +1,6 @@
-"""oneDNN's prepacked linears (serving/packed_linear.py): float64's outputs within float32 rounding, through
-oneDNN; repacked when the weights change; autograd, autocast, other threads and 4-bit layers left to the plain
-forward; the forward a layer had back after the block."""
-
-import threading
+"""oneDNN's prepacked linears (serving/packed_linear.py): a copy of the model on its parameters, the copy's
+plain linears within float32 rounding of float64's through oneDNN; repacked when the weights change;
+autograd, autocast and quantized or 4-bit layers left to the plain forward; the model itself unchanged."""
 
 import pytest
 import torch
@@ -10,7 +8,7 @@ from torch import nn
 
 import serving.packed_linear
 from models.fused_linear import FusedLinear
-from serving.packed_linear import PackedLinears, packing_available
+from serving.packed_linear import PackedLinear, packed_copy, packing_available
 from tests.models.helpers import fused_copy, tiny_vlm
 
 pytestmark = pytest.mark.skipif(not packing_available(torch.zeros(1)), reason="torch built without oneDNN")
@@ -35,92 +33,77 @@ def _float64_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return nn.functional.linear(x.double(), layer.weight.double(), bias)
 
 
-def test_packed_layers_compute_the_linear_and_give_their_forward_back(packed_calls):
+def test_the_copys_layers_compute_the_linear_on_the_models_parameters(packed_calls):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 40, bias=False))
-    fused = FusedLinear({"a": nn.Linear(64, 24), "b": nn.Linear(64, 8)})
+    model = nn.ModuleList([nn.Linear(64, 96), nn.Linear(96, 40, bias=False),
+                           FusedLinear({"a": nn.Linear(64, 24), "b": nn.Linear(64, 8)})])
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    packed = packed_copy(model)
+    assert [type(layer).__name__ for layer in packed] == ["PackedLinear", "PackedLinear", "PackedFusedLinear"]
+    assert [type(layer) for layer in model] == [nn.Linear, nn.Linear, FusedLinear]  # the model is unchanged
+    assert all(a is b for a, b in zip(packed.parameters(), model.parameters(), strict=True))
     x = torch.randn(3, 5, 64)
-    packed = PackedLinears(nn.ModuleList([model, fused]))
-    assert len(packed.layers) == 3
-    with torch.inference_mode(), packed:
-        hidden = model[0](x)
-        out = model[1](hidden)
-        parts = fused(x)
+    with torch.inference_mode():
+        hidden = packed[0](x)
+        out = packed[1](hidden)
+        parts = packed[2](x)
     assert len(packed_calls) == 3
     torch.testing.assert_close(hidden.double(), _float64_linear(model[0], x), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.double(), _float64_linear(model[1], hidden), atol=1e-5, rtol=1e-5)
     assert [part.shape[-1] for part in parts] == [24, 8]
-    torch.testing.assert_close(torch.cat(parts, -1).double(), _float64_linear(fused, x), atol=1e-5, rtol=1e-5)
-    assert not any("forward" in layer.__dict__ for layer in packed.layers)
+    torch.testing.assert_close(torch.cat(parts, -1).double(), _float64_linear(model[2], x),
+                               atol=1e-5, rtol=1e-5)
+    assert packed.state_dict().keys() == state.keys()
+    assert all(torch.equal(packed.state_dict()[name], tensor) for name, tensor in state.items())
 
 
 def test_changed_weights_are_packed_again():
     torch.manual_seed(0)
     layer = nn.Linear(32, 16)
+    packed = packed_copy(nn.Sequential(layer))[0]
     x = torch.randn(4, 32)
-    packed = PackedLinears(layer)
-    with torch.inference_mode(), packed:
-        layer(x)
+    with torch.inference_mode():
+        packed(x)
     with torch.no_grad():
-        layer.weight.mul_(-2)  # an in-place update (an optimizer step, a loaded state dict)
+        layer.weight.mul_(-2)  # the model's weight updated in place (an optimizer step, a loaded state dict)
         expected = nn.functional.linear(x, layer.weight, layer.bias)
-    with torch.inference_mode(), packed:
-        torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
-    layer.weight = nn.Parameter(torch.randn(16, 32))  # a new tensor
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), expected, atol=1e-5, rtol=1e-5)
+    packed.weight = nn.Parameter(torch.randn(16, 32))  # a new tensor
     with torch.no_grad():
-        expected = nn.functional.linear(x, layer.weight, layer.bias)
-    with torch.inference_mode(), packed:
-        torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+        expected = nn.functional.linear(x, packed.weight, packed.bias)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_autograd_autocast_other_threads_and_4bit_layers_keep_the_plain_forward(packed_calls):
+def test_autograd_autocast_and_quantized_or_4bit_layers_keep_the_plain_forward(packed_calls):
     torch.manual_seed(0)
-    layer = nn.Linear(32, 16)
+    layer = packed_copy(nn.Sequential(nn.Linear(32, 16)))[0]
     x = torch.randn(4, 32)
-    with PackedLinears(layer):  # grad mode: the packed weights are detached
-        layer(x).sum().backward()
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            assert layer(x).dtype == torch.bfloat16
-        thread = threading.Thread(target=torch.inference_mode()(layer), args=(x,))
-        thread.start()
-        thread.join()
+    layer(x).sum().backward()  # grad mode: the packed weights are detached
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.bfloat16
     assert not packed_calls
     torch.testing.assert_close(layer.weight.grad, x.sum(0).expand(16, 32))
 
     class Quantized(nn.Linear):  # as bitsandbytes' Linear4bit subclasses nn.Linear
         pass
 
-    layers = PackedLinears(nn.Sequential(Quantized(8, 8), nn.Linear(8, 8))).layers
-    assert [type(layer) for layer in layers] == [nn.Linear]
+    class QuantizedWeight(torch.Tensor):  # as torchao's quantized weights subclass Tensor
+        pass
+
+    quantized = nn.Linear(8, 8)
+    quantized.weight = nn.Parameter(quantized.weight.detach().as_subclass(QuantizedWeight))
+    kept = packed_copy(nn.Sequential(Quantized(8, 8), quantized, nn.Linear(8, 8)))
+    assert [type(layer) for layer in kept] == [Quantized, nn.Linear, PackedLinear]
 
 
-def test_nested_blocks_and_a_forward_of_the_instance_are_left_alone():
-    layer, x = nn.Linear(8, 8), torch.randn(2, 8)
-    outer, inner = PackedLinears(layer), PackedLinears(layer)
-    with torch.inference_mode(), outer:
-        forward = layer.forward
-        with inner, outer:  # the outer block's forward stays
-            assert layer.forward is forward
-        assert layer.forward is forward
-        layer(x)
-    assert "forward" not in layer.__dict__
-
-    def hooked(x):
-        return x
-
-    with outer:  # one set while the block runs stays too
-        layer.forward = hooked
-    assert layer.forward is hooked
-    with torch.inference_mode(), outer:
-        assert layer(x) is x
-    assert layer.forward is hooked
-
-
-def test_a_packed_model_generates_its_own_greedy_tokens(packed_calls):
+def test_a_packed_copy_generates_the_models_greedy_tokens(packed_calls):
     model = fused_copy(tiny_vlm(seed=1))
     ids = torch.randint(3, 90, (2, 10), generator=torch.Generator().manual_seed(0))
     expected = model.generate(ids, max_new_tokens=12, greedy=True)
-    with PackedLinears(model.language):
-        packed = model.generate(ids, max_new_tokens=12, greedy=True)
+    assert not packed_calls
+    model.language = packed_copy(model.language)
+    packed = model.generate(ids, max_new_tokens=12, greedy=True)
     assert len(packed_calls) == 12 * (3 * 4 + 1)  # 3 blocks of 4 linears (q/k/v and gate/up fused), the head
     assert torch.equal(packed, expected)
