@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 from PIL import Image
 from transformers import PreTrainedTokenizerBase
@@ -30,6 +31,7 @@ from transformers import PreTrainedTokenizerBase
 from data.image_splitting import ImageInputs
 from data.prompts import IGNORE_INDEX, Message, PromptError, encode_chat, encode_conversation
 from data.tokenizer import IM_END, IM_START, IMAGE_TOKEN, token_id
+from data.video import Clip, video_prompt
 from models.config import ImagePosition, VLMConfig
 from models.weights import CheckpointError
 
@@ -178,22 +180,28 @@ class CheckpointProcessor:
             raise CheckpointError("the checkpoint's tokenizer has no pad token")
         token_id(self.tokenizer, self.end_of_turn)
 
-    def encode(self, prompt: str, images: Sequence[Image.Image]) -> tuple[list[int], torch.Tensor | None]:
-        """The chat-formatted ids of one user turn (its images first, then `prompt`) with the assistant turn
-        opened, and the pixels of the images' tiles in placeholder order (one prompt: no padding images)."""
-        return self.encode_chat([Message("user", prompt, len(images))], images)
+    def encode(self, prompt: str, images: Sequence[Image.Image],
+               video: Clip | None = None) -> tuple[list[int], torch.Tensor | None]:
+        """The chat-formatted ids of one user turn (its images or video first, then `prompt`) with the
+        assistant turn opened, and the pixels of the images' tiles (or the frames) in placeholder order."""
+        return self.encode_chat([Message("user", prompt, len(images))], images, video)
 
-    def encode_chat(self, messages: Sequence[Message],
-                    images: Sequence[Image.Image]) -> tuple[list[int], torch.Tensor | None]:
+    def encode_chat(self, messages: Sequence[Message], images: Sequence[Image.Image],
+                    video: Clip | None = None) -> tuple[list[int], torch.Tensor | None]:
         """The conversation through the checkpoint's chat template (each user message's images first), the
-        assistant turn opened, and the pixels of every image's tiles in placeholder order."""
+        assistant turn opened, and the pixels of every image's tiles in placeholder order. A `video`
+        (SmolVLM2: no images beside it) opens the first user message, each frame one global image."""
         if sum(message.images for message in messages) != len(images):
             raise PromptError(f"the messages hold {sum(m.images for m in messages)} images but {len(images)} "
                               f"were given")
         self.check_texts([{message.role: message.text} for message in messages])
-        template = [{"role": message.role, "content": [{"type": "image"}] * message.images
-                     + [{"type": "text", "text": message.text}]} for message in messages]
-        return self._process(self._template(template, prompt=True), images)
+        first_user = next((i for i, message in enumerate(messages) if message.role == "user"), None)
+        template = [{"role": message.role,
+                     "content": [{"type": "video"}] * (video is not None and i == first_user)
+                     + [{"type": "image"}] * message.images + [{"type": "text", "text": message.text}]}
+                    for i, message in enumerate(messages)]
+        text = self._template(template, prompt=True)
+        return self._process(text, images) if video is None else self._process_video(text, images, video)
 
     def encode_conversation(
         self, turns: Turns, images: Sequence[Image.Image]
@@ -277,6 +285,22 @@ class CheckpointProcessor:
         inputs = self.processor(text=text, images=[list(images)] if images else None, return_tensors="pt")
         ids = inputs["input_ids"][0].tolist()
         return ids, inputs["pixel_values"][0] if images else None
+
+    def _process_video(self, text: str, images: Sequence[Image.Image],
+                       video: Clip) -> tuple[list[int], torch.Tensor]:
+        """The template's text with its `<video>` written out in SmolVLM2's words, and the frames' pixels,
+        each resized as the checkpoint's video processor resizes them."""
+        processor = self.processor
+        if getattr(processor, "video_processor", None) is None:
+            raise PromptError("this checkpoint's processor takes no video (SmolVLM2's does)")
+        if images:
+            raise PromptError("a video prompt holds the video's frames and no other images")
+        frame_text = (processor.fake_image_token + processor.global_image_token
+                      + processor.image_token * processor.image_seq_len + processor.fake_image_token)
+        text = text.replace(processor.video_token, video_prompt(video, frame_text), 1)
+        frames = np.stack([np.asarray(frame) for frame in video.frames])
+        pixels = processor.video_processor(videos=[frames], do_sample_frames=False, return_tensors="pt")
+        return self._tokenize(text), pixels["pixel_values"][0]
 
     def _prefix_length(self, ids: list[int], messages: list[dict], prompt: bool, turn: int, what: str) -> int:
         """The length of the template's ids for `messages`, checked to be a prefix of the whole

@@ -1,6 +1,6 @@
 """A whole VLM checkpoint's config and weights, whatever its format: tinyvlm's own (`save_pretrained`:
-config.json + model.safetensors), a transformers Idefics3 / SmolVLM one (models/idefics3.py), or nanoVLM's
-published format (models/nanovlm.py), told apart by config.json."""
+config.json + model.safetensors), a transformers Idefics3 / SmolVLM / SmolVLM2 one (models/idefics3.py), or
+nanoVLM's published format (models/nanovlm.py), told apart by config.json."""
 
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ def read_checkpoint(source: str | Path, allow_pickle: bool = False
         raise CheckpointError(f"{source}: expected a checkpoint directory with config.json and "
                               "model.safetensors")
     hf_config = read_json(path / "config.json")
-    if hf_config.get("model_type") == "idefics3":
+    if hf_config.get("model_type") in ("idefics3", "smolvlm"):
         return (*read_idefics3(path, hf_config, allow_pickle), path)
     if "model_type" in hf_config:
         raise CheckpointError(f"{path}: model_type {hf_config['model_type']!r} is not supported (tinyvlm "
-                              f"loads its own checkpoints, Idefics3 / SmolVLM and nanoVLM)")
+                              f"loads its own checkpoints, Idefics3 / SmolVLM / SmolVLM2 and nanoVLM)")
     if "vit_hidden_dim" in hf_config:
         return (*read_nanovlm(path, hf_config, allow_pickle), path)
     return VLMConfig.from_dict(hf_config), read_weights(path, allow_pickle), path

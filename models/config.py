@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from models.split_config import SplitConfig
+from models.split_config import SplitConfig, VideoConfig
 from typed_config import Config, check
 
 ImagePosition = Literal["before_text", "after_text"]
@@ -115,6 +115,7 @@ class VLMConfig(Config):
     projector: ProjectorConfig = dataclasses.field(default_factory=ProjectorConfig)
     language: LanguageConfig = dataclasses.field(default_factory=LanguageConfig)
     splitting: SplitConfig = dataclasses.field(default_factory=SplitConfig)
+    video: VideoConfig = dataclasses.field(default_factory=VideoConfig)  # clip sampling (data/video.py)
     # the image placeholder token's id (training sets it from the tokenizer)
     image_token_id: int | None = None
     # before_text: image tokens open the user turn (nanoVLM, Idefics3). after_text: they close it, so that in

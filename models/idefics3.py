@@ -1,5 +1,5 @@
-"""SmolVLM / Idefics3 checkpoints (transformers format) as tinyvlm models, and tinyvlm models as Idefics3
-checkpoints.
+"""SmolVLM / Idefics3 checkpoints (transformers format; SmolVLM2's, model_type "smolvlm", with their video
+sampling) as tinyvlm models, and tinyvlm models as Idefics3 checkpoints.
 
     model = VisionLanguageModel.from_pretrained("HuggingFaceTB/SmolVLM-256M-Instruct")   # dispatches here
     python -m training.export --format idefics3 runs/tiny/step_002000 exported/           # the way back
@@ -21,7 +21,7 @@ from models.llama import HF_LLAMA_KEYS
 from models.llama import config_from_hf as language_config_from_hf
 from models.siglip import HF_SIGLIP_KEYS
 from models.siglip import config_from_hf as vision_config_from_hf
-from models.split_config import SplitConfig
+from models.split_config import SplitConfig, VideoConfig
 from models.weights import CheckpointError, atomic_write, read_json, read_weights, rename_keys
 
 if TYPE_CHECKING:
@@ -37,20 +37,32 @@ LANCZOS = 1  # PIL.Image.Resampling.LANCZOS, as preprocessor_config.json stores 
 
 
 def full_config(hf: dict) -> dict:
-    """An Idefics3 config.json with every default filled in by transformers (hub configs list only what
-    differs)."""
-    from transformers import Idefics3Config
+    """An Idefics3 (or SmolVLM2) config.json with every default filled in by transformers (hub configs list
+    only what differs)."""
+    from transformers import Idefics3Config, SmolVLMConfig
 
-    return Idefics3Config.from_dict(hf).to_dict()
+    return (SmolVLMConfig if hf.get("model_type") == "smolvlm" else Idefics3Config).from_dict(hf).to_dict()
 
 
-def config_from_idefics3(hf: dict, preprocessor: dict | None = None,
-                         generation: dict | None = None) -> VLMConfig:
-    """Our config for an Idefics3 `config.json` (+ its preprocessor_config.json and
+def video_config(video_processor: dict | None) -> VideoConfig:
+    """SmolVLM2's video sampling (`video_sampling`: fps, max_frames, video_size; a `size` beside it wins, as
+    transformers' SmolVLMVideoProcessor has it); the defaults without one."""
+    sampling = (video_processor or {}).get("video_sampling")
+    if not sampling:
+        return VideoConfig()
+    size = video_processor.get("size", sampling.get("video_size", {}))
+    return VideoConfig(fps=sampling.get("fps", VideoConfig.fps),
+                       max_frames=sampling.get("max_frames", VideoConfig.max_frames),
+                       max_side=size.get("longest_edge", VideoConfig.max_side))
+
+
+def config_from_idefics3(hf: dict, preprocessor: dict | None = None, generation: dict | None = None,
+                         video_processor: dict | None = None) -> VLMConfig:
+    """Our config for an Idefics3 / SmolVLM2 `config.json` (+ its image and video processors' settings and
     generation_config.json)."""
     hf = full_config(hf)
     vision = hf["vision_config"]
-    if vision.get("model_type") != "idefics3_vision":
+    if vision.get("model_type") not in ("idefics3_vision", "smolvlm_vision"):
         raise CheckpointError(f"unsupported Idefics3 variant: vision model_type {vision.get('model_type')!r}")
     preprocessor = preprocessor or {}
     vision_config = vision_config_from_hf({**vision, "model_type": "siglip_vision_model"}, preprocessor)
@@ -69,7 +81,8 @@ def config_from_idefics3(hf: dict, preprocessor: dict | None = None,
                             max_image_size=preprocessor.get("size", {}).get("longest_edge", 4 * tile),
                             layout="idefics3", resample="lanczos")
     return VLMConfig(vision=vision_config, projector=ProjectorConfig(pixel_shuffle_factor=hf["scale_factor"]),
-                     language=language, splitting=splitting, image_token_id=hf["image_token_id"],
+                     language=language, splitting=splitting, video=video_config(video_processor),
+                     image_token_id=hf["image_token_id"],
                      image_position="before_text",
                      stop_token_ids=tuple(stop if isinstance(stop, list) else [] if stop is None else [stop]))
 
@@ -94,12 +107,22 @@ def image_processor_config(path: Path) -> dict | None:
             or (_optional_json(path / "processor_config.json") or {}).get("image_processor"))
 
 
+def video_processor_config(path: Path) -> dict | None:
+    """The video processor's settings: video_preprocessor_config.json, the `video_processor` entry of
+    processor_config.json (transformers 5), or the image processor's (SmolVLM2's first releases kept
+    `video_sampling` there)."""
+    return (_optional_json(path / "video_preprocessor_config.json")
+            or (_optional_json(path / "processor_config.json") or {}).get("video_processor")
+            or image_processor_config(path))
+
+
 def read_idefics3(
     path: Path, hf_config: dict, allow_pickle: bool = False
 ) -> tuple[VLMConfig, dict[str, torch.Tensor]]:
     """The tinyvlm config and weights (tinyvlm's names) of the Idefics3 checkpoint directory `path`."""
     generation = _optional_json(path / "generation_config.json")
-    config = config_from_idefics3(hf_config, image_processor_config(path), generation)
+    config = config_from_idefics3(hf_config, image_processor_config(path), generation,
+                                  video_processor_config(path))
     weights = {to_tinyvlm_key(k): v for k, v in read_weights(path, allow_pickle).items()}
     if config.language.tie_word_embeddings:
         weights.pop("language.head.weight", None)

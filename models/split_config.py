@@ -1,5 +1,6 @@
-"""Image splitting's settings, part of a VLM's config: they travel with the checkpoint, as the model was
-trained with them (data/image_splitting.py does the splitting)."""
+"""Image splitting's and video sampling's settings, part of a VLM's config: they travel with the checkpoint,
+as the model was trained with them (data/image_splitting.py does the splitting, data/video.py the
+sampling)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,18 @@ class SplitConfig(Config):
         check(self.layout != "nanovlm" or size % tile == 0,
               f"splitting.max_image_size ({size}) must be a multiple of vision.image_size ({tile}) for "
               "splitting.layout nanovlm (nanoVLM resizes the longer side to it, in whole tiles)")
+
+
+@dataclasses.dataclass
+class VideoConfig(Config):
+    """Video input, SmolVLM2's `video_sampling` (data/video.py): frames sampled uniformly at `fps` per second,
+    at most `max_frames`, each resized so its longer side is `max_side`, then to one square tile (no
+    splitting)."""
+
+    fps: float = 1.0  # frames sampled per second of the clip
+    max_frames: int = 64  # the most frames one clip gives
+    max_side: int = 512  # a frame's longer side before its square resize (SmolVLM2's video_size)
+
+    def __post_init__(self) -> None:
+        check(self.fps > 0, f"video.fps must be positive, got {self.fps}")
+        self.check_at_least("video", 1, ("max_frames", "max_side"))
