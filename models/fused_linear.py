@@ -5,6 +5,12 @@ layout the checkpoints have, and training (LoRA's adapters included) sees the se
 
     fuse_projections(model)                      # every q/k/v and gate/up of the model, for inference
     q, k, v = project(block.attn, x, "qkv_proj")   # fused or not
+
+Why fused at inference, and only there: on an H100 the fused projections take 3 kernels a layer and 14% off a
+batch-1 decode step (1.60 -> 1.38 ms, benchmarks/results/fast-paths-cuda.md), so every inference entry point
+fuses (loading.load_for_inference: generate.py, the server, lmms-eval). Fused always would cost what users
+have: peft's LoRA targets q_proj / k_proj / v_proj, and adapters trained on transformers' Llama load here with
+their logits; so training, LoRA and every loader and exporter see the separate layers (the state-dict hooks).
 """
 
 from __future__ import annotations
