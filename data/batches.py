@@ -15,7 +15,7 @@ import signal
 from collections.abc import Iterator
 from typing import Any
 
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from data.bad_records import CheckedRecords
 from data.collator import VQACollator
@@ -70,7 +70,16 @@ def _ignore_ctrl_c(worker_id: int) -> None:
 def training_batches(records: CheckedRecords, sampler: Sampler[list[int]], collator: VQACollator,
                      num_workers: int, prefetch_factor: int,
                      pin_memory: bool) -> Iterator[Iterator[dict[str, Any]]]:
-    """Batches of `records` in `sampler`'s order, whatever the number of workers; see `take_bookkeeping`.
+    """Batches of `records` in `sampler`'s order, whatever the number of workers; see `take_bookkeeping`."""
+    with loader_batches(_Indexed(records), num_workers, prefetch_factor, pin_memory, batch_sampler=sampler,
+                        collate_fn=_Collate(collator)) as batches:
+        yield batches
+
+
+@contextlib.contextmanager
+def loader_batches(dataset: Dataset | IterableDataset, num_workers: int, prefetch_factor: int,
+                   pin_memory: bool, **loader_options: Any) -> Iterator[Iterator[dict[str, Any]]]:
+    """The batches of a DataLoader over `dataset` with `num_workers` worker processes (0: this process reads).
 
     The worker processes end with the block. Left to the garbage collector, they outlived the run, and
     collecting them later stalled the process ~5 s a worker: a collected reference cycle can close the
@@ -80,8 +89,8 @@ def training_batches(records: CheckedRecords, sampler: Sampler[list[int]], colla
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     workers = {"prefetch_factor": prefetch_factor, "persistent_workers": True,
                "worker_init_fn": _ignore_ctrl_c} if num_workers else {}
-    batches = iter(DataLoader(_Indexed(records), batch_sampler=sampler, collate_fn=_Collate(collator),
-                              num_workers=num_workers, pin_memory=pin_memory, **workers))
+    batches = iter(DataLoader(dataset, num_workers=num_workers, pin_memory=pin_memory, **loader_options,
+                              **workers))
     try:
         yield batches
     finally:

@@ -1,5 +1,5 @@
-"""Real data in the same record format: the_cauldron, users' JSONL files and image folders; `DataConfig` picks
-one."""
+"""Real data in the same record format: the_cauldron, users' JSONL files and image folders, or streamed
+parquet shards (data/streaming.py); `DataConfig` picks one."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from datasets import Dataset, Features, List, Value, concatenate_datasets, load_
 from data.bad_records import Policy, record_images
 from data.images import ImageLoadError, load_image
 from data.prompts import CAPTION_PROMPT
+from data.streaming import Source, StreamConfig
 from data.synthetic import ShapesConfig, shapes_datasets
 from models.errors import TinyVLMError
 from typed_config import Config, check, one_line
@@ -160,13 +161,19 @@ class DataConfig(Config):
     """Where training and validation records come from; every source yields the_cauldron record format."""
 
     # where the records come from
-    source: Literal["synthetic", "cauldron", "jsonl", "imagefolder"] = "synthetic"
+    source: Literal["synthetic", "cauldron", "jsonl", "imagefolder", "stream"] = "synthetic"
     shapes: ShapesConfig = dataclasses.field(default_factory=ShapesConfig)  # source=synthetic
     subsets: tuple[str, ...] = ()  # source=cauldron: the_cauldron subsets, concatenated
     path: str | None = None  # source=jsonl|imagefolder: the JSONL file or the image folder
     # source=jsonl|imagefolder: optional; without it, `holdout` records are held out
     validation_path: str | None = None
-    # training records held out for validation when there is no validation_path (default: a tenth, 1 to 500)
+    # source=stream: parquet shards streamed, never loaded whole, mixed by their weights; sections written in
+    # a YAML file (docs/streaming.md)
+    streams: tuple[StreamConfig, ...] = ()
+    shuffle_buffer: int = 1000  # source=stream: samples each reader shuffles among (1: the shards' order)
+    check_samples: int = 1000  # source=stream: `train.py --check-data` checks each stream's first rows
+    # training records held out for validation when there is no validation_path (default: a tenth, 1 to 500;
+    # source=stream: the first stream's first 500 rows)
     holdout: int | None = None
     # a corrupt image or malformed record: skip and count it, or stop
     on_bad_record: Literal["skip", "fail"] = "skip"
@@ -179,6 +186,10 @@ class DataConfig(Config):
         check(files or self.validation_path is None,
               f"data.validation_path applies to jsonl and imagefolder, not {self.source}")
         check(self.holdout is None or self.holdout > 0, f"data.holdout must be positive, got {self.holdout}")
+        check((self.source == "stream") == bool(self.streams),
+              "data.streams: source=stream needs at least one stream, and only source=stream takes them")
+        check(self.shuffle_buffer >= 1, f"data.shuffle_buffer must be at least 1, got {self.shuffle_buffer}")
+        check(self.check_samples >= 1, f"data.check_samples must be at least 1, got {self.check_samples}")
 
 
 def build_datasets(config: DataConfig) -> tuple[Dataset, Dataset]:
@@ -198,3 +209,13 @@ def build_datasets(config: DataConfig) -> tuple[Dataset, Dataset]:
           f"data.holdout ({holdout}) must be smaller than the dataset ({len(train)} records)")
     split = train.train_test_split(test_size=holdout, seed=0)
     return split["train"], split["test"]
+
+
+def stream_sources(config: DataConfig) -> tuple[list[Source], list[dict[str, Any]]]:
+    """source=stream: the streamed sources, and the validation records (the first stream's first
+    `holdout` rows, which training never reads)."""
+    holdout = config.holdout or MAX_DEFAULT_HOLDOUT
+    first, *others = config.streams
+    validation = Source.open(first).head(holdout)
+    check(bool(validation), f"data.streams[0] ({first.files}): its first {holdout} rows hold no record")
+    return [Source.open(first, skip=holdout), *map(Source.open, others)], validation

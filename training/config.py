@@ -230,6 +230,9 @@ class RunConfig(Config):
               "under adapters: set train.lora.rank")
         check(not self.train.lora.rank or self.train.parallel == "ddp",
               "train.lora.rank: adapters train with train.parallel=ddp (FSDP2 shards whole models)")
+        check(self.data.source != "stream" or not (self.pretrain_steps() or self.train.group_by_length),
+              "data.source=stream: the ViT's pre-training (train.vision_pretrain_steps) and "
+              "train.group_by_length read the records in memory; set them to 0 and false")
         if self.train.vision_pretrain_steps:
             check(self.data.source == "synthetic" or self.train.vision_pretrain_objective != "cells",
                   "train.vision_pretrain_objective=cells needs data.source=synthetic, whose scene generator "

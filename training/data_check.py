@@ -2,6 +2,10 @@
 (the same processor, the same checks), and a report of what training would meet, before it trains a step.
 
     python train.py --data.source jsonl --data.path mine.jsonl --check-data
+    python train.py --config configs/nanovlm-222m-finevision.yaml --check-data --data.check_samples 5000
+
+A stream (data.source=stream) is checked on its first data.check_samples rows of each source, in the shards'
+order, with the ratings filters' effect and the ratings' spread; its validation records whole.
 
 A JSONL file's records are named by their line; other sources' by their index in the training or validation
 split.
@@ -16,10 +20,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from PIL import UnidentifiedImageError
+
 from data import IGNORE_INDEX, PromptError, build_datasets, load_jsonl
 from data.bad_records import MAX_BAD_SHARE, checked_record
 from data.chat_processors import ConversationEncoder
 from data.images import ImageLoadError
+from data.sources import stream_sources
+from data.streaming import RATINGS, Source
 from training.config import RunConfig, check_fresh_start
 from training.setup import model_and_processor
 from typed_config import one_line
@@ -39,6 +47,8 @@ class SourceReport:
     answer_tokens: list[int] = dataclasses.field(default_factory=list)
     image_tokens: list[int] = dataclasses.field(default_factory=list)
     image_sides: list[int] = dataclasses.field(default_factory=list)  # each image's width and height
+    filtered: int = 0  # a stream's records whose every turn the ratings filters dropped
+    ratings: dict[str, list[int]] = dataclasses.field(default_factory=lambda: defaultdict(list))  # per turn
 
     @property
     def num_bad(self) -> int:
@@ -46,6 +56,8 @@ class SourceReport:
 
     def lines(self, max_length: int) -> list[str]:
         lines = [f"{self.name}: {self.records:,} records, {self.num_bad:,} bad"]
+        lines += [f"  dropped by the ratings filters: {self.filtered:,} records"] if self.filtered else []
+        lines += [f"  {name} ratings per turn: {_spread(values)}" for name, values in self.ratings.items()]
         for cause, where in sorted(self.bad.items(), key=lambda item: -len(item[1])):
             lines.append(f"  {cause}: {len(where):,}")
             lines += [f"    {entry}" for entry in where[:MAX_LISTED]]
@@ -76,7 +88,7 @@ def cause(error: Exception) -> str:
     text = str(error)
     if "no such file" in text:
         return "missing image file"
-    if isinstance(error, ImageLoadError):
+    if isinstance(error, (ImageLoadError, UnidentifiedImageError)):  # a file, or a stored image's bytes
         return "unreadable image"
     if isinstance(error, PromptError):
         return "image placeholder in a text" if "the text holds" in text else "images and text do not match"
@@ -105,18 +117,42 @@ def check_source(report: SourceReport, dataset, processor: ConversationEncoder, 
         report.image_sides += [side for image in record["images"] for side in image.size]
 
 
-def _sources(config: RunConfig) -> list[tuple[str, Any, Callable[[int], str]]]:
-    """(name, dataset, record index -> where) of what the run reads: a JSONL file whole, in its line order."""
+def _stream_head(source: Source, count: int) -> tuple[SourceReport, list[dict[str, Any]], list[str]]:
+    """A stream's first `count` rows: a report holding their ratings and the records the filters dropped,
+    the records kept and their keys."""
+    report, records, keys = SourceReport(source.name), [], []
+    for _, (key, row) in zip(range(count), source.rows()):
+        for rating in RATINGS:
+            report.ratings[rating] += [v for v in row.get(f"{rating}_ratings") or [] if v is not None]
+        record = source.record(row)
+        if record is None:
+            report.filtered += 1
+        else:
+            records.append(record)
+            keys.append(key)
+    report.ratings = {rating: values for rating, values in report.ratings.items() if values}
+    return report, records, keys
+
+
+def _sources(config: RunConfig) -> list[tuple[SourceReport, Any, Callable[[int], str]]]:
+    """(report, dataset, record index -> where) of what the run reads: a JSONL file whole, in its line order;
+    a stream's first data.check_samples rows of each source."""
     data = config.data
+    if data.source == "stream":
+        sources, validation = stream_sources(data)
+        heads = [_stream_head(source, data.check_samples) for source in sources]
+        return ([(report, records, lambda i, keys=keys: keys[i]) for report, records, keys in heads]
+                + [(SourceReport("validation"), validation, lambda i: f"validation record {i}")])
     if data.source != "jsonl":
         train, validation = build_datasets(data)
-        return [(split, dataset, lambda i, split=split: f"{split} record {i}")
+        return [(SourceReport(split), dataset, lambda i, split=split: f"{split} record {i}")
                 for split, dataset in (("train", train), ("validation", validation))]
     sources = []
     for path in filter(None, (data.path, data.validation_path)):
         dataset = load_jsonl(path, "skip")  # a file that cannot be read stops here, with one line
         numbers = [n for n, line in enumerate(Path(path).read_text().splitlines(), 1) if line.strip()]
-        sources.append((path, dataset, lambda i, path=path, numbers=numbers: f"{path}:{numbers[i]}"))
+        sources.append((SourceReport(path), dataset,
+                        lambda i, path=path, numbers=numbers: f"{path}:{numbers[i]}"))
     return sources
 
 
@@ -132,8 +168,7 @@ def check_data(config: RunConfig) -> int:
     model, processor = model_and_processor(config, None, train_data)
     max_length = config.train.max_length
     reports = []
-    for name, dataset, locate in sources:
-        report = SourceReport(name)
+    for report, dataset, locate in sources:
         check_source(report, dataset, processor, model.config.image_token_id, locate)
         reports.append(report)
         print("\n".join(report.lines(max_length)), flush=True)

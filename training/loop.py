@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import math
 import resource
 import sys
@@ -18,6 +19,7 @@ from torch import nn
 from tqdm import tqdm
 
 from data.batches import take_bookkeeping
+from data.stream_batches import take_stream
 from models import TinyVLMError
 from training import distributed
 from training.checkpoint import save_checkpoint
@@ -44,8 +46,13 @@ class TrainState:
     history: list[list[float]] = dataclasses.field(default_factory=list)  # [step, train loss] each step
     validation: list[list[float]] = dataclasses.field(default_factory=list)  # [step, validation loss]
     skipped_steps: int = 0  # non-finite steps
-    bad_records: set[int] = dataclasses.field(default_factory=set)  # dataset indices of the bad records met
-    too_long_records: set[int] = dataclasses.field(default_factory=set)  # and of those over train.max_length
+    # dataset indices (data.source=stream: sample keys) of the bad records met
+    bad_records: set[int | str] = dataclasses.field(default_factory=set)
+    too_long_records: set[int | str] = dataclasses.field(default_factory=set)  # and of those over max_length
+    # data.source=stream: each reader's (slot's) position after the last batch trained on, with its counts
+    stream: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # data.source=stream: per rank, a hash chained over the sample keys of every batch trained on, in order
+    sample_digests: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def resumed(cls, saved: dict[str, Any], config: TrainConfig, run_id: str) -> TrainState:
@@ -55,23 +62,39 @@ class TrainState:
         samples_seen = saved.get("samples_seen", saved.get("data_position", 0) * batches_to_samples)
         return cls(run_id, saved["step"], samples_seen, saved["history"], saved.get("validation", []),
                    saved.get("skipped_steps", 0), set(saved.get("bad_record_indices", [])),
-                   set(saved.get("too_long_record_indices", [])))
+                   set(saved.get("too_long_record_indices", [])), saved.get("stream", {}),
+                   saved.get("sample_digests", {}))
 
     def summary(self) -> dict[str, Any]:
         """The run's metrics so far: step, last train and validation losses, skipped steps, and how many
         distinct training records were bad or too long (each counted once, however often it was read)."""
-        return {"step": self.step, "train_loss": self.history[-1][1] if self.history else None,
-                "validation_loss": self.validation[-1][1] if self.validation else None,
-                "skipped_steps": self.skipped_steps, "bad_records": len(self.bad_records),
-                "too_long_records": len(self.too_long_records)}
+        summary = {"step": self.step, "train_loss": self.history[-1][1] if self.history else None,
+                   "validation_loss": self.validation[-1][1] if self.validation else None,
+                   "skipped_steps": self.skipped_steps, "bad_records": len(self.bad_records),
+                   "too_long_records": len(self.too_long_records)}
+        return {**summary, **self.stream_summary()} if self.stream else summary
+
+    def stream_summary(self) -> dict[str, Any]:
+        """data.source=stream: each source's share of the tokens trained on, and the records the ratings
+        filters dropped, over every reader."""
+        tokens: dict[str, int] = {}
+        for position in self.stream.values():
+            for source, count in position["source_tokens"].items():
+                tokens[source] = tokens.get(source, 0) + count
+        total = sum(tokens.values()) or 1
+        return {"source_token_shares": {source: count / total for source, count in sorted(tokens.items())},
+                "filtered_records": sum(position["filtered"] for position in self.stream.values())}
 
     def saved(self) -> dict[str, Any]:
         """What a checkpoint keeps besides its step and run id (which `save_checkpoint` writes)."""
-        return {"samples_seen": self.samples_seen, "history": self.history,
-                "skipped_steps": self.skipped_steps, "validation": self.validation,
-                "bad_records": len(self.bad_records), "bad_record_indices": sorted(self.bad_records),
-                "too_long_records": len(self.too_long_records),
-                "too_long_record_indices": sorted(self.too_long_records)}
+        saved = {"samples_seen": self.samples_seen, "history": self.history,
+                 "skipped_steps": self.skipped_steps, "validation": self.validation,
+                 "bad_records": len(self.bad_records), "bad_record_indices": sorted(self.bad_records),
+                 "too_long_records": len(self.too_long_records),
+                 "too_long_record_indices": sorted(self.too_long_records)}
+        if self.stream:  # data.source=stream
+            saved.update(stream=self.stream, sample_digests=self.sample_digests)
+        return saved
 
 
 @dataclasses.dataclass
@@ -163,7 +186,7 @@ def run(trainer: Trainer, state: TrainState) -> str | None:
                     total=train_config.max_steps, desc="train", dynamic_ncols=True, disable=not bar)
     started = time.perf_counter()
     tokens_seen = 0
-    batches = _counted(trainer.batches, state)
+    batches = _counted(trainer.batches, state, str(ranks.rank))
     stop = trainer.stop
     # the first step (its batches, a compilation) says it still runs until the step lines take over
     with Phase(f"training step {state.step + 1}/{train_config.max_steps}", report, announce=False) as first:
@@ -198,6 +221,7 @@ def run(trainer: Trainer, state: TrainState) -> str | None:
             if state.step % train_config.save_every == 0 or done or stop_requested:
                 state.bad_records = distributed.union(state.bad_records)
                 state.too_long_records = distributed.union(state.too_long_records)
+                state.stream, state.sample_digests = _merged(state.stream), _merged(state.sample_digests)
                 path = _save(trainer, state)
                 if stop_requested and not done:
                     progress.close()
@@ -218,13 +242,30 @@ def _skipped(trainer: Trainer, state: TrainState, report: Callable[[str], None])
     report(f"step {state.step}: non-finite loss or gradient, step skipped ({state.skipped_steps} so far)")
 
 
-def _counted(batches: Iterator[dict[str, Any]], state: TrainState) -> Iterator[dict[str, torch.Tensor]]:
-    """The loader's batches as the model takes them; which records were bad or too long goes into `state`."""
+def _counted(batches: Iterator[dict[str, Any]], state: TrainState,
+             rank: str) -> Iterator[dict[str, torch.Tensor]]:
+    """The loader's batches as the model takes them; which records were bad or too long goes into `state`,
+    and for a stream, where it stands and the digest of the samples read."""
     for batch in batches:
         bad, too_long = take_bookkeeping(batch)
         state.bad_records.update(bad)
         state.too_long_records.update(too_long)
+        stream = take_stream(batch)
+        if stream is not None:
+            state.stream[str(stream["slot"])] = stream["position"]
+            chained = [state.sample_digests.get(rank, ""), *stream["keys"]]
+            state.sample_digests[rank] = hashlib.sha256("\n".join(chained).encode()).hexdigest()
         yield batch
+
+
+def _merged(entries: dict[str, Any]) -> dict[str, Any]:
+    """Every rank's entries (each rank writes its own keys: its readers' positions, its digest), on every
+    rank."""
+    if not torch.distributed.is_initialized():
+        return entries
+    gathered: list[dict[str, Any]] = [{} for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather_object(gathered, entries)
+    return {key: value for rank_entries in gathered for key, value in rank_entries.items()}
 
 
 def _log(trainer: Trainer, step: int, values: dict[str, float]) -> None:

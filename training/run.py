@@ -14,9 +14,13 @@ from datasets import Dataset
 from tqdm import tqdm
 
 from data import CheckedRecords, ImageProcessor, VQACollator, build_datasets, text_lengths
-from data.batches import training_batches
+from data.batches import loader_batches, training_batches
 from data.chat_processors import ChatProcessor, ConversationEncoder
+from data.prefetch import prefetched
 from data.sampler import ResumableBatchSampler
+from data.sources import stream_sources
+from data.stream_batches import StreamedBatches
+from data.streaming import Source
 from models import VisionLanguageModel
 from models.lora import WholeModuleError, adapter_base, add_adapters, load_adapter, quantize_frozen
 from training import distributed, loop
@@ -38,6 +42,8 @@ from training.setup import model_and_processor, unsharded
 from training.signals import GracefulStop
 from training.vision_pretraining import Pretraining, pretraining_on_scenes
 from typed_config import ConfigError, check, one_line
+
+TOKENIZER_RECORDS = 2000  # data.source=stream: each stream's first records train the tokenizer (when none)
 
 
 def train(config: RunConfig, resume: Path | None = None) -> dict:
@@ -64,7 +70,7 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     if resume:
         say(f"resuming from {resume}", flush=True)
     with Phase(f"reading the data (data.source {config.data.source})", say):
-        train_data, validation_data = build_datasets(config.data)
+        sources, train_data, validation_data = _read_data(config)
     with Phase(f"loading {resume or config.init_from}" if resume or config.init_from
                else "building the tokenizer and the model", say):
         model, processor = model_and_processor(config, resume, train_data)
@@ -80,13 +86,25 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
             distributed.broadcast_parameters(model.vision)  # GPU kernels need not be bit-exact across ranks
         resumed = resume if resume is not None and not is_pretraining(resume) else None
         return _train_model(config, resumed, run_id, model, processor, train_records, validation_data, ranks,
-                            device, stop)
+                            device, stop, sources)
+
+
+def _read_data(config: RunConfig) -> tuple[list[Source] | None, Dataset | list[dict], Dataset | list[dict]]:
+    """(streamed sources or None, training records, validation records). A stream's training records are
+    only its first ones, which train the tokenizer where none is configured: the loop streams the rest."""
+    if config.data.source != "stream":
+        return None, *build_datasets(config.data)
+    sources, validation = stream_sources(config.data)
+    count = 0 if config.tokenizer else TOKENIZER_RECORDS
+    return sources, [record for source in sources for record in source.head(count)], validation
 
 
 def _train_model(config: RunConfig, resume: Path | None, run_id: str, model: VisionLanguageModel,
                  processor: ConversationEncoder, train_records: CheckedRecords, validation_data: Dataset,
-                 ranks: distributed.Ranks, device: torch.device, stop: GracefulStop) -> dict:
-    """The training loop from step 0, or from the step checkpoint `resume`, then the results."""
+                 ranks: distributed.Ranks, device: torch.device, stop: GracefulStop,
+                 sources: list[Source] | None = None) -> dict:
+    """The training loop from step 0, or from the step checkpoint `resume`, then the results; the training
+    records are `sources`' streams where it is given."""
     train_config, train_data = config.train, train_records.dataset
     say, report = distributed.main_rank_only(ranks, print), distributed.main_rank_only(ranks, tqdm.write)
     with Phase("preparing the training loop", say, announce=False):
@@ -101,16 +119,13 @@ def _train_model(config: RunConfig, resume: Path | None, run_id: str, model: Vis
                                            pack=train_config.packing)
         validation_records = CheckedRecords(validation_data, config.data.on_bad_record, "validation",
                                             report=report, check_texts=processor.check_texts)
-        lengths = text_lengths(train_data) if train_config.group_by_length else None
-        sampler = ResumableBatchSampler(len(train_records), train_config.batch_size, train_config.seed,
-                                        state.samples_seen, ranks.rank, ranks.world_size, lengths)
         validation_batches = _validation_batches(collator, validation_records, train_config)
-    say(_description(config, distributed.unwrap(model), train_data, validation_data, device, ranks),
-        flush=True)
+    say(_description(config, distributed.unwrap(model), sources or train_data, validation_data, device,
+                     ranks), flush=True)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and train_config.bf16
                 else contextlib.nullcontext())
-    with training_batches(train_records, sampler, collator, train_config.num_workers,
-                          train_config.prefetch_factor, pin_memory=device.type == "cuda") as batches:
+    with _batches(config, state, train_records, sources, collator, processor, ranks, report,
+                  pin_memory=device.type == "cuda") as batches:
         trainer = loop.Trainer(config, model, torch.compile(model) if train_config.compile else model,
                                optimizer, build_scheduler(optimizer, train_config, state.step), device,
                                autocast, processor, batches, validation_batches, ranks,
@@ -124,6 +139,43 @@ def _train_model(config: RunConfig, resume: Path | None, run_id: str, model: Vis
     if not ranks.is_main:
         return state.summary()
     return write_results(final_model, trainer, state, validation_records)
+
+
+def _batches(config: RunConfig, state: loop.TrainState, train_records: CheckedRecords,
+             sources: list[Source] | None, collator: VQACollator, processor: ConversationEncoder,
+             ranks: distributed.Ranks, report: Callable[[str], None], pin_memory: bool):
+    """The training batches (a context manager): `train_records` in the resumable sampler's order, or
+    `sources` streamed from where `state` stands (data/stream_batches.py)."""
+    train_config = config.train
+    loader = (train_config.num_workers, train_config.prefetch_factor, pin_memory)
+    if sources is None:
+        lengths = text_lengths(train_records.dataset) if train_config.group_by_length else None
+        sampler = ResumableBatchSampler(len(train_records), train_config.batch_size, train_config.seed,
+                                        state.samples_seen, ranks.rank, ranks.world_size, lengths)
+        return training_batches(train_records, sampler, collator, *loader)
+    workers = max(train_config.num_workers, 1)
+    saved = {position["readers"] for position in state.stream.values()}
+    check(saved <= {ranks.world_size * workers},
+          f"a streamed run resumes with as many readers (ranks x DataLoader workers) as it had, "
+          f"{min(saved, default=0)}; this run has {ranks.world_size} x {workers}")
+    streamed = StreamedBatches(sources, collator, train_config.batch_size, train_config.seed,
+                               config.data.shuffle_buffer, config.data.on_bad_record, ranks.rank,
+                               ranks.world_size, train_config.num_workers,
+                               consumed=state.step * train_config.grad_accum_steps, positions=state.stream,
+                               report=report, check_texts=processor.check_texts)
+    return _streamed(streamed, *loader)
+
+
+@contextlib.contextmanager
+def _streamed(streamed: StreamedBatches, num_workers: int, prefetch_factor: int, pin_memory: bool):
+    """The streamed batches through the DataLoader's worker processes, or (none) a producer thread that keeps
+    `prefetch_factor` batches ahead of the step."""
+    with loader_batches(streamed, num_workers, prefetch_factor, pin_memory, batch_size=None) as batches:
+        if num_workers:
+            yield batches
+        else:
+            with prefetched(batches, prefetch_factor) as ahead:
+                yield ahead
 
 
 def _check_start(config: RunConfig, resume: Path | None, device: torch.device) -> None:
@@ -159,9 +211,10 @@ def _description(config: RunConfig, model: VisionLanguageModel, train_data, vali
                  device: torch.device, ranks: distributed.Ranks) -> str:
     """The run's first line: the model's size, the data's, where it trains."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    train = (f"{len(train_data)} streams" if config.data.source == "stream" else f"{len(train_data)} train")
     return (f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters "
             f"({trainable / 1e6:.2f}M trained), {config.model.tokens_per_image} tokens per image, vocabulary "
-            f"{config.model.language.vocab_size}; data: {len(train_data)} train / {len(validation_data)} "
+            f"{config.model.language.vocab_size}; data: {train} / {len(validation_data)} "
             f"validation samples; device {device}"
             + (f"; {ranks.world_size} ranks ({config.train.parallel})" if ranks.distributed else ""))
 

@@ -4,8 +4,11 @@ its line and cause, and a non-zero exit where training would stop on the data.""
 import json
 
 import pytest
+import yaml
 from PIL import Image
 
+from data.shards import write_shards
+from tests.shards import tiny_records
 from train import main
 
 GOOD = {"images": ["red.png"], "texts": [{"user": "What color is it?", "assistant": "red"}]}
@@ -57,3 +60,24 @@ def test_it_trains_nothing(tmp_path):
 def test_resuming_takes_no_check(tmp_path):
     with pytest.raises(SystemExit):
         main(["--resume", str(tmp_path), "--check-data"])
+
+
+def test_a_stream_is_checked_on_its_first_samples(tmp_path, capsys):
+    records = tiny_records(40)
+    for number, record in enumerate(records):  # every third record's turn rated 1 for relevance
+        record["relevance_ratings"] = [1 if number % 3 == 0 else 4]
+    records[25]["images"] = [{"bytes": b"not a png", "path": None}]
+    write_shards(tmp_path / "shards", records, "finevision", files=2, rows_per_group=5)
+    stream = {"files": str(tmp_path / "shards" / "*.parquet"), "layout": "finevision", "min_relevance": 2}
+    config = {"data": {"source": "stream", "streams": [stream], "holdout": 10},
+              "train": {"vision_pretrain_steps": 0, "output_dir": str(tmp_path / "run")}}
+    (tmp_path / "stream.yaml").write_text(yaml.safe_dump(config))
+    argv = ["--config", str(tmp_path / "stream.yaml"), "--check-data", "--data.check_samples", "20"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    checked = range(10, 30)  # after the 10 held out, the first 20
+    dropped = sum(number % 3 == 0 for number in checked)
+    assert f"{stream['files']}: {20 - dropped} records, 1 bad" in out
+    assert f"dropped by the ratings filters: {dropped} records" in out
+    assert "relevance ratings per turn: min 1 / median 4" in out and "unreadable image: 1" in out
+    assert "validation: 6 records, 0 bad" in out  # the 10 held-out rows, less the 4 rated 1
