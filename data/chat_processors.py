@@ -6,9 +6,10 @@ training and inference use.
     turns = [Message("system", "Be brief."), Message("user", "What is it?", 1)]
     ids, pixels = processor.encode_chat(turns, [image])
     ids, targets, pixels = processor.encode_conversation(record["texts"], images)  # a training record
+    ids, pixels = processor.encode("Which way?", [], video=read_video("clip.mp4", model.config.video))
 
 - `ChatProcessor`: tinyvlm's own ChatML (data/prompts.py; nanoVLM's too), images split or not as the model's
-  config says;
+  config says, a clip's frames one global image each in SmolVLM2's words (timestamps, duration);
 - `CheckpointProcessor`: a released checkpoint's own transformers processor (SmolVLM / Idefics3): its chat
   template builds the conversation and its image processor splits the images.
 
@@ -19,6 +20,7 @@ closing it, IGNORE_INDEX elsewhere); pixels are [tiles, 3, S, S] in placeholder 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -28,14 +30,16 @@ import torch
 from PIL import Image
 from transformers import PreTrainedTokenizerBase
 
-from data.image_splitting import ImageInputs
-from data.prompts import IGNORE_INDEX, Message, PromptError, encode_chat, encode_conversation
+from data.image_splitting import ImageInputs, ImageSplitter
+from data.prompts import IGNORE_INDEX, Message, PromptError, encode_chat, encode_conversation, encode_text
 from data.tokenizer import IM_END, IM_START, IMAGE_TOKEN, token_id
 from data.video import Clip, video_prompt
 from models.config import ImagePosition, VLMConfig
 from models.weights import CheckpointError
 
 Turns = list[dict[str, str]]
+FRAME = "\0"  # where video_prompt's text holds a frame, to be cut there
+NO_IMAGES_BESIDE_A_VIDEO = "a video prompt holds the video's frames and no other images"
 
 
 class ConversationEncoder(Protocol):
@@ -52,13 +56,15 @@ class ConversationEncoder(Protocol):
     def check_texts(self, turns: Turns) -> None:
         """Raise PromptError for a text this format cannot keep as text (training skips such a record)."""
 
-    def encode(self, prompt: str, images: Sequence[Image.Image]) -> tuple[list[int], torch.Tensor | None]:
+    def encode(self, prompt: str, images: Sequence[Image.Image],
+               video: Clip | None = None) -> tuple[list[int], torch.Tensor | None]:
         """One user turn with the assistant turn opened: (ids, pixels)."""
 
-    def encode_chat(self, messages: Sequence[Message],
-                    images: Sequence[Image.Image]) -> tuple[list[int], torch.Tensor | None]:
-        """A conversation (system, user and assistant messages; each user message's images, in order) with the
-        assistant turn opened: (ids, pixels). One user message gives `encode`'s ids."""
+    def encode_chat(self, messages: Sequence[Message], images: Sequence[Image.Image],
+                    video: Clip | None = None) -> tuple[list[int], torch.Tensor | None]:
+        """A conversation (system, user and assistant messages; each user message's images, in order, or a
+        video opening the first user message) with the assistant turn opened: (ids, pixels). One user message
+        gives `encode`'s ids."""
 
     def encode_conversation(
         self, turns: Turns, images: Sequence[Image.Image]
@@ -71,16 +77,33 @@ class ConversationEncoder(Protocol):
         `directory`."""
 
 
+# SmolVLM2's video processor (each frame resized to one square tile, not split), for any of our configs.
+def frame_inputs(images: ImageInputs) -> ImageInputs:
+    """How a clip's frames go in beside `images`: each one global image. An unsplit square resize as it is;
+    splitting capped at one tile (`<fake_token_around_image><global-img>` + its tokens for the idefics3
+    layout, `<|global_image|>` + its tokens for nanovlm's), with the layout's own filter and
+    normalisation."""
+    splitter = images.processor
+    if not isinstance(splitter, ImageSplitter):
+        return images
+    one_tile = ImageSplitter(splitter.image_size, splitter.image_size, splitter.layout, splitter.resample,
+                             splitter.mean.flatten().tolist(), splitter.std.flatten().tolist(),
+                             splitter.backend)
+    return ImageInputs(one_tile, images.tokens_per_image, images.tokenizer)
+
+
 # tinyvlm's ChatML (data/prompts.py) with nanoVLM's / Idefics3's image splitting (data/image_splitting.py).
 class ChatProcessor:
     """tinyvlm's own models (and nanoVLM's): `<|im_start|>user\\n` + each image's placeholders + the text +
     `<|im_end|>\\n<|im_start|>assistant\\n` (images after the text with image_position="after_text"), answers
-    closed by `<|im_end|>`; `images` (`ImageInputs`) splits them or not."""
+    closed by `<|im_end|>`; `images` (`ImageInputs`) splits them or not. A clip's frames go in as SmolVLM2
+    writes them, each one global image (`encode_chat`'s `video`)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, images: ImageInputs,
                  image_position: ImagePosition = "before_text") -> None:
         self.tokenizer = tokenizer
         self.images = images
+        self.frames = frame_inputs(images)
         self.image_position = image_position
 
     @classmethod
@@ -117,13 +140,39 @@ class ChatProcessor:
                                           "\"images\" (the prompt format places them), not in its texts: "
                                           f"{text[:60]!r}")
 
-    def encode(self, prompt: str, images: Sequence[Image.Image]) -> tuple[list[int], torch.Tensor | None]:
-        return self.encode_chat([Message("user", prompt, len(images))], images)
+    def encode(self, prompt: str, images: Sequence[Image.Image],
+               video: Clip | None = None) -> tuple[list[int], torch.Tensor | None]:
+        return self.encode_chat([Message("user", prompt, len(images))], images, video)
 
-    def encode_chat(self, messages: Sequence[Message],
-                    images: Sequence[Image.Image]) -> tuple[list[int], torch.Tensor | None]:
-        pixels, placeholders = self.images(images)
-        return encode_chat(self.tokenizer, messages, self.image_position, placeholders=placeholders), pixels
+    def encode_chat(self, messages: Sequence[Message], images: Sequence[Image.Image],
+                    video: Clip | None = None) -> tuple[list[int], torch.Tensor | None]:
+        """The conversation's ChatML ids (data/prompts.py `encode_chat`), the assistant turn opened, and the
+        pixels in placeholder order. A `video` (no images beside it) takes the place of the first user
+        message's images: SmolVLM2's text (frame count, duration, each frame's timestamp) around each frame's
+        placeholders, each frame one global image (`frame_inputs`)."""
+        if video is None:
+            pixels, placeholders = self.images(images)
+            ids = encode_chat(self.tokenizer, messages, self.image_position, placeholders=placeholders)
+            return ids, pixels
+        if images or any(message.images for message in messages):
+            raise PromptError(NO_IMAGES_BESIDE_A_VIDEO)
+        first_user = next((i for i, message in enumerate(messages) if message.role == "user"), None)
+        if first_user is None:
+            raise PromptError("a video needs a user message to go in")
+        messages = [dataclasses.replace(message, images=int(i == first_user))
+                    for i, message in enumerate(messages)]
+        frame_ids = self.frames.placeholders(video.frames[:1])[0]  # alike for every frame: one global image
+        ids = encode_chat(self.tokenizer, messages, self.image_position,
+                          placeholders=[self._video_ids(video, frame_ids)])
+        return ids, self.frames.pixels(video.frames)
+
+    def _video_ids(self, video: Clip, frame_ids: list[int]) -> list[int]:
+        """`video_prompt`'s text encoded as plain text, each frame's placeholder ids in their place."""
+        texts = video_prompt(video, FRAME).split(FRAME)
+        ids = encode_text(self.tokenizer, texts[0])
+        for text in texts[1:]:
+            ids += [*frame_ids, *encode_text(self.tokenizer, text)]
+        return ids
 
     def encode_conversation(
         self, turns: Turns, images: Sequence[Image.Image]
@@ -294,7 +343,7 @@ class CheckpointProcessor:
         if getattr(processor, "video_processor", None) is None:
             raise PromptError("this checkpoint's processor takes no video (SmolVLM2's does)")
         if images:
-            raise PromptError("a video prompt holds the video's frames and no other images")
+            raise PromptError(NO_IMAGES_BESIDE_A_VIDEO)
         frame_text = (processor.fake_image_token + processor.global_image_token
                       + processor.image_token * processor.image_seq_len + processor.fake_image_token)
         text = text.replace(processor.video_token, video_prompt(video, frame_text), 1)

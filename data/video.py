@@ -22,11 +22,13 @@ import dataclasses
 from datetime import timedelta
 from fractions import Fraction
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
 from PIL import Image
 
+from data.images import MAX_IMAGE_PIXELS
 from models.errors import TinyVLMError
 from models.split_config import VideoConfig
 
@@ -73,22 +75,31 @@ def scaled_size(width: int, height: int, max_side: int) -> tuple[int, int]:
     return max(width, 1), max(height, 1)
 
 
-def read_video(path: str | Path, config: VideoConfig) -> Clip:
-    """The frames of the clip at `path` that `config` samples (see the module docstring), or a one-line
-    VideoError."""
+def read_video(source: str | Path | BinaryIO, config: VideoConfig,
+               max_pixels: int = MAX_IMAGE_PIXELS) -> Clip:
+    """The frames that `config` samples (see the module docstring) of the clip at a path or in a binary file
+    object (named in errors by its `name`), or a one-line VideoError; a clip whose frames are larger than
+    `max_pixels` is refused before any is decoded (as `load_image` refuses such an image)."""
     import av
 
-    path = Path(path)
-    if not path.is_file():
-        raise VideoError(f"{path}: no such file")
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if not path.is_file():
+            raise VideoError(f"{path}: no such file")
+        source = str(path)
+    else:
+        path = getattr(source, "name", "<file object>")
     try:
-        with av.open(str(path)) as container:
+        with av.open(source) as container:
             if container.format.name == "image2" or container.format.name.endswith("_pipe"):
                 raise VideoError(f"{path}: an image ({container.format.name}), not a video")
             stream = container.streams.video[0] if container.streams.video else None
             rate = stream and (stream.average_rate or stream.guessed_rate)
             if not stream or not stream.frames or not rate:
                 raise VideoError(f"{path}: the clip holds no video frames")
+            if stream.width * stream.height > max_pixels:
+                raise VideoError(f"{path}: frames of {stream.width} x {stream.height}, more than "
+                                 f"{max_pixels} pixels")
             duration = float(Fraction(stream.frames) / rate)
             indices = sample_indices(stream.frames, float(rate), duration, config.fps, config.max_frames)
             frames = _decode(container, stream, indices, float(rate), config.max_side, path)
@@ -98,7 +109,7 @@ def read_video(path: str | Path, config: VideoConfig) -> Clip:
 
 
 def _decode(container, stream, indices: list[int], rate: float, max_side: int,
-            path: Path) -> list[Image.Image]:
+            path: Path | str) -> list[Image.Image]:
     """The frames at `indices` (increasing), seeking to the keyframe before each one more than a second past
     the last decoded frame."""
     start = stream.start_time or 0

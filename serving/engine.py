@@ -6,6 +6,8 @@
     # a conversation: its earlier turns reuse cached blocks
     turns = [Message("system", "Answer in one word."), Message("user", "Color?", 1)]
     outputs = engine.generate([Request(turns, [image])])
+    # a clip (data/video.py): its frames are the request's images
+    outputs = engine.generate([Request("Which way?", video=read_video(path, model.config.video))])
 
 or step by step (a server): `add_request`, then `step()` until `has_unfinished()` is False;
 `abort(request_id)` drops a request and frees its blocks. Each step schedules (serving/scheduler.py), runs the
@@ -83,7 +85,11 @@ class Engine:
 
     def prepare(self, request: Request) -> RequestState:
         """The request checked and encoded, ready for `enqueue`; changes no engine state, so a server can call
-        it from its own threads and answer a bad request at once. Raises RequestError."""
+        it from its own threads and answer a bad request at once. Raises RequestError.
+
+        A clip whose frames leave no room in the context for max_tokens is refused (one line naming its
+        frames), not sampled down: which frames the model sees is the caller's choice (the fps and
+        max_frames it reads the clip with), and silently dropping some would answer another question."""
         request_id = request.request_id or f"req-{next(self._arrivals)}"
         prompt, images = self._encode(request)
         params, model = request.params, self.model
@@ -91,8 +97,11 @@ class Engine:
         if params.max_tokens is None:  # as many as fit the context after the prompt, and the KV cache
             params = dataclasses.replace(params, max_tokens=self._room(len(prompt), params.n, context))
         if len(prompt) + params.max_tokens > context:
+            clip = "" if request.video is None else (
+                f"; the clip's {len(request.video.frames)} frames are in the prompt: sample fewer (a lower "
+                "fps or max_frames)")
             raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                               f"the context of {context} tokens")
+                               f"the context of {context} tokens{clip}")
         worst = self._blocks_needed(len(prompt), params.max_tokens, params.n)
         if worst > self.blocks.num_usable:
             raise RequestError(f"the request needs up to {worst} KV-cache blocks, more than the "
@@ -139,6 +148,8 @@ class Engine:
         return max(min(context - prompt, span * blocks.block_size - prompt), 1)
 
     def _encode(self, request: Request) -> tuple[list[int], Tensor | None]:
+        """The request's prompt ids and pixels (a clip's frames: its images, keyed alike by the prefix
+        cache)."""
         images = request.images
         turns = request.prompt if isinstance(request.prompt, list) else []
         conversation = bool(turns) and isinstance(turns[0], Message)
@@ -150,12 +161,14 @@ class Engine:
                                    "pixels")
             try:
                 if conversation:
-                    prompt, images = self.processor.encode_chat(request.prompt, images or [])
+                    prompt, images = self.processor.encode_chat(request.prompt, images or [], request.video)
                 else:
-                    prompt, images = self.processor.encode(request.prompt, images or [])
+                    prompt, images = self.processor.encode(request.prompt, images or [], request.video)
             except PromptError as e:
                 raise RequestError(str(e)) from None
         else:
+            if request.video is not None:
+                raise RequestError("a prompt of token ids takes processed pixels, not a video")
             if images is not None and not isinstance(images, Tensor):
                 raise RequestError(
                     "a prompt of token ids takes processed pixels [N, C, H, W], not PIL images"

@@ -1,7 +1,10 @@
-"""The images a request names: base64 data URLs, local files (only under an allowed directory), and http(s)
-URLs (fetched within a time limit, a byte limit and a redirect limit, and never from a loopback, private or
-link-local address unless allowed). Anything refused is a one-line RequestError raised before the refused
-bytes are read.
+"""The images and video clips a request names: base64 data URLs, local files (only under an allowed
+directory), and http(s) URLs (fetched within a time limit, a byte limit and a redirect limit, and never from a
+loopback, private or link-local address unless allowed). Anything refused is a one-line RequestError raised
+before the refused bytes are read.
+
+    image = open_image(url, 0, policy)
+    clip = open_video(url, 0, policy)  # the frames policy.video samples (data/video.py)
 
 As vLLM's `--allowed-local-media-path`. A fetch connects to the very address it checked (the URL's host is
 resolved once, the connection goes to that address with the host name kept for the Host header and TLS), so a
@@ -31,6 +34,8 @@ import httpx
 from PIL import Image
 
 from data import ImageLoadError, load_image
+from data.video import Clip, VideoError, read_video
+from models.split_config import VideoConfig
 from serving.requests import RequestError
 
 GLOBAL_IPV6 = ipaddress.ip_network("2000::/3")  # global unicast; every other IPv6 range is refused
@@ -38,20 +43,40 @@ GLOBAL_IPV6 = ipaddress.ip_network("2000::/3")  # global unicast; every other IP
 
 @dataclasses.dataclass(frozen=True)
 class MediaPolicy:
-    """Where images may come from, and how much of them is read."""
+    """Where images and clips may come from, how much of them is read (a clip's encoded bytes under the same
+    limit as an image's), and how a clip's frames are sampled (the served model's `config.video`)."""
 
     allowed_local_path: Path | None = None  # local files only under this directory (None: no local files)
     allow_private_urls: bool = False  # fetch from loopback / private / link-local addresses too
-    max_bytes: int = 10 * 2**20  # an image's encoded size
-    max_pixels: int = 4096 * 4096  # an image's decoded size (an RGB image of 4096 x 4096 is 48 MiB)
+    max_bytes: int = 10 * 2**20  # an image's (or a clip's) encoded size
+    max_pixels: int = 4096 * 4096  # an image's (a clip frame's) decoded size (RGB 4096 x 4096 is 48 MiB)
     timeout: float = 10.0  # seconds for a whole fetch, redirects included
     max_redirects: int = 3
+    video: VideoConfig = dataclasses.field(default_factory=VideoConfig)
 
 
 def open_image(url: str, index: int, policy: MediaPolicy) -> Image.Image:
     """The RGB image `url` names (a data URL, a path or file:// URL, an http(s) URL); RequestError
     otherwise."""
-    name = f"image {index}"
+    source = _open(url, f"image {index}", policy)
+    try:
+        return load_image(source, policy.max_pixels)
+    except ImageLoadError as e:
+        raise RequestError(str(e)) from None
+
+
+def open_video(url: str, index: int, policy: MediaPolicy) -> Clip:
+    """The frames `policy.video` samples of the clip `url` names (as `open_image`: only they are decoded, each
+    scaled down to its max_side); RequestError for a clip that is not there or not readable."""
+    source = _open(url, f"video {index}", policy)
+    try:
+        return read_video(source, policy.video, policy.max_pixels)
+    except VideoError as e:
+        raise RequestError(str(e)) from None
+
+
+def _open(url: str, name: str, policy: MediaPolicy) -> io.BytesIO:
+    """The bytes `url` names, as a file object called `name`; RequestError where refused."""
     try:
         if url.startswith("data:"):
             data = _data_url(url, name, policy)
@@ -74,10 +99,7 @@ def open_image(url: str, index: int, policy: MediaPolicy) -> Image.Image:
         raise RequestError(f"{name}: invalid URL ({type(e).__name__})") from None
     source = io.BytesIO(data)
     source.name = name
-    try:
-        return load_image(source, policy.max_pixels)
-    except ImageLoadError as e:
-        raise RequestError(str(e)) from None
+    return source
 
 
 def _data_url(url: str, name: str, policy: MediaPolicy) -> bytes:
@@ -97,7 +119,7 @@ def _read_local(path: Path, name: str, policy: MediaPolicy) -> bytes:
     limit. Missing and outside files get the same answer (no oracle of what exists elsewhere); devices, pipes
     and directories are refused before they are opened, and the opened file's own path is checked again."""
     if policy.allowed_local_path is None:
-        raise RequestError(f"{name}: local image paths are not served (the server takes them only under "
+        raise RequestError(f"{name}: local paths are not served (the server takes them only under "
                            f"--allowed-local-media-path DIR)")
     root = policy.allowed_local_path.resolve()
     unavailable = f"{name}: no such file under the allowed media directory"
@@ -192,7 +214,7 @@ def _fetch(url: str, name: str, policy: MediaPolicy) -> bytes:
                 raise RequestError(f"{name}: the fetch took longer than {policy.timeout:g} s") from None
             except httpcore.NetworkError as e:
                 raise RequestError(
-                    f"{name}: cannot fetch the image from {host} ({type(e).__name__})"
+                    f"{name}: cannot fetch it from {host} ({type(e).__name__})"
                 ) from None
             except httpcore.ProtocolError as e:
                 raise RequestError(

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from data import CAPTION_PROMPT, Message
 from serving.errors import shown
-from serving.media import MediaPolicy, open_image
+from serving.media import MediaPolicy, open_image, open_video
 from serving.requests import (
     MAX_LOGPROBS,
     MAX_TOP_K,
@@ -37,7 +37,7 @@ MAX_CONTENT_PARTS = 64  # of one message
 MAX_CHOICES = 256  # guided_choice's strings ...
 MAX_CHOICE_CHARS = 256  # ... and each one's length
 MAX_NAME_CHARS = 256  # a model's name, a content part's type
-CONTENT_TYPES = ("text", "image_url")
+CONTENT_TYPES = ("text", "image_url", "video_url")
 LABELS = {"user", "metadata"}  # they name a request and change nothing
 NEUTRAL = {  # fields the server cannot honour, with the values that ask for nothing it lacks
     "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
@@ -48,14 +48,15 @@ NEUTRAL = {  # fields the server cannot honour, with the values that ask for not
 }
 
 
-class ImageURL(BaseModel):
+class MediaURL(BaseModel):
     url: StrictStr
 
 
 class ContentPart(BaseModel):
     type: StrictStr = Field(max_length=MAX_NAME_CHARS)  # one of CONTENT_TYPES, checked with a telling message
     text: StrictStr | None = None
-    image_url: ImageURL | None = None
+    image_url: MediaURL | None = None
+    video_url: MediaURL | None = None  # vLLM's video part: {"type": "video_url", "video_url": {"url": ...}}
 
 
 class ChatMessage(BaseModel):
@@ -205,14 +206,15 @@ class RequestLimits:
 
 def to_engine_request(chat: ChatRequest, default_max_tokens: int | None, limits: RequestLimits,
                       media: MediaPolicy, request_id: str) -> Request:
-    """The conversation (system / developer, user and assistant messages, images in any user message) and its
-    images in order, with the sampling settings; RequestError otherwise. The last message is the user's to
-    answer; if it holds images and no text, it asks for a caption (generate.py's caption prompt)."""
+    """The conversation (system / developer, user and assistant messages, images in any user message, or one
+    video clip in the first user message, as SmolVLM2 places it) and its images in order or its clip's sampled
+    frames, with the sampling settings; RequestError otherwise. The last message is the user's to answer; if
+    it holds images and no text, it asks for a caption (generate.py's caption prompt)."""
     if problem := chat.problem(limits):
         raise RequestError(problem)
     if chat.top_logprobs and not chat.logprobs:
         raise RequestError("top_logprobs: needs logprobs: true")
-    messages, urls = [], []
+    messages, urls, videos = [], [], []
     for i, message in enumerate(chat.messages):
         if message.role == "tool":
             raise RequestError(f"messages.{i}: tool messages are not supported (this server calls no tools)")
@@ -222,10 +224,16 @@ def to_engine_request(chat: ChatRequest, default_max_tokens: int | None, limits:
         for j, part in enumerate(parts):
             if part.type not in CONTENT_TYPES:
                 raise RequestError(f"messages.{i}.content.{j}: content part type {shown(part.type)!r} is not "
-                                   f"supported; this server takes {' and '.join(map(repr, CONTENT_TYPES))} "
+                                   f"supported; this server takes {', '.join(map(repr, CONTENT_TYPES))} "
                                    "parts")
             if part.type == "text":
                 texts.append(part.text or "")
+            elif part.type == "video_url":
+                if part.video_url is None:
+                    raise RequestError(f"messages.{i}: a video_url content part needs a video_url object")
+                if message.role != "user" or any(m.role == "user" for m in messages):
+                    raise RequestError(f"messages.{i}: a video goes in the first user message")
+                videos.append(part.video_url.url)
             elif part.image_url is None:
                 raise RequestError(f"messages.{i}: an image_url content part needs an image_url object")
             else:
@@ -239,7 +247,7 @@ def to_engine_request(chat: ChatRequest, default_max_tokens: int | None, limits:
     if last.role != "user":
         raise RequestError("the last message must be the user's (the one to answer)")
     if not last.text.strip():
-        if not last.images:
+        if not last.images and not (videos and last is next(m for m in messages if m.role == "user")):
             raise RequestError("the last message has no text and no image")
         messages[-1] = dataclasses.replace(last, text=CAPTION_PROMPT)
     if (chars := sum(len(message.text) for message in messages)) > limits.max_prompt_chars:
@@ -247,10 +255,12 @@ def to_engine_request(chat: ChatRequest, default_max_tokens: int | None, limits:
                            "accepted")
     if len(urls) > limits.max_images:
         raise RequestError(f"{len(urls)} images in one request; at most {limits.max_images} are accepted")
+    if videos and (len(videos) > 1 or urls):
+        raise RequestError("a request holds one video and no images beside it (its frames are the images)")
     params = chat.params(chat.max_completion_tokens or chat.max_tokens or default_max_tokens,
                          (chat.top_logprobs or 0) if chat.logprobs else None)
     return Request(messages, [open_image(url, i, media) for i, url in enumerate(urls)] or None, params,
-                   request_id)
+                   request_id, open_video(videos[0], 0, media) if videos else None)
 
 
 def completion_to_engine_request(completion: CompletionRequest, tokenizer, limits: RequestLimits,

@@ -9,6 +9,7 @@ from PIL import Image
 from torch import Tensor
 
 from data.prompts import Message
+from data.video import Clip
 from models.errors import TinyVLMError
 from models.sampling import SamplingParams
 from typed_config import check
@@ -83,12 +84,15 @@ class TokenLogprobs:
 class Request:
     """A prompt (text: one user turn; a conversation: data.Message's, each user message with its number of
     images; or token ids with image placeholders already in place) with its images (PIL images, in order, or
-    processed pixels [N, C, H, W] for token ids) and settings."""
+    processed pixels [N, C, H, W] for token ids) and settings. A text prompt may instead take a `video`
+    (data/video.py's sampled frames, no images beside it): its frames open the first user message, each one
+    image, as the processor writes a clip."""
 
     prompt: str | list[Message] | list[int]
     images: list[Image.Image] | Tensor | None = None
     params: RequestParams = dataclasses.field(default_factory=RequestParams)
     request_id: str | None = None
+    video: Clip | None = None
 
 
 @dataclasses.dataclass

@@ -166,3 +166,26 @@ def test_bad_clips_are_one_line_errors(tmp_path, make, message):
     with pytest.raises(VideoError) as error:
         read_video(path, VideoConfig())
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_clip_in_a_file_object_reads_as_the_same_clip_from_its_path(tmp_path):
+    import io
+
+    path = write_clip(tmp_path / "clip.mp4", 4)
+    config = VideoConfig(fps=2, max_frames=5)
+    source = io.BytesIO(path.read_bytes())
+    source.name = "video 0"
+    from_bytes, from_path = read_video(source, config), read_video(path, config)
+    assert from_bytes.indices == from_path.indices and from_bytes.timestamps == from_path.timestamps
+    assert np.array_equal(np.stack(from_bytes.frames), np.stack(from_path.frames))
+    source = io.BytesIO(path.read_bytes()[:300])
+    source.name = "video 0"
+    with pytest.raises(VideoError, match="^video 0: not a readable video"):
+        read_video(source, config)
+
+
+def test_frames_larger_than_max_pixels_are_refused_before_decoding(tmp_path):
+    path = write_clip(tmp_path / "clip.mp4", 2)  # 64 x 48
+    with pytest.raises(VideoError, match=r"clip.mp4: frames of 64 x 48, more than 3000 pixels$"):
+        read_video(path, VideoConfig(), max_pixels=3000)
+    assert len(read_video(path, VideoConfig(), max_pixels=64 * 48).frames) == 2

@@ -431,8 +431,8 @@ BAD = [
     ("tool message", {"messages": [{"role": "tool", "content": "42"}, *_message("hi")]}, "tool messages"),
     *[(f"{kind} content part", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
                                                                           {"type": kind, kind: {}}]}]},
-       f"messages.0.content.1: content part type '{kind}' is not supported; this server takes 'text' and "
-       "'image_url' parts") for kind in ("input_audio", "file", "video_url")],
+       f"messages.0.content.1: content part type '{kind}' is not supported; this server takes 'text', "
+       "'image_url', 'video_url' parts") for kind in ("input_audio", "file")],
     ("content part without a type", {"messages": [{"role": "user", "content": [{"text": "hi"}]}]},
      "messages.0.content.0.type: Field required"),
 ]
@@ -503,7 +503,7 @@ def test_engine_settings_that_cannot_run_together_stop_the_server_with_one_line(
     not a traceback."""
     import serving.server
 
-    monkeypatch.setattr(serving.server, "load_for_inference", lambda *args: (tiny_vlm(), None))
+    monkeypatch.setattr(serving.server, "load_for_inference", lambda *args, **options: (tiny_vlm(), None))
     assert serving.server.main(["--device", "cpu", "--attention", "sparse", "--compile"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: sparse paged attention needs"), err
@@ -525,7 +525,7 @@ def test_the_server_prints_its_resolved_engine_settings_and_health_reports_them(
     tokenizer = base_tokenizer()
     model = chat_vlm(tokenizer)
     monkeypatch.setattr(serving.server, "load_for_inference",
-                        lambda *args: (model, ChatProcessor.from_config(model.config, tokenizer)))
+                        lambda *args, **options: (model, ChatProcessor.from_config(model.config, tokenizer)))
     health = []
     monkeypatch.setattr(uvicorn.Server, "run",
                         lambda self: health.append(TestClient(self.config.app).get("/health").json()))
