@@ -19,6 +19,7 @@ machine needs. torchcodec (transformers' default video backend) needs the system
 from __future__ import annotations
 
 import dataclasses
+import time
 from datetime import timedelta
 from fractions import Fraction
 from pathlib import Path
@@ -75,11 +76,13 @@ def scaled_size(width: int, height: int, max_side: int) -> tuple[int, int]:
     return max(width, 1), max(height, 1)
 
 
-def read_video(source: str | Path | BinaryIO, config: VideoConfig,
-               max_pixels: int = MAX_IMAGE_PIXELS) -> Clip:
+def read_video(source: str | Path | BinaryIO, config: VideoConfig, max_pixels: int = MAX_IMAGE_PIXELS,
+               max_seconds: float | None = None) -> Clip:
     """The frames that `config` samples (see the module docstring) of the clip at a path or in a binary file
     object (named in errors by its `name`), or a one-line VideoError; a clip whose frames are larger than
-    `max_pixels` is refused before any is decoded (as `load_image` refuses such an image)."""
+    `max_pixels` is refused before any is decoded (as `load_image` refuses such an image), and one whose
+    sampled frames take longer than `max_seconds` to decode (a long clip with few keyframes) when it is
+    reached."""
     import av
 
     if isinstance(source, (str, Path)):
@@ -102,16 +105,17 @@ def read_video(source: str | Path | BinaryIO, config: VideoConfig,
                                  f"{max_pixels} pixels")
             duration = float(Fraction(stream.frames) / rate)
             indices = sample_indices(stream.frames, float(rate), duration, config.fps, config.max_frames)
-            frames = _decode(container, stream, indices, float(rate), config.max_side, path)
+            deadline = None if max_seconds is None else time.monotonic() + max_seconds
+            frames = _decode(container, stream, indices, float(rate), config.max_side, path, deadline)
     except av.FFmpegError as e:
         raise VideoError(f"{path}: not a readable video ({e.strerror or type(e).__name__})") from None
     return Clip(frames, indices, [index / float(rate) for index in indices], duration)
 
 
-def _decode(container, stream, indices: list[int], rate: float, max_side: int,
-            path: Path | str) -> list[Image.Image]:
+def _decode(container, stream, indices: list[int], rate: float, max_side: int, path: Path | str,
+            deadline: float | None) -> list[Image.Image]:
     """The frames at `indices` (increasing), seeking to the keyframe before each one more than a second past
-    the last decoded frame."""
+    the last decoded frame; VideoError once the clock passes `deadline`."""
     start = stream.start_time or 0
     position, decoded, frames = None, iter(()), []
     for target in indices:
@@ -119,6 +123,9 @@ def _decode(container, stream, indices: list[int], rate: float, max_side: int,
             container.seek(start + int(target / rate / stream.time_base), stream=stream)
             decoded = container.decode(stream)
         for frame in decoded:
+            if deadline is not None and time.monotonic() > deadline:
+                raise VideoError(f"{path}: decoding its frames took too long (a long clip with few "
+                                 "keyframes?): sample fewer frames or cut the clip")
             position = round((frame.pts - start) * stream.time_base * rate)
             if position >= target:
                 frames.append(_to_image(frame, max_side))

@@ -43,13 +43,15 @@ GLOBAL_IPV6 = ipaddress.ip_network("2000::/3")  # global unicast; every other IP
 
 @dataclasses.dataclass(frozen=True)
 class MediaPolicy:
-    """Where images and clips may come from, how much of them is read (a clip's encoded bytes under the same
-    limit as an image's), and how a clip's frames are sampled (the served model's `config.video`)."""
+    """Where images and clips may come from, how much of them is read and for how long a clip's frames
+    decode, and how a clip's frames are sampled (the served model's `config.video`)."""
 
     allowed_local_path: Path | None = None  # local files only under this directory (None: no local files)
     allow_private_urls: bool = False  # fetch from loopback / private / link-local addresses too
-    max_bytes: int = 10 * 2**20  # an image's (or a clip's) encoded size
+    max_bytes: int = 10 * 2**20  # an image's encoded size
+    max_video_bytes: int = 64 * 2**20  # a clip's encoded size
     max_pixels: int = 4096 * 4096  # an image's (a clip frame's) decoded size (RGB 4096 x 4096 is 48 MiB)
+    decode_timeout: float = 20.0  # seconds to decode a clip's sampled frames
     timeout: float = 10.0  # seconds for a whole fetch, redirects included
     max_redirects: int = 3
     video: VideoConfig = dataclasses.field(default_factory=VideoConfig)
@@ -68,9 +70,9 @@ def open_image(url: str, index: int, policy: MediaPolicy) -> Image.Image:
 def open_video(url: str, index: int, policy: MediaPolicy) -> Clip:
     """The frames `policy.video` samples of the clip `url` names (as `open_image`: only they are decoded, each
     scaled down to its max_side); RequestError for a clip that is not there or not readable."""
-    source = _open(url, f"video {index}", policy)
+    source = _open(url, f"video {index}", dataclasses.replace(policy, max_bytes=policy.max_video_bytes))
     try:
-        return read_video(source, policy.video, policy.max_pixels)
+        return read_video(source, policy.video, policy.max_pixels, policy.decode_timeout)
     except VideoError as e:
         raise RequestError(str(e)) from None
 

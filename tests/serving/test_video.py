@@ -167,12 +167,15 @@ def test_a_video_after_the_first_user_message_is_a_400(served, clip_path):
     assert response.json()["error"]["message"] == "messages.2: a video goes in the first user message"
 
 
-def test_a_clip_is_read_under_the_media_policys_byte_and_pixel_limits(clip_path):
+def test_a_clip_is_read_under_the_media_policys_byte_pixel_and_time_limits(clip_path):
     from serving.media import open_video
 
     url = _data_url(clip_path.read_bytes())
     with pytest.raises(RequestError, match="^video 0: frames of 64 x 48, more than 3000 pixels$"):
         open_video(url, 0, MediaPolicy(max_pixels=3000))
     with pytest.raises(RequestError, match="^video 0: larger than 1000 bytes$"):
-        open_video(url, 0, MediaPolicy(max_bytes=1000))
+        open_video(url, 0, MediaPolicy(max_video_bytes=1000))
+    assert open_video(url, 0, MediaPolicy(max_bytes=1000)).frames  # a clip has its own limit, not an image's
+    with pytest.raises(RequestError, match="^video 0: decoding its frames took too long"):
+        open_video(url, 0, MediaPolicy(decode_timeout=0))
     assert len(open_video(url, 0, MediaPolicy(video=VideoConfig(fps=2, max_frames=3))).frames) == 3
