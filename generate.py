@@ -1,23 +1,28 @@
-"""Answer a question about an image, or caption it, streaming the answer as it is generated.
+"""Answer a question about an image or a video clip, or caption it, streaming the answer as it is generated.
 
     python generate.py --image photo.png --prompt "What color is the circle?"  # newest run under runs/
     python generate.py --checkpoint runs/tiny --image photo.png                 # no prompt: a caption
     python generate.py --image photo.png --temperature 0.8 --top-k 50 --top-p 0.9 --num-samples 3
     python generate.py --image photo.png --compile                              # the fast decode path
+    python generate.py --image photo.png --quantize int8                        # int8 weights (or int4)
     python generate.py --checkpoint HuggingFaceTB/SmolVLM-256M-Instruct --image cat.jpg --prompt "What is it?"
     python generate.py --checkpoint lusxvr/nanoVLM-460M-8k --image a.jpg --image b.jpg --prompt "Compare."
     python generate.py --batch requests.jsonl --output answers.jsonl   # many at once (serving engine)
     python generate.py --chat --image photo.png                        # a conversation in the terminal
+    python generate.py --video clip.mp4 --prompt "Which way does the circle move?" --fps 2 --max-frames 16
 
 --checkpoint takes tinyvlm's own checkpoints, SmolVLM / Idefics3 and nanoVLM ones, as directories or hub ids;
-each is asked the way it was trained (its chat template, its image splitting). Decoding is greedy unless a
+each is asked the way it was trained (its chat template, its image splitting). A --video is sampled as the
+checkpoint's `video` settings say (SmolVLM2's: frames per second, at most max_frames; --fps and --max-frames
+override them), each frame one image after its timestamp (data/video.py). Decoding is greedy unless a
 sampling option (--temperature, --top-k, --top-p) is given. In batch mode each line of the input is {"image":
 path, "prompt": text} (either may be left out: no image, or a caption) or {"messages": [{"role": "system" |
 "user" | "assistant", "content": text, "images": [paths]}, ...]} (a conversation to answer); the output has
 the same lines, in the same order, each with its "answer" added. In chat mode each line you type is a user
 turn, answered as it is generated, and each turn reuses the earlier turns' KV blocks through the engine's
 prefix cache (it says how many prompt tokens it reused): `/image PATH` attaches an image to your next turn,
-`/reset` starts a new conversation (with the `--image` files attached again), `/quit` (or Ctrl-D) ends.
+`/video PATH` a clip to the conversation's first (before it starts, or after `/reset`), `/reset` starts a new
+conversation (with the `--image` / `--video` files attached again), `/quit` (or Ctrl-D) ends.
 """
 
 from __future__ import annotations
@@ -31,10 +36,15 @@ import torch
 
 from data import CAPTION_PROMPT, ImageLoadError, Message, load_image
 from data.detokenizer import IncrementalDetokenizer
+from data.video import Clip, VideoError, read_video
 from loading import load_for_inference, pick_device
 from models import GenerationError, TinyVLMError, kv_cache_bytes
+from models.quantize import QUANTIZATIONS, weights_summary
+from models.split_config import VideoConfig
 from models.weights import atomic_write
+from serving.config import ServingConfig
 from serving.requests import RequestError, RequestParams
+from typed_config import ConfigError
 
 
 def check_prompt(prompt: str) -> str:
@@ -51,20 +61,40 @@ def sampling_settings(args: argparse.Namespace) -> dict:
                 top_p=1.0 if args.top_p is None else args.top_p)
 
 
+def load(args: argparse.Namespace, device: torch.device):
+    """The command line's model (fused, quantized as --quantize says) and processor."""
+    return load_for_inference(args.checkpoint, device, args.allow_pickle, quantization=args.quantize,
+                              quantize_vision=args.quantize_vision)
+
+
+def video_sampling(args: argparse.Namespace, config: VideoConfig) -> VideoConfig:
+    """The checkpoint's clip sampling (its `config.video`) with --fps / --max-frames in its place; ConfigError
+    for values it cannot take."""
+    overrides = {"fps": args.fps, "max_frames": args.max_frames}
+    return config.replace({key: value for key, value in overrides.items() if value is not None})
+
+
+def read_clip(path: str, args: argparse.Namespace, model) -> Clip:
+    """The clip at `path`, its frames sampled for `model` as the command line says; VideoError if
+    unreadable."""
+    return read_video(path, video_sampling(args, model.config.video))
+
+
 def run(args: argparse.Namespace) -> None:
     device = pick_device(args.device)
     prompt = check_prompt(CAPTION_PROMPT if args.prompt is None else args.prompt)
-    images = [load_image(path) for path in args.image]
-    model, processor = load_for_inference(args.checkpoint, device, args.allow_pickle)
+    images = [load_image(path) for path in args.image or []]
+    model, processor = load(args, device)
     tokenizer = processor.tokenizer
-    # the checkpoint's chat format; images split if it splits
-    prompt_ids, pixels = processor.encode(prompt, images)
+    video = None if args.video is None else read_clip(args.video, args, model)
+    # the checkpoint's chat format; images split if it splits, a clip's frames one image each
+    prompt_ids, pixels = processor.encode(prompt, images, video)
     ids = torch.tensor([prompt_ids], device=device)
     pixels = None if pixels is None else pixels.to(device)
     rows, tokens = args.num_samples, ids.shape[1] + args.max_new_tokens
     dtype = next(model.parameters()).dtype
     print(f"KV cache: {kv_cache_bytes(model.config.language, rows, tokens, dtype) / 2**20:.2f} MiB "
-          f"({rows} x {tokens} tokens, {dtype})", file=sys.stderr)
+          f"({rows} x {tokens} tokens, {dtype}); weights: {weights_summary(model)}", file=sys.stderr)
     settings = dict(max_new_tokens=args.max_new_tokens, num_samples=args.num_samples,
                     **sampling_settings(args), eos_token_id=model.config.stop_ids,
                     pad_token_id=tokenizer.pad_token_id, compile=args.compile,
@@ -141,7 +171,6 @@ def run_batch(args: argparse.Namespace, params: RequestParams) -> None:
     the lines with their answers to --output, in input order, once all are answered (atomically)."""
     from tqdm import tqdm
 
-    from serving.config import ServingConfig
     from serving.engine import Engine
     from serving.requests import Request
 
@@ -156,7 +185,7 @@ def run_batch(args: argparse.Namespace, params: RequestParams) -> None:
         image = load_image(batch.parent / record["image"]) if "image" in record else None
         prompt = check_prompt(record.get("prompt", CAPTION_PROMPT if image else ""))
         requests.append(Request(prompt, [image] if image else None, params))
-    model, processor = load_for_inference(args.checkpoint, pick_device(args.device), args.allow_pickle)
+    model, processor = load(args, pick_device(args.device))
     engine = Engine(model, processor, ServingConfig(kv_cache_mib=args.kv_cache_mib))
     with tqdm(total=len(requests), desc="answers", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
         results = engine.generate(requests, progress=lambda done: bar.update(done - bar.n))
@@ -170,17 +199,19 @@ def run_batch(args: argparse.Namespace, params: RequestParams) -> None:
 def run_chat(args: argparse.Namespace, params: RequestParams) -> None:
     """A conversation in the terminal on the serving engine: each line a user turn, the answer streamed; the
     earlier turns' KV blocks are found in the prefix cache, not computed again."""
-    from serving.config import ServingConfig
     from serving.engine import Engine
     from serving.requests import Request
 
     given = [load_image(path) for path in args.image or []]  # the command line's: for the first question
     pending = list(given)  # for the next turn
-    model, processor = load_for_inference(args.checkpoint, pick_device(args.device), args.allow_pickle)
+    model, processor = load(args, pick_device(args.device))
+    given_video = None if args.video is None else read_clip(args.video, args, model)
+    video = given_video  # the conversation's clip, in its first question
     engine = Engine(model, processor, ServingConfig(kv_cache_mib=args.kv_cache_mib))
+    print(f"weights: {weights_summary(model)}", file=sys.stderr)
     history, images = [], []
-    print("Type a question. /image PATH attaches an image to your next question, /reset starts over, /quit "
-          "ends.",
+    print("Type a question. /image PATH attaches an image to your next question, /video PATH a clip to the "
+          "first, /reset starts over, /quit ends.",
           file=sys.stderr)
     while True:
         try:
@@ -190,8 +221,9 @@ def run_chat(args: argparse.Namespace, params: RequestParams) -> None:
         if line in ("/quit", "/exit"):
             break
         if line == "/reset":  # the command line's images stay, for the new conversation's first question
-            history, images, pending = [], [], list(given)
-            attached = f"; {', '.join(args.image)} attached to your next question" if args.image else ""
+            history, images, pending, video = [], [], list(given), given_video
+            files = [*(args.image or []), *([args.video] if args.video else [])]
+            attached = f"; {', '.join(files)} attached to your next question" if files else ""
             print(f"(a new conversation{attached})", file=sys.stderr)
         elif line == "/image" or line.startswith("/image "):
             try:
@@ -199,13 +231,24 @@ def run_chat(args: argparse.Namespace, params: RequestParams) -> None:
                 print(f"(image {len(images) + len(pending)} attached to your next question)", file=sys.stderr)
             except ImageLoadError as e:
                 print(f"error: {e}", file=sys.stderr)
+        elif line == "/video" or line.startswith("/video "):
+            if history:
+                print("error: a clip opens a conversation: /reset, then /video PATH", file=sys.stderr)
+                continue
+            try:
+                video = read_clip(line.removeprefix("/video").strip(), args, model)
+                print(f"(a clip of {len(video.frames)} frames attached to your next question)",
+                      file=sys.stderr)
+            except VideoError as e:
+                print(f"error: {e}", file=sys.stderr)
         elif line.startswith("/"):
-            print(f"error: unknown command {line.split()[0]} (/image PATH, /reset, /quit)", file=sys.stderr)
+            print(f"error: unknown command {line.split()[0]} (/image PATH, /video PATH, /reset, /quit)",
+                  file=sys.stderr)
         elif line:
             messages = [*history, Message("user", line, len(pending))]
             try:
                 answer, reused, prompt = answer_turn(
-                    engine, Request(messages, [*images, *pending] or None, params)
+                    engine, Request(messages, [*images, *pending] or None, params, video=video)
                 )
             except RequestError as e:
                 print(f"error: {e} (/reset starts a new conversation)", file=sys.stderr)
@@ -242,11 +285,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="run or checkpoint directory, or a hub id of a SmolVLM / Idefics3 or "
                                              "nanoVLM model (default: the newest checkpoint under runs/)")
     parser.add_argument("--image", action="append", help="image file to ask about (repeat for several)")
+    parser.add_argument("--video", help="video clip to ask about (mp4, webm, mkv, ...: what FFmpeg reads)")
+    parser.add_argument("--fps", type=float,
+                        help="with --video: frames sampled per second (default: the checkpoint's)")
+    parser.add_argument("--max-frames", type=int,
+                        help="with --video: the most frames sampled (default: the checkpoint's)")
     parser.add_argument("--batch",
                         help="a JSONL file of requests ({\"image\": path, \"prompt\": text} per line)")
     parser.add_argument("--output", help="with --batch: the JSONL file to write the answers to")
     parser.add_argument("--chat", action="store_true", help="a conversation in the terminal (see above)")
-    parser.add_argument("--kv-cache-mib", type=int, default=1024,
+    parser.add_argument("--kv-cache-mib", type=int, default=ServingConfig.kv_cache_mib,
                         help="with --batch or --chat: KV-cache memory (MiB)")
     parser.add_argument("--prompt", help=f"question (default: caption the image with {CAPTION_PROMPT!r})")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -261,17 +309,27 @@ def main(argv: list[str] | None = None) -> int:
                         help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument("--compile", action="store_true",
                         help="compiled, shape-static decode step (CUDA graphs on GPU)")
+    parser.add_argument("--quantize", choices=QUANTIZATIONS,
+                        help="the language model's linears weight-only in int8 or int4 (torchao): fewer "
+                             "bytes read a decode step")
+    parser.add_argument("--quantize-vision", action="store_true", help="with --quantize: the ViT's too")
     parser.add_argument("--allow-pickle", action="store_true",
                         help="accept pytorch_model.bin weights (read with torch.load(weights_only=True)); "
                              "only for files you trust")
     args = parser.parse_args(argv)
-    one_answer_or_batch = (args.image is None) != (args.batch is None) and (args.batch is None) == (
-        args.output is None
-    )
+    one_answer = args.image is not None or args.video is not None
+    one_answer_or_batch = one_answer == (args.batch is None) and (args.batch is None) == (args.output is None)
     if args.chat and (args.batch or args.output or args.prompt is not None or args.num_samples != 1):
         parser.error("--chat takes no --batch, --output, --prompt or --num-samples (type your questions)")
     if not args.chat and not one_answer_or_batch:
-        parser.error("give --image (one answer), --batch and --output (a file of requests), or --chat")
+        parser.error("give --image or --video (one answer), --batch and --output (a file of requests), or "
+                     "--chat")
+    if args.video is None and (args.fps, args.max_frames) != (None, None):
+        parser.error("--fps and --max-frames sample a --video")
+    try:  # checked before any model loads
+        video_sampling(args, VideoConfig())
+    except ConfigError as e:
+        parser.error(str(e))
     try:
         if args.chat:
             run_chat(args,

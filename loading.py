@@ -24,6 +24,7 @@ from data.chat_processors import ChatProcessor, CheckpointProcessor
 from data.tokenizer import IMAGE_TOKEN
 from models.config import VLMConfig
 from models.lora import ADAPTER_CONFIG, adapter_base, load_adapter, merge_adapters
+from models.quantize import quantize
 from models.vision_language_model import VisionLanguageModel
 from models.weights import CheckpointError, read_json, resolve, weight_patterns
 
@@ -128,11 +129,16 @@ def pick_device(name: str) -> torch.device:
 
 
 def load_for_inference(checkpoint: str | Path | None, device: torch.device, allow_pickle: bool = False,
-                       runs: Path = RUNS):
+                       runs: Path = RUNS, quantization: str | None = None, quantize_vision: bool = False):
     """`load_with_processor`'s model and processor, the model's projections fused for inference
-    (`VisionLanguageModel.fuse_projections`: fewer kernels a step, the same outputs and state dict)."""
+    (`VisionLanguageModel.fuse_projections`: fewer kernels a step, the same outputs and state dict), then,
+    given a `quantization` ("int8", "int4"), its language model's linears (and with `quantize_vision` its
+    ViT's) quantized weight-only (models/quantize.py; an adapter is merged in before)."""
     model, processor = load_with_processor(checkpoint, device, allow_pickle, runs)
-    return model.fuse_projections(), processor
+    model.fuse_projections()
+    if quantization is not None:
+        quantize(model, quantization, vision=quantize_vision)
+    return model, processor
 
 
 def load_with_processor(checkpoint: str | Path | None, device: torch.device, allow_pickle: bool = False,

@@ -7,10 +7,13 @@
 
 Any checkpoint `generate.py` takes (tinyvlm's own, SmolVLM / Idefics3, nanoVLM; a directory or a hub id) is
 asked the way it was trained: its own chat template and image splitting (data/chat_processors.py), every image
-of a document in its prompt. `generate_until` runs all of a task's requests through the serving engine
+of a document in its prompt, or its video's frames (a video task's path, sampled as the checkpoint's `video`
+settings say: data/video.py). `generate_until` runs all of a task's requests through the serving engine
 (batched, greedy unless the task asks for a temperature); `loglikelihood` scores continuations with the
 model's log-probabilities. Any setting of the engine (serving/config.py ServingConfig) is a model argument of
-the same name: `--model_args checkpoint=runs/tiny,kv_cache_mib=2048,attention=gather`.
+the same name: `--model_args checkpoint=runs/tiny,kv_cache_mib=2048,attention=gather`; `quantize=int8` (or
+int4) quantizes the language model's linears weight-only (models/quantize.py), `quantize_vision=True` the
+ViT's too.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from lmms_eval.models.registry_v2 import ModelManifest
 from PIL import Image
 
 from data.collator import pad
+from data.video import Clip, read_video
 from loading import load_for_inference, pick_device
 from models.errors import TinyVLMError
 from serving.config import ServingConfig
@@ -45,29 +49,39 @@ class TinyVLM(lmms):
     """`checkpoint`: a directory or hub id (None: the newest run under runs/); `batch_size`: the rows of a
     log-likelihood forward, and the engine's sequences at once unless `max_num_seqs` says; `serving`: any
     other ServingConfig field by name (values as lmms-eval parses them, or as text). lmms-eval also passes its
-    `max_batch_size`, which changes nothing. A checkpoint that cannot be loaded or engine settings that do not
-    fit end the process: one line, exit code 2."""
+    `max_batch_size`, which changes nothing; `quantize`: "int8" or "int4" weights (`quantize_vision`: the
+    ViT's too). A checkpoint that cannot be loaded, a quantization that cannot run or engine settings that
+    do not fit end the process: one line, exit code 2."""
 
     def __init__(self, checkpoint: str | None = None, device: str | None = None, batch_size: int | str = 16,
-                 allow_pickle: bool = False, max_batch_size: int | None = None, **serving) -> None:
+                 allow_pickle: bool = False, max_batch_size: int | None = None, quantize: str | None = None,
+                 quantize_vision: bool = False, **serving) -> None:
         super().__init__()
         self.device = pick_device(device or "auto")
         self.batch_size = int(batch_size)
         try:
             config = ServingConfig.from_dict({"max_num_seqs": self.batch_size, **serving})
-            self.model, self.processor = load_for_inference(checkpoint, self.device, allow_pickle)
+            self.model, self.processor = load_for_inference(checkpoint, self.device, allow_pickle,
+                                                            quantization=quantize,
+                                                            quantize_vision=quantize_vision)
             self.engine = Engine(self.model, self.processor, config)
         except TinyVLMError as e:  # lmms-eval would log any Exception with a traceback, then exit 0
             print(f"error: {one_line(e)}", file=sys.stderr)
             raise SystemExit(2) from None
         self.tokenizer = self.processor.tokenizer
 
-    def _visuals(self, doc_to_visual, doc_id: int, task: str, split: str) -> list[Image.Image]:
+    def _visuals(self, doc_to_visual, doc_id: int, task: str, split: str) -> tuple[list[Image.Image],
+                                                                                  Clip | None]:
+        """A document's images, or its video: a path, as lmms-eval's video tasks give it, its frames sampled
+        as the checkpoint's `video` settings say (data/video.py)."""
         visuals = doc_to_visual(self.task_dict[task][split][doc_id]) if doc_to_visual is not None else []
-        images = [v for v in visuals or [] if v is not None]
-        if not all(isinstance(image, Image.Image) for image in images):
-            raise NotImplementedError("tinyvlm takes images (PIL), not video or audio")
-        return [image.convert("RGB") for image in images]
+        visuals = [v for v in visuals or [] if v is not None]
+        videos = [v for v in visuals if isinstance(v, str)]
+        images = [v for v in visuals if not isinstance(v, str)]
+        if not all(isinstance(image, Image.Image) for image in images) or len(videos) > 1:
+            raise NotImplementedError("tinyvlm takes images (PIL) or one video (a path), not audio")
+        clip = read_video(videos[0], self.model.config.video) if videos else None
+        return [image.convert("RGB") for image in images], clip
 
     def generate_until(self, requests: list[Instance]) -> list[str]:
         """Every request through the engine at once (greedy unless it asks for a temperature; as many new
@@ -75,7 +89,8 @@ class TinyVLM(lmms):
         prepared, stops = [], []
         context_length = self.model.config.language.max_position_embeddings
         for context, gen_kwargs, doc_to_visual, doc_id, task, split in [request.args for request in requests]:
-            prompt, pixels = self.processor.encode(context, self._visuals(doc_to_visual, doc_id, task, split))
+            images, video = self._visuals(doc_to_visual, doc_id, task, split)
+            prompt, pixels = self.processor.encode(context, images, video)
             wanted = int(gen_kwargs.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
             params = RequestParams(temperature=float(gen_kwargs.get("temperature") or 0),
                                    top_p=float(gen_kwargs.get("top_p") or 1.0),
@@ -98,7 +113,8 @@ class TinyVLM(lmms):
         ]:
             if not isinstance(continuation, str):  # a task's doc_to_target, for "loglikelihood" tasks
                 continuation = continuation(self.task_dict[task][split][doc_id])
-            prompt, pixels = self.processor.encode(context, self._visuals(doc_to_visual, doc_id, task, split))
+            images, video = self._visuals(doc_to_visual, doc_id, task, split)
+            prompt, pixels = self.processor.encode(context, images, video)
             encoded.append((prompt, self.tokenizer.encode(continuation, add_special_tokens=False), pixels))
         scores = []
         for start in range(0, len(encoded), self.batch_size):

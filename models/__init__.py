@@ -14,7 +14,8 @@ KV cache -> generate: prefill, then decode at `start_pos` offsets):
 
 Around it: released formats (llama.py, siglip.py, idefics3.py, nanovlm.py, gguf.py, checkpoints.py,
 weights.py, split_config.py), inference fast paths wrapped from outside (compiled_decode.py,
-fused_linear.py), training (linear_cross_entropy.py, lora.py). serving/ adds the paged layout and its kernels.
+fused_linear.py, quantize.py: int8 / int4 weights), training (linear_cross_entropy.py, lora.py). serving/ adds
+the paged layout and its kernels.
 """
 
 from models.config import LanguageConfig, ProjectorConfig, VisionConfig, VLMConfig

@@ -33,17 +33,23 @@ UNSUPPORTED = ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern", "layer
 LANGUAGE_PROJECTIONS = r"language\.blocks\.\d+\.(attn|mlp)\.\w+_proj"  # the LM's attention and MLP matrices
 
 
+# Loggers that warn, at import, of nothing tinyvlm uses: bitsandbytes (imported by peft wherever it is
+# installed) that the optional `kernels` package for a CPU 4-bit matmul is missing; torch's pytree that
+# torchao (imported by peft and transformers wherever it is installed) registers enums as torch deprecates.
+IMPORT_NOISE = ("bitsandbytes", "torch.utils._pytree")
+
+
 def quiet_import(name: str) -> ModuleType:
-    """`importlib.import_module(name)` without bitsandbytes' import-time warning: importing it (peft does,
-    wherever it is installed) logs on some CPUs that the optional `kernels` package for a CPU 4-bit matmul is
-    missing, which neither LoRA nor QLoRA (on a GPU) uses."""
-    logger = logging.getLogger("bitsandbytes")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    """`importlib.import_module(name)` without the import-time warnings of IMPORT_NOISE's loggers."""
+    loggers = [logging.getLogger(noisy) for noisy in IMPORT_NOISE]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         return importlib.import_module(name)
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 class WholeModuleError(ValueError):

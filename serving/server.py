@@ -23,8 +23,9 @@ disconnects aborts its request; bad requests get a 4xx JSON error in OpenAI's sh
 answers 429.
 
 Safe to expose: with --api-key (or TINYVLM_API_KEY) every /v1 route wants `Authorization: Bearer KEY` (401
-without); images come as data URLs, as http(s) URLs fetched with limits from public addresses only
-(--allow-private-image-urls lifts that), or as local files under --allowed-local-media-path only (none by
+without); images (and a `video_url` clip, as vLLM takes it: its frames sampled as the checkpoint's `video`
+settings say, data/video.py) come as data URLs, as http(s) URLs fetched with limits from public addresses
+only (--allow-private-image-urls lifts that), or as local files under --allowed-local-media-path only (none by
 default). Every field is bounded (serving/protocol.py: a seed to 64 bits, at most --max-stop-strings (16)
 stop strings of --max-stop-chars (256) each, 1024 messages, 64 content parts a message, 256 guided choices);
 the body's size is checked before it is read, its JSON values before it is parsed and the prompt's length
@@ -62,6 +63,7 @@ from pydantic import ValidationError
 from data.detokenizer import IncrementalDetokenizer
 from loading import load_for_inference, pick_device
 from models.errors import TinyVLMError
+from models.quantize import QUANTIZATIONS, describe, weights_summary
 from serving.async_engine import AsyncEngine, EngineFailure, QueueFull
 from serving.body import BodyBudget, read_body
 from serving.config import ServingConfig, add_arguments, from_arguments
@@ -82,9 +84,9 @@ from serving.sequence import RequestState
 from serving.stop_strings import StopMatcher, StopStrings
 
 CHAT_PAGE = (Path(__file__).parent / "static" / "chat.html").read_text()
-# the page's own inline script and style, and its images as data URLs; nothing from anywhere else
+# the page's own inline script and style, and its images and videos as data URLs; nothing from anywhere else
 PAGE_POLICY = ("default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src 'self' "
-               "data: blob:; connect-src 'self'")
+               "data: blob:; media-src 'self' data: blob:; connect-src 'self'")
 
 
 class Completion:
@@ -140,22 +142,25 @@ class Completion:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def base_app(server_metrics: ServerMetrics, settings: ServingConfig, documented: bool) -> FastAPI:
+def base_app(server_metrics: ServerMetrics, settings: ServingConfig, documented: bool,
+             quantization: dict[str, str] | None = None) -> FastAPI:
     """The app with OpenAI's error replies and the open routes; its documentation pages only when `documented`
     (a server with an API key shows none)."""
     docs = {} if documented else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="tinyvlm", **docs)
     add_error_handlers(app)
-    add_open_routes(app, server_metrics, settings)
+    add_open_routes(app, server_metrics, settings, quantization or {})
     return app
 
 
 def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_tokens: int | None = None,
                limits: RequestLimits = RequestLimits(), media: MediaPolicy = MediaPolicy(),
-               api_key: str | None = None) -> FastAPI:
-    """The server's routes. default_max_tokens: for requests that set none (None: the rest of the context)."""
+               api_key: str | None = None, quantization: dict[str, str] | None = None) -> FastAPI:
+    """The server's routes. default_max_tokens: for requests that set none (None: the rest of the context);
+    quantization: what of the model is quantized (models/quantize.py `describe`), for /health."""
     server_metrics = ServerMetrics(engine.stats, model_name)
-    app = base_app(server_metrics, engine.engine.settings, documented=api_key is None)
+    app = base_app(server_metrics, engine.engine.settings, documented=api_key is None,
+                   quantization=quantization)
     budget = BodyBudget(limits.max_buffered_bytes)
     preparing = asyncio.Semaphore(limits.max_preparing)
     workers = ThreadPoolExecutor(max_workers=min(8, limits.max_preparing), thread_name_prefix="prepare")
@@ -209,10 +214,12 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, default_max_toke
     return app
 
 
-def add_open_routes(app: FastAPI, server_metrics: ServerMetrics, settings: ServingConfig) -> None:
-    """The routes no API key guards: the chat page, /health (with the engine's resolved settings) and
-    /metrics."""
-    health_reply = {"status": "ok", "serving": settings.to_dict()}
+def add_open_routes(app: FastAPI, server_metrics: ServerMetrics, settings: ServingConfig,
+                    quantization: dict[str, str]) -> None:
+    """The routes no API key guards: the chat page, /health (with the engine's resolved settings and, for a
+    quantized model, what is quantized: {"language": "int8"}) and /metrics."""
+    health_reply = {"status": "ok", **({"quantization": quantization} if quantization else {}),
+                    "serving": settings.to_dict()}
 
     @app.get("/", response_class=HTMLResponse)
     async def page() -> HTMLResponse:
@@ -378,6 +385,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--quantize", choices=QUANTIZATIONS,
+                        help="the language model's linears weight-only in int8 or int4 (torchao)")
+    parser.add_argument("--quantize-vision", action="store_true", help="with --quantize: the ViT's too")
     parser.add_argument("--model-name",
                         help="the model id clients use (default: the checkpoint's directory name)")
     parser.add_argument("--max-in-flight", type=int, default=256, help="requests admitted at once (then 429)")
@@ -391,6 +401,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="fetch image URLs from loopback, private and link-local addresses too")
     parser.add_argument("--max-request-mib", type=float, default=16, help="request body limit (MiB)")
     parser.add_argument("--max-image-mib", type=float, default=10, help="an image's encoded size limit (MiB)")
+    parser.add_argument("--max-video-mib", type=float, default=64,
+                        help="a video clip's encoded size limit (MiB)")
     parser.add_argument("--max-prompt-chars", type=int, default=100_000,
                         help="prompt length limit (characters)")
     parser.add_argument("--max-images", type=int, default=4, help="images per request")
@@ -419,7 +431,9 @@ def main(argv: list[str] | None = None) -> int:
         from serving.connections import server_config
 
         config = from_arguments(args)
-        model, processor = load_for_inference(args.checkpoint, pick_device(args.device))
+        model, processor = load_for_inference(args.checkpoint, pick_device(args.device),
+                                              quantization=args.quantize,
+                                              quantize_vision=args.quantize_vision)
     except ImportError:
         print("error: the server needs FastAPI and uvicorn: pip install -e .[serve]", file=sys.stderr)
         return 2
@@ -436,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"engine: {engine.settings.summary()}", file=sys.stderr, flush=True)
+    print(f"weights: {weights_summary(model)}", file=sys.stderr, flush=True)
     async_engine = AsyncEngine(engine, args.max_in_flight,
                                log=lambda line: print(line, file=sys.stderr, flush=True))
     limits = RequestLimits(max_body_bytes=int(args.max_request_mib * 2**20), body_timeout=args.body_timeout,
@@ -443,9 +458,10 @@ def main(argv: list[str] | None = None) -> int:
                            max_prompt_chars=args.max_prompt_chars, max_images=args.max_images,
                            max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars)
     media = MediaPolicy(args.allowed_local_media_path, args.allow_private_image_urls,
-                        int(args.max_image_mib * 2**20))
+                        int(args.max_image_mib * 2**20), int(args.max_video_mib * 2**20),
+                        video=model.config.video)
     app = create_app(async_engine, processor.tokenizer, served_name(args), limits=limits, media=media,
-                     api_key=args.api_key)
+                     api_key=args.api_key, quantization=describe(model))
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C, after uvicorn's graceful shutdown (as uvicorn.run)
         uvicorn.Server(server_config(app, args.host, args.port, args.header_timeout)).run()
     async_engine.shutdown()

@@ -22,6 +22,7 @@ from data.prompts import encode_text
 from data.tokenizer import token_id
 from loading import load_for_inference
 from models import VisionLanguageModel
+from models.quantize import quantize
 from tests.models import helpers
 from tests.models.helpers import tiny_vlm_config
 
@@ -62,9 +63,12 @@ def _run(capsys, *argv) -> tuple[int, str, str]:
     return code, out, err
 
 
-def _expected(directory, image, prompt, **settings) -> list[str]:
-    """What the checkpoint's model answers, decoded: the reference the CLI's output is checked against."""
+def _expected(directory, image, prompt, quantization: str | None = None, **settings) -> list[str]:
+    """What the checkpoint's model (fused and quantized with `quantization`) answers, decoded: the reference
+    the CLI's output is checked against."""
     model = VisionLanguageModel.from_pretrained(directory).eval()
+    if quantization is not None:
+        quantize(model.fuse_projections(), quantization)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(directory)
     ids = torch.tensor([encode_prompt(tokenizer, prompt, 1, model.config.tokens_per_image)])
     pixels = ImageProcessor.from_config(model.config.vision)(Image.open(image))[None]
@@ -97,6 +101,27 @@ def test_num_samples_prints_each_sample_from_one_prefill(random_checkpoint, imag
                          num_samples=3, generator=torch.Generator().manual_seed(7))
     assert out.strip().splitlines() == [f"[{i + 1}] {text}" for i, text in enumerate(expected)]
     assert len(set(expected)) > 1  # the samples differ, so each row is printed from its own tokens
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantize_answers_with_the_quantized_models_greedy_answer_and_says_so(random_checkpoint, image,
+                                                                              capsys, method):
+    pytest.importorskip("torchao")
+    code, out, err = _run(capsys, "--checkpoint", random_checkpoint, "--image", image, "--prompt", "the sky",
+                          "--max-new-tokens", 12, "--quantize", method)
+    expected = _expected(random_checkpoint, image, "the sky", method, max_new_tokens=12, greedy=True)
+    assert code == 0, err
+    assert out.strip() == expected[0] and expected[0]
+    assert re.search(rf"weights: [\d.]+ MiB \(language {method}; [\d.]+ MiB in float32\)$", err.strip()), err
+
+
+def test_an_unknown_quantization_is_refused_before_loading(capsys):
+    with pytest.raises(SystemExit) as exit:
+        generate.main(["--image", "x.png", "--quantize", "int3"])
+    assert exit.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after argparse's usage lines; quotes by version
+    assert re.fullmatch(r"\S+: error: argument --quantize: invalid choice: 'int3' "
+                        r"\(choose from '?int8'?, '?int4'?\)", last), last
 
 
 @pytest.mark.slow
@@ -172,10 +197,11 @@ def test_batch_mode_answers_every_line_in_order(random_checkpoint, image, tmp_pa
         assert answer["answer"] == expected[0]
 
 
-def _conversation_answer(directory, messages: list[Message], images: list, max_new_tokens: int) -> str:
-    """The model's greedy answer to a conversation as its processor renders it."""
+def _conversation_answer(directory, messages: list[Message], images: list, max_new_tokens: int,
+                         video=None) -> str:
+    """The model's greedy answer to a conversation (or a clip, data/video.py) as its processor renders it."""
     model, processor = load_for_inference(directory, torch.device("cpu"))
-    ids, pixels = processor.encode_chat(messages, images)
+    ids, pixels = processor.encode_chat(messages, images, video)
     row = model.generate(torch.tensor([ids]), pixels, max_new_tokens=max_new_tokens, greedy=True)[0].tolist()
     stops = [i for i, token in enumerate(row) if token in model.config.stop_ids]
     return processor.tokenizer.decode(row[: stops[0]] if stops else row, skip_special_tokens=True)
@@ -285,6 +311,59 @@ def test_bad_batch_files_are_one_line_errors_before_any_work(
     )
     assert code == 2 and message in err.strip().splitlines()[-1], err
     assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    from tests.data.test_video import write_clip
+
+    return write_clip(tmp_path_factory.mktemp("clip") / "clip.mp4", 4)  # 4 s, 10 fps
+
+
+def test_a_clip_is_answered_as_the_model_answers_its_frames_sampled_as_fps_and_max_frames_say(
+        random_checkpoint, clip, capsys):
+    from data.video import read_video
+    from models.split_config import VideoConfig
+
+    question = "which way does the square move?"
+    code, out, err = _run(capsys, "--checkpoint", random_checkpoint, "--video", clip, "--prompt", question,
+                          "--fps", 2, "--max-frames", 3, "--max-new-tokens", 10)
+    frames = read_video(clip, VideoConfig(fps=2, max_frames=3))  # not the checkpoint's 1 fps: 4 frames
+    expected = _conversation_answer(random_checkpoint, [Message("user", question)], [], 10, frames)
+    assert code == 0, err
+    assert out.strip() == expected.strip() and expected.strip()
+
+
+def test_an_unreadable_clip_is_a_one_line_error(random_checkpoint, tmp_path, capsys):
+    text = tmp_path / "notes.mp4"
+    text.write_text("not a video\n" * 20)
+    code, out, err = _run(capsys, "--checkpoint", random_checkpoint, "--video", text)
+    assert code == 2 and not out
+    assert err.strip().splitlines()[-1].startswith(f"error: {text}: not a readable video")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--video", "x.mp4", "--fps", "0"], "video.fps must be positive, got 0.0"),
+    (["--video", "x.mp4", "--max-frames", "0"], "video.max_frames must be positive, got 0"),
+    (["--image", "x.png", "--fps", "2"], "--fps and --max-frames sample a --video"),
+])
+def test_bad_sampling_options_are_refused_before_loading(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit:
+        generate.main(argv)
+    assert exit.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].endswith(message)
+
+
+def test_chat_video_opens_a_conversation_and_is_refused_inside_one(random_checkpoint, clip):
+    from data.video import read_video
+
+    question = "which way does it move?"
+    attached, answer, refused = _chat(random_checkpoint, [], [f"/video {clip}", question, f"/video {clip}"])
+    assert "(a clip of 4 frames attached to your next question)" in attached  # 4 s at the default 1 fps
+    model = VisionLanguageModel.from_pretrained(random_checkpoint)
+    expected = _conversation_answer(random_checkpoint, [Message("user", question)], [], 8,
+                                    read_video(clip, model.config.video))
+    assert expected.strip() and expected.strip() in answer
+    assert "error: a clip opens a conversation: /reset, then /video PATH" in refused
 
 
 def test_inference_imports_nothing_from_training():

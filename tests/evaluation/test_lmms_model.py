@@ -81,6 +81,33 @@ def test_model_args_are_the_engines_settings_by_name(tmp_path, capsys):
         assert ended.value.code == 2 and len(err) == 1 and err[0].startswith(message), err
 
 
+def test_quantize_serves_the_quantized_models_answers_and_a_bad_one_exits_2(tmp_path, capsys):
+    pytest.importorskip("torchao")
+    from models.quantize import describe
+
+    tokenizer = base_tokenizer()
+    chat_vlm(tokenizer).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    wrapper = TinyVLM(checkpoint=str(tmp_path), device="cpu", batch_size=4, kv_cache_mib=16, quantize="int8")
+    assert describe(wrapper.model) == {"language": "int8"}
+    images = [Image.new("RGB", (40, 30), "skyblue")]
+    wrapper.task_dict = {"task": {"test": [{"images": images}]}}
+    arguments = ("What colour is the sky?", {"max_new_tokens": 12, "temperature": 0, "until": []},
+                 lambda doc: doc["images"], 0, "task", "test")
+    prompt, pixels = wrapper.processor.encode("What colour is the sky?", images)
+    tokens = wrapper.model.generate(torch.tensor([prompt]), pixels, max_new_tokens=12, greedy=True,
+                                    eos_token_id=wrapper.model.config.stop_ids)
+    expected = tokenizer.decode(tokens[0].tolist(), skip_special_tokens=True).strip()
+    request = Instance("generate_until", arguments, idx=0,
+                       metadata={"task": "task", "doc_id": 0, "repeats": 1})
+    assert wrapper.generate_until([request]) == [expected]
+    with pytest.raises(SystemExit) as ended:
+        TinyVLM(checkpoint=str(tmp_path), device="cpu", quantize="int3")
+    assert ended.value.code == 2  # the last line: torchao's import may log a deprecation note before it
+    assert capsys.readouterr().err.strip().splitlines()[-1] == ("error: unknown quantization 'int3': choose "
+                                                                 "one of int8, int4")
+
+
 def test_a_checkpoint_that_cannot_load_exits_2_with_one_line(tmp_path):
     """Regression: lmms-eval logs any exception from a model's constructor with a traceback and exits 0, so
     `python -m lmms_eval --model tinyvlm` with a checkpoint that cannot load looked like a finished run."""

