@@ -246,21 +246,28 @@ def run_chat(args: argparse.Namespace, params: RequestParams) -> None:
                   file=sys.stderr)
         elif line:
             messages = [*history, Message("user", line, len(pending))]
-            try:
-                answer, reused, prompt = answer_turn(
-                    engine, Request(messages, [*images, *pending] or None, params, video=video)
-                )
-            except RequestError as e:
-                print(f"error: {e} (/reset starts a new conversation)", file=sys.stderr)
-                continue
-            except KeyboardInterrupt:  # Ctrl-C stops the answer, not the conversation
-                for request_id in list(engine.groups):
-                    engine.abort(request_id)
-                print("\n(answer stopped; ask again or go on)", file=sys.stderr)
-                continue
-            print(f"({reused} of the prompt's {prompt} tokens reused from the earlier turns)",
-                  file=sys.stderr)
-            history, images, pending = [*messages, Message("assistant", answer)], [*images, *pending], []
+            answer = chat_turn(engine, Request(messages, [*images, *pending] or None, params, video=video))
+            if answer is not None:
+                history, images, pending = [*messages, Message("assistant", answer)], [*images, *pending], []
+
+
+def chat_turn(engine, request) -> str | None:
+    """One chat turn answered and printed, with how much of its prompt was reused; None (said why) for a
+    request the engine refuses or an answer stopped with Ctrl-C, which leave the conversation as it was."""
+    from serving.requests import RequestError
+
+    try:
+        answer, reused, prompt = answer_turn(engine, request)
+    except RequestError as e:
+        print(f"error: {e} (/reset starts a new conversation)", file=sys.stderr)
+        return None
+    except KeyboardInterrupt:  # Ctrl-C stops the answer, not the conversation
+        for request_id in list(engine.groups):
+            engine.abort(request_id)
+        print("\n(answer stopped; ask again or go on)", file=sys.stderr)
+        return None
+    print(f"({reused} of the prompt's {prompt} tokens reused from the earlier turns)", file=sys.stderr)
+    return answer
 
 
 def answer_turn(engine, request) -> tuple[str, int, int]:
@@ -278,7 +285,7 @@ def answer_turn(engine, request) -> tuple[str, int, int]:
     return detokenizer.text, group.num_cached or 0, group.num_prompt
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint",
@@ -316,20 +323,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allow-pickle", action="store_true",
                         help="accept pytorch_model.bin weights (read with torch.load(weights_only=True)); "
                              "only for files you trust")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, its combinations checked (one-line error, exit 2) before any model loads."""
+    cli = parser()
+    args = cli.parse_args(argv)
     one_answer = args.image is not None or args.video is not None
     one_answer_or_batch = one_answer == (args.batch is None) and (args.batch is None) == (args.output is None)
     if args.chat and (args.batch or args.output or args.prompt is not None or args.num_samples != 1):
-        parser.error("--chat takes no --batch, --output, --prompt or --num-samples (type your questions)")
+        cli.error("--chat takes no --batch, --output, --prompt or --num-samples (type your questions)")
     if not args.chat and not one_answer_or_batch:
-        parser.error("give --image or --video (one answer), --batch and --output (a file of requests), or "
-                     "--chat")
+        cli.error("give --image or --video (one answer), --batch and --output (a file of requests), "
+                  "or --chat")
     if args.video is None and (args.fps, args.max_frames) != (None, None):
-        parser.error("--fps and --max-frames sample a --video")
+        cli.error("--fps and --max-frames sample a --video")
     try:  # checked before any model loads
         video_sampling(args, VideoConfig())
     except ConfigError as e:
-        parser.error(str(e))
+        cli.error(str(e))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     try:
         if args.chat:
             run_chat(args,
