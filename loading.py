@@ -24,7 +24,7 @@ from data.chat_processors import ChatProcessor, CheckpointProcessor
 from data.tokenizer import IMAGE_TOKEN
 from models.config import VLMConfig
 from models.lora import ADAPTER_CONFIG, adapter_base, load_adapter, merge_adapters
-from models.quantize import quantize
+from models.quantize import describe, quantize
 from models.vision_language_model import VisionLanguageModel
 from models.weights import CheckpointError, read_json, resolve, weight_patterns
 
@@ -133,10 +133,11 @@ def load_for_inference(checkpoint: str | Path | None, device: torch.device, allo
     """`load_with_processor`'s model and processor, the model's projections fused for inference
     (`VisionLanguageModel.fuse_projections`: fewer kernels a step, the same outputs and state dict), then,
     given a `quantization` ("int8", "int4"), its language model's linears (and with `quantize_vision` its
-    ViT's) quantized weight-only (models/quantize.py; an adapter is merged in before)."""
+    ViT's) quantized weight-only (models/quantize.py; an adapter is merged in before). A checkpoint saved
+    quantized loads quantized: a `quantization` that is its own is already applied."""
     model, processor = load_with_processor(checkpoint, device, allow_pickle, runs)
     model.fuse_projections()
-    if quantization is not None:
+    if quantization is not None and set(describe(model).values()) != {quantization}:
         quantize(model, quantization, vision=quantize_vision)
     return model, processor
 

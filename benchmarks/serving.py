@@ -3,6 +3,7 @@ ignored.
 
     python benchmarks/serving.py                          # CPU: 64 requests, prompts and outputs 16-256
     python benchmarks/serving.py --workloads 16 --max-len 64 --methods engine static      # a quick look
+    python benchmarks/serving.py --methods engine --quantize int8    # the engine on float32 and int8 weights
     python benchmarks/serving.py --device cuda --workloads 256 1024 nanovllm --max-num-seqs 256 \\
         --compile-static
 
@@ -48,6 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import hardware  # noqa: E402
 from benchmarks.decode import build_models, synchronize  # noqa: E402
+from benchmarks.quantize import quantized_pair  # noqa: E402
 from serving.config import ServingConfig  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.requests import (
@@ -271,12 +273,16 @@ def write(results: dict[str, list[dict]], failures: list[str], args, device, tit
             lines += ["", *table(rows, describe(name, args))]
     lines += ["", *(f"- failed: {failure}" for failure in failures)] if failures else []
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"serving-{device.type}"
+    stem = args.out / result_stem(args, device)
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     stem.with_suffix(".json").write_text(
         json.dumps(dict(title=title, args=vars(args) | {"out": str(args.out)}, results=results), indent=2)
     )
     plot(results, stem.with_suffix(".png"), title)
+
+def result_stem(args, device: torch.device) -> str:
+    return f"serving-{device.type}" + (f"-{args.quantize}" if args.quantize else "")
+
 
 def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
     import matplotlib
@@ -321,6 +327,10 @@ def parse_args() -> argparse.Namespace:
                         help="hf-one serves this many of the requests (default: all)")
     parser.add_argument("--hf-cb-requests", type=int, help="hf-cb serves this many of them (default: all)")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--quantize", choices=("int8", "int4"),
+                        help="each method also on copies quantized so (benchmarks/quantize.py's: ours fused, "
+                             "transformers' with the same torchao config): rows 'METHOD int8', written to "
+                             "serving-DEVICE-int8.*")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     return parser.parse_args()
 
@@ -332,6 +342,10 @@ def main() -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     reference, ours = build_models(device, dtype)
     ours.fuse_projections()  # as load_for_inference gives it to generate.py and the server
+    # each method on the float models, and with --quantize on quantized copies too ("engine int8")
+    variants = {"": (reference, ours)}
+    if args.quantize:
+        variants[f" {args.quantize}"] = quantized_pair(reference, ours, args.quantize)[:2]
     title = (f"SmolLM2-135M shape, random weights, {args.dtype}, greedy, EOS ignored; engine: max_num_seqs "
              f"{args.max_num_seqs}, max_batch_tokens {args.max_batch_tokens}, {args.kv_blocks} blocks of "
              f"{args.block_size}; {hardware(device)}; torch {torch.__version__}")
@@ -346,22 +360,22 @@ def main() -> None:
                 continue
             if method == "engine-eager" and device.type != "cuda":
                 continue  # on a CPU the engine runs eagerly anyway
-            try:
-                result = RUNNERS[method](reference if method in HF_METHODS else ours, requests, args, device)
-            except Exception as error:  # reported in the table; the other methods still run
-                traceback.print_exc()
-                failures.append(f"{name} {method}: {type(error).__name__}: {error}".splitlines()[0])
+            for suffix, (theirs, mine) in variants.items():
+                label = method + suffix
+                try:
+                    result = RUNNERS[method](theirs if method in HF_METHODS else mine, requests, args, device)
+                except Exception as error:  # reported in the table; the other methods still run
+                    traceback.print_exc()
+                    failures.append(f"{name} {label}: {type(error).__name__}: {error}".splitlines()[0])
+                    write(results, failures, args, device, title)
+                    continue
+                baseline = result["tokens"] if label == "engine" else baseline
+                rows.append(summarize(label, result, requests, None if label == "engine" else baseline))
+                print(f"{name} {label}: {rows[-1]['wall_s']:.1f} s, "
+                      f"{rows[-1]['output_tokens_per_s']:,.1f} tok/s", flush=True)
+                # after every method: a run cut short keeps what it measured
                 write(results, failures, args, device, title)
-                continue
-            baseline = result["tokens"] if method == "engine" else baseline
-            rows.append(summarize(method, result, requests, None if method == "engine" else baseline))
-            print(
-                f"{name} {method}: {rows[-1]['wall_s']:.1f} s, {rows[-1]['output_tokens_per_s']:,.1f} tok/s",
-                flush=True,
-            )
-            # after every method: a run cut short keeps what it measured
-            write(results, failures, args, device, title)
-    print((args.out / f"serving-{device.type}.md").read_text())
+    print((args.out / f"{result_stem(args, device)}.md").read_text())
     sys.exit(1 if failures else 0)
 
 

@@ -13,6 +13,8 @@ from models.idefics3 import read_idefics3
 from models.nanovlm import read_nanovlm
 from models.weights import CheckpointError, read_json, read_weights, resolve, weight_patterns
 
+QUANTIZATION = "quantization"  # config.json's record of a quantized model's quantization (models/quantize.py)
+
 
 def read_checkpoint(source: str | Path, allow_pickle: bool = False
                     ) -> tuple[VLMConfig, dict[str, Tensor], Path]:
@@ -30,4 +32,5 @@ def read_checkpoint(source: str | Path, allow_pickle: bool = False
                               f"loads its own checkpoints, Idefics3 / SmolVLM / SmolVLM2 and nanoVLM)")
     if "vit_hidden_dim" in hf_config:
         return (*read_nanovlm(path, hf_config, allow_pickle), path)
-    return VLMConfig.from_dict(hf_config), read_weights(path, allow_pickle), path
+    config = VLMConfig.from_dict({key: value for key, value in hf_config.items() if key != QUANTIZATION})
+    return config, read_weights(path, allow_pickle), path

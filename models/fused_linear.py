@@ -52,30 +52,33 @@ def _fused_children(owner: nn.Module) -> list[tuple[str, FusedLinear]]:
 
 
 def _split_parts(owner: nn.Module, state: dict, prefix: str, _metadata) -> None:
-    """State-dict hook: each fused tensor written as its parts' (copies: no views of one another), in the
-    owner's order. The owner's entries are the last ones written, so they are taken out and put back."""
+    """State-dict hook: each fused layer's tensors (its weight and bias, or a quantized weight's integers and
+    scales: models/quantize.py; each with a row an output) written as its parts' (copies: no views of one
+    another), in the owner's order. The owner's entries are the last ones written, so they are taken out and
+    put back."""
     fused = {f"{prefix}{name}.": child for name, child in _fused_children(owner)}
     owned = {key: state.pop(key) for key in [key for key in state if key.startswith(prefix)]}
     for key, tensor in owned.items():
         layer_prefix = next((p for p in fused if key.startswith(p)), None)
         if layer_prefix is None:
             state[key] = tensor
-        elif key == layer_prefix + "weight":  # each part's weight, then its bias, as separate layers write
+        elif key == next(k for k in owned if k.startswith(layer_prefix)):  # each part's, as separate layers
             sizes = list(fused[layer_prefix].parts.values())
-            pieces = {kind: owned[layer_prefix + kind].split(sizes) for kind in ("weight", "bias")
-                      if layer_prefix + kind in owned}
+            pieces = {k.removeprefix(layer_prefix): t.split(sizes) for k, t in owned.items()
+                      if k.startswith(layer_prefix)}
             for i, part in enumerate(fused[layer_prefix].parts):
-                for kind, split in pieces.items():
-                    state[f"{prefix}{part}.{kind}"] = split[i].clone()
+                for name, split in pieces.items():
+                    state[f"{prefix}{part}.{name}"] = split[i].clone()
 
 
 def _join_parts(owner: nn.Module, state: dict, prefix: str, *_) -> None:
-    """Load hook: the parts' tensors, where a state dict holds them, read as the fused ones."""
+    """Load hook: the parts' tensors, where a state dict holds them all, read as the fused ones."""
     for name, fused in _fused_children(owner):
-        for kind in ("weight", "bias"):
-            keys = [f"{prefix}{part}.{kind}" for part in fused.parts]
+        first = f"{prefix}{next(iter(fused.parts))}."
+        for entry in [key.removeprefix(first) for key in state if key.startswith(first)]:
+            keys = [f"{prefix}{part}.{entry}" for part in fused.parts]
             if all(key in state for key in keys):
-                state[f"{prefix}{name}.{kind}"] = torch.cat([state.pop(key) for key in keys])
+                state[f"{prefix}{name}.{entry}"] = torch.cat([state.pop(key) for key in keys])
 
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

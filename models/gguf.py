@@ -35,11 +35,11 @@ _REQUIRED = ["llama.block_count", "llama.embedding_length", "llama.feed_forward_
              "llama.attention.head_count"]
 
 
-def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def read_gguf(path: Path, int4: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The Hugging Face `config.json` dict and float32 state dict of the Llama model in the GGUF file
-    `path`."""
+    `path`. With `int4`, each Q4_1 matrix but the embedding is read as tinyvlm's int4 weight (`_q4_1`)."""
     try:
-        from gguf import GGUFReader
+        from gguf import GGMLQuantizationType, GGUFReader
         from gguf.quants import dequantize
     except ImportError:
         raise CheckpointError(
@@ -56,6 +56,9 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     weights = {}
     for tensor in reader.tensors:
         projection = tensor.name.removesuffix(".weight").rpartition(".")[2]
+        if int4 and tensor.tensor_type == GGMLQuantizationType.Q4_1 and projection != "token_embd":
+            weights.update(_q4_1(tensor.name, tensor.data, heads.get(projection)))
+            continue
         try:
             # a copy, not the map
             values = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
@@ -66,6 +69,22 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
             raise CheckpointError(f"{path}: cannot read tensor {tensor.name} ({kind}: {e})") from None
         weights[tensor.name] = torch.from_numpy(values)
     return config, rename_keys(weights, _NAMES)
+
+
+def _q4_1(name: str, blocks: np.ndarray, heads: int | None) -> dict[str, torch.Tensor]:
+    """A Q4_1 matrix [N, K] (`blocks`: each row's blocks of 32 weights, 20 bytes each: a float16 scale d, a
+    float16 minimum m, then 16 bytes of 4-bit q, the block's first 16 in the low halves; w = d * q + m) as
+    tinyvlm's saved int4 weight (models/quantize.py): the q as they are, two a byte; each block's scale d; its
+    zero m + 8 d (tinygemm's grid: w = (q - 8) * scale + zero)."""
+    rows = blocks.shape[0]
+    blocks = blocks.reshape(rows, -1, 20)
+    scale, minimum = (blocks[..., i:i + 2].copy().view(np.float16)[..., 0].astype(np.float32) for i in (0, 2))
+    q = np.concatenate([blocks[..., 4:] & 15, blocks[..., 4:] >> 4], axis=-1).reshape(rows, -1)
+    tensors = {"": q[:, 0::2] | q[:, 1::2] << 4, "_scale": scale, "_zero": minimum + 8 * scale}
+    if heads is not None:
+        tensors = {suffix: _unpermute(values, heads) for suffix, values in tensors.items()}
+    return {f"{name}{suffix}": torch.from_numpy(np.ascontiguousarray(values))
+            for suffix, values in tensors.items()}
 
 
 def _field(reader, key: str, default: Any = None) -> Any:

@@ -195,7 +195,8 @@ class LanguageModel(nn.Module):
     @classmethod
     def from_pretrained(cls, source: str | Path, allow_pickle: bool = False) -> LanguageModel:
         """A Hugging Face Llama checkpoint (directory or hub id, safetensors) or a `.gguf` file, as our model
-        (models/llama.py). `allow_pickle` also reads `.bin` weights, with `torch.load(weights_only=True)`."""
+        (models/llama.py). `allow_pickle` also reads `.bin` weights, with `torch.load(weights_only=True)`.
+        Quantized as it loads: models/quantize.py `load_quantized_language_model`."""
         config, weights = read_llama(source, allow_pickle)
         model = cls(config)
         load_checked(model, weights, source)

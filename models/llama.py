@@ -52,12 +52,14 @@ def config_from_hf(hf: dict) -> LanguageConfig:
     )
 
 
-def read_llama(source: str | Path, allow_pickle: bool = False) -> tuple[LanguageConfig, dict[str, Tensor]]:
+def read_llama(source: str | Path, allow_pickle: bool = False, int4: bool = False
+               ) -> tuple[LanguageConfig, dict[str, Tensor]]:
     """The config and weights (our names) of a Llama checkpoint: a directory or hub id, or a `.gguf` file; the
-    architecture is checked before any weights are read. `allow_pickle` also reads `.bin` weights."""
+    architecture is checked before any weights are read. `allow_pickle` also reads `.bin` weights; `int4`
+    reads a GGUF file's Q4_1 matrices as int4 weights (models/gguf.py)."""
     path = resolve(source, allow_patterns=weight_patterns(allow_pickle))
     if path.suffix == ".gguf":
-        hf_config, hf_weights = read_gguf(path)
+        hf_config, hf_weights = read_gguf(path, int4)
         config = config_from_hf(hf_config)
     else:
         config = config_from_hf(read_json(path / "config.json"))

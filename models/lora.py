@@ -238,12 +238,11 @@ def _our_key(key: str, model: nn.Module) -> str:
     """An adapter weight's name in tinyvlm's modules: transformers' names (model.layers...,
     model.text_model...) mapped as the Llama and Idefics3 loaders map them; our own kept."""
     from models.idefics3 import to_tinyvlm_key
-    from models.language_model import LanguageModel
     from models.llama import HF_LLAMA_KEYS
 
     if not key.startswith(("model.", "lm_head.")):
         return key
-    if isinstance(model, LanguageModel):
+    if not hasattr(model, "language"):  # a language model alone (models/quantize.py imports this module)
         return next(iter(rename_keys({key: None}, HF_LLAMA_KEYS)))
     return to_tinyvlm_key(key)
 

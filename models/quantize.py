@@ -13,12 +13,27 @@ weights along the input (gpt-fast's and GGUF Q4_1's group), a scale and a zero p
 tinygemm's kernels (torchao's CPU `Int4OpaqueTensor`, on a GPU its tile-packed layout in bfloat16). A layer
 whose shape the int4 kernel cannot take stays in float. Fuse first (`fuse_projections`), then quantize: a
 fused q/k/v layer's rows and groups are its parts' rows and groups, so the numbers are the same either way.
+
+Saved (`save_pretrained`): a quantized layer's state dict holds its plain integers, scales and zero points,
+row by row (so a fused layer splits into its parts' entries), in safetensors, and config.json says what is
+quantized (`"quantization": {"language": "int4"}`, as transformers records its `quantization_config`);
+`from_pretrained` rebuilds the same torchao weights from them, without rounding again. Plain, not torchao's
+own flattened tensors: the CPU int4 packing depends on the CPU's vector width (AVX-512 and AVX2 interleave
+rows differently), which is why torchao's safetensors support leaves `Int4OpaqueTensor` out.
+
+    KEY.weight        int8: the int8 values [N, K]; int4: two 4-bit values q a byte, the even column's in the
+                      low 4 bits [N, K/2]
+    KEY.weight_scale  int8: the row's scale [N, 1]; int4: each group's scale [N, K/32]
+    KEY.weight_zero   int4 only: each group's zero [N, K/32]; w = (q - 8) * scale + zero (tinygemm's grid)
 """
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from models.errors import TinyVLMError
 
@@ -49,13 +64,13 @@ def check_supported(method: str, device: torch.device, dtype: torch.dtype) -> No
                                 f"{device.type}: it runs on {supported}")
 
 
-def quantize(model: nn.Module, method: str, vision: bool = False) -> nn.Module:
+def quantize(model: nn.Module, method: str, vision: bool = False, empty: bool = False) -> nn.Module:
     """`model` (a VisionLanguageModel) with its language model's linear layers, and with `vision` its ViT's,
     quantized weight-only in place for inference (`method` "int8" or "int4"); returns the model. The token
     embedding stays in float, as in gpt-fast and torchao (a lookup reads one row a token), and so does an
     output head tied to it (transformers' torchao integration keeps a tied head: quantizing it would quantize
     the embedding too); an untied head is quantized like the other linears, as gpt-fast does. Merge adapters
-    first (models/lora.py)."""
+    first (models/lora.py). With `empty`, the quantized weights are zeros, to be loaded (`quantize_as`)."""
     from models.lora import has_adapters
 
     weight = next(model.language.parameters())
@@ -65,20 +80,42 @@ def quantize(model: nn.Module, method: str, vision: bool = False) -> nn.Module:
                                 "(models/lora.py merge_adapters), or train them on the float model")
     if describe(model):
         raise QuantizationError(f"the model is already quantized ({describe(model)})")
-    shared = _shared_parameters(model)
+    shared = shared_parameters(model)
     for part in ("language", "vision") if vision else ("language",):
-        quantize_linears(getattr(model, part), method, keep=shared)
+        quantize_linears(getattr(model, part), method, keep=shared, empty=empty)
     return model
 
 
-def quantize_linears(module: nn.Module, method: str, keep: set[int] = frozenset()) -> None:
+def quantize_linears(module: nn.Module, method: str, keep: set[int] = frozenset(), empty: bool = False
+                     ) -> None:
     """Every linear layer under `module` (any model's: transformers' too) quantized with `method`, in place,
-    except those whose weight's id is in `keep` and those the int4 kernel cannot take."""
+    except those whose weight's id is in `keep` and those the int4 kernel cannot take; with `empty`, to zeros
+    (no rounding), to be loaded."""
     quantize_, config_for = torchao_quantizer(method)
     for linear in module.modules():
         config = config_for(linear) if isinstance(linear, nn.Linear) else None
-        if config is not None and id(linear.weight) not in keep:
+        if config is None or id(linear.weight) in keep:
+            continue
+        if empty:
+            zeros = {suffix: torch.zeros(shape, dtype=dtype)
+                     for suffix, (shape, dtype) in _plain_shapes(method, *linear.weight.shape).items()}
+            weight = from_plain(method, zeros, linear.weight.dtype, linear.weight.device)
+            linear.weight = nn.Parameter(weight, requires_grad=False)
+        else:
             quantize_(linear, config)
+        linear.register_state_dict_post_hook(_save_plain)
+        linear.register_load_state_dict_pre_hook(_load_plain)
+
+
+def quantize_as(model: nn.Module, saved: dict[str, str]) -> nn.Module:
+    """`model` quantized as `describe` said of a saved one (`{"language": "int4"}`: config.json's
+    "quantization"), ready to load that model's weights."""
+    methods, parts = set(saved.values()), set(saved)
+    if len(methods) != 1 or not {"language"} <= parts <= {"language", "vision"}:
+        raise QuantizationError(f"config.json's quantization {saved} is not one tinyvlm writes (the "
+                                f"language model's linears, maybe the ViT's, in one of "
+                                f"{', '.join(QUANTIZATIONS)})")
+    return quantize(model, methods.pop(), vision="vision" in parts, empty=True)
 
 
 def describe(model: nn.Module) -> dict[str, str]:
@@ -113,7 +150,139 @@ def weights_summary(model: nn.Module) -> str:
     return f"{stored:.1f} MiB ({parts}; {unquantized:.1f} MiB in {dtype})"
 
 
-def _shared_parameters(model: nn.Module) -> set[int]:
+def load_quantized_language_model(source: str | Path, method: str, allow_pickle: bool = False) -> nn.Module:
+    """`LanguageModel.from_pretrained(source)` for inference, fused and `method`-quantized as it loads; with
+    int4, a GGUF file's Q4_1 matrices (4-bit values in blocks of 32 with a scale and a minimum) become int4
+    weights as they are, not de-quantized and rounded again."""
+    from models.fused_linear import fuse_projections
+    from models.language_model import LanguageModel
+    from models.llama import read_llama
+    from models.weights import load_checked
+
+    check_supported(method, torch.device("cpu"), torch.float32)
+    config, weights = read_llama(source, allow_pickle, int4=method == "int4")
+    model = LanguageModel(config)
+    fuse_projections(model)
+    quantize_linears(model, method, keep=shared_parameters(model), empty=True)
+    load_checked(model, conform(model, weights, method), source)
+    return model
+
+
+def conform(model: nn.Module, weights: dict[str, Tensor], method: str) -> dict[str, Tensor]:
+    """`weights` (float, or `plain` int4 ones read from a file: models/gguf.py) as the `method`-quantized
+    `model`'s state dict holds them: a float weight of a quantized layer quantized, a plain one of a layer
+    kept in float de-quantized."""
+    expected = model.state_dict()
+    weights = dict(weights)
+    for key in [key for key in weights if f"{key}_scale" in expected or f"{key}_scale" in weights]:
+        if f"{key}_scale" in expected and f"{key}_scale" not in weights:
+            linear = nn.Linear(*reversed(weights[key].shape), bias=False)
+            linear.weight = nn.Parameter(weights.pop(key), requires_grad=False)
+            quantize_linears(linear, method)
+            weights.update({key + suffix: tensor for suffix, tensor in plain(linear.weight).items()})
+        elif f"{key}_scale" not in expected:
+            weights[key] = _dequantized(*(weights.pop(key + suffix) for suffix in ("", "_scale", "_zero")))
+    return weights
+
+
+def _dequantized(packed: Tensor, scale: Tensor, zero: Tensor) -> Tensor:
+    """The float weight a `plain` int4 weight stands for."""
+    values = _unpacked(packed).to(scale.dtype)
+    scale, zero = (t.repeat_interleave(INT4_GROUP_SIZE, dim=1) for t in (scale, zero))
+    return (values - 8) * scale + zero
+
+
+def _plain_shapes(method: str, rows: int, columns: int) -> dict[str, tuple[tuple[int, int], torch.dtype]]:
+    """The shapes and dtypes of a [rows, columns] weight's plain tensors (the module docstring's), by suffix
+    of the weight's key."""
+    if method == "int8":
+        return {"": ((rows, columns), torch.int8), "_scale": ((rows, 1), torch.float32)}
+    groups = ((rows, columns // INT4_GROUP_SIZE), torch.float32)
+    return {"": ((rows, columns // 2), torch.uint8), "_scale": groups, "_zero": groups}
+
+
+def plain(weight: Tensor) -> dict[str, Tensor]:
+    """A quantized weight's integers, scales and zero points as plain tensors whose rows are its rows, by
+    suffix of the weight's key (the module docstring's layout)."""
+    kind = type(weight).__name__
+    if kind == "Int8Tensor":  # symmetric: its zero points are 0
+        return {"": weight.qdata, "_scale": weight.scale}
+    if kind == "Int4OpaqueTensor":
+        scale, zero = weight.scale_and_zero.transpose(0, 1).unbind(-1)
+        values = _unpack_int4_cpu(weight.qdata, *weight.shape)
+        return {"": values[:, 0::2] | values[:, 1::2] << 4, "_scale": scale.contiguous(),
+                "_zero": zero.contiguous()}
+    raise QuantizationError(f"saving {kind} weights is not supported (int4 packed for CUDA): save the float "
+                            "model and quantize it when it is loaded")
+
+
+def from_plain(method: str, tensors: dict[str, Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The torchao weight (as `quantize_linears` makes: torchao's Int8Tensor, or on a CPU Int4OpaqueTensor)
+    of a `dtype` model on `device` that holds the `method`'s `plain` tensors, built from them as they are."""
+    torchao_quantizer(method)  # torchao imported, or a one-line error
+    from torchao.prototype.quantization.int4 import Int4OpaqueTensor
+    from torchao.quantization import Int8Tensor
+
+    values, scale = tensors[""].to(device), tensors["_scale"].to(device)
+    if method == "int8":  # symmetric, a scale per row (torchao keeps zero points of 0 and float32 scales)
+        return Int8Tensor(values, scale.float(), [1, values.shape[1]], dtype,
+                          zero_point=torch.zeros_like(scale, dtype=torch.int8))
+    if device.type != "cpu":
+        raise QuantizationError(f"int4 weights load on a CPU, not on {device.type}: load the float model and "
+                                "quantize it there")
+    # tinygemm's CPU packing of the values, and its [K/32, N, 2] scales and zeros
+    values = _unpacked(values)
+    scale_and_zero = torch.stack([scale, tensors["_zero"].to(device)], dim=-1).transpose(0, 1)
+    return Int4OpaqueTensor(torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.int(), 1),
+                            scale_and_zero.to(dtype).contiguous(), [1, INT4_GROUP_SIZE], values.shape)
+
+
+def _save_plain(linear: nn.Module, state: dict, prefix: str, _metadata) -> None:
+    """State-dict hook of a quantized linear layer: its weight as `plain` tensors."""
+    weight = state.pop(prefix + "weight")
+    state.update({f"{prefix}weight{suffix}": tensor for suffix, tensor in plain(weight).items()})
+
+
+def _load_plain(linear: nn.Module, state: dict, prefix: str, *_) -> None:
+    """Load hook of a quantized linear layer: its `plain` tensors, where the state dict holds them, read back
+    as the torchao weight they were."""
+    method = KINDS[type(linear.weight).__name__]
+    keys = [f"{prefix}weight{suffix}" for suffix in _plain_shapes(method, 1, INT4_GROUP_SIZE)]
+    if all(key in state for key in keys) and state[keys[0]].dtype in (torch.int8, torch.uint8):
+        tensors = {key.removeprefix(prefix + "weight"): state.pop(key) for key in keys}
+        state[prefix + "weight"] = from_plain(method, tensors, linear.weight.dtype, linear.weight.device)
+
+
+def _unpack_int4_cpu(packed: Tensor, rows: int, columns: int) -> Tensor:
+    """The 4-bit values [rows, columns] (uint8) that tinygemm's CPU packing packed into `packed`."""
+    values = torch.empty(rows * columns, dtype=torch.uint8)
+    values[_int4_cpu_layout(rows, columns)] = _unpacked(packed.cpu()).flatten()
+    return values.reshape(rows, columns)
+
+
+@functools.lru_cache(maxsize=16)
+def _int4_cpu_layout(rows: int, columns: int) -> Tensor:
+    """For each 4-bit slot of tinygemm's CPU packing of a [rows, columns] weight, the index of the value it
+    holds. ATen has no unpacking op and the layout depends on the CPU's vector width, so it is read off the
+    packing op itself: values that spell out their own index, 4 bits a pass."""
+    index = torch.arange(rows * columns)
+    source = torch.zeros_like(index)
+    for shift in range(0, max(rows * columns - 1, 1).bit_length(), 4):
+        probe = (index >> shift & 15).reshape(rows, columns).int()
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
+        source |= _unpacked(packed).flatten().long() << shift
+    if not torch.bincount(source, minlength=len(index)).eq(1).all():
+        raise QuantizationError("this torch's CPU int4 packing is not a rearrangement of the 4-bit values")
+    return source
+
+
+def _unpacked(packed: Tensor) -> Tensor:
+    """A uint8 tensor's 4-bit halves [..., 2 * columns], each byte's low half first."""
+    shifts = torch.tensor([0, 4], dtype=torch.uint8, device=packed.device)
+    return (packed.unsqueeze(-1) >> shifts & 15).flatten(-2)
+
+
+def shared_parameters(model: nn.Module) -> set[int]:
     """ids of the parameters that more than one module holds (a tied output head's weight)."""
     seen, shared = set(), set()
     for _, parameter in model.named_parameters(remove_duplicate=False):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
@@ -17,7 +18,7 @@ import torch
 from huggingface_hub import PyTorchModelHubMixin
 from torch import Tensor, nn
 
-from models.checkpoints import read_checkpoint
+from models.checkpoints import QUANTIZATION, read_checkpoint
 from models.compiled_decode import bucket_capacity, compiled_step, pad_rows, shape_static
 from models.config import VLMConfig
 from models.errors import InputError, TinyVLMError
@@ -26,9 +27,10 @@ from models.kv_cache import repeat_rows
 from models.language_model import LanguageModel
 from models.linear_cross_entropy import head_and_loss
 from models.modality_projector import ModalityProjector
+from models.quantize import describe, quantize_as
 from models.sampling import SamplingParams, sample
 from models.vision_transformer import VisionTransformer
-from models.weights import atomic_write, load_checked, save_weights
+from models.weights import atomic_write, load_checked, read_json, save_weights
 
 STOP_CHECK_INTERVAL = 8  # generate's decode steps between host-side "has every row finished?" checks
 
@@ -259,16 +261,25 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         return torch.stack(list(self.stream(input_ids, images, attention_mask, **settings)), dim=1)
 
     def _save_pretrained(self, save_directory: Path) -> None:
-        """config.json + model.safetensors, each written atomically (temporary file, fsync, rename)."""
+        """config.json + model.safetensors, each written atomically (temporary file, fsync, rename). A
+        quantized model's quantized weights are saved as their integers and scales, and config.json says what
+        is quantized (models/quantize.py)."""
         save_weights(self, Path(save_directory) / "model.safetensors")
-        atomic_write(Path(save_directory) / "config.json", self.config.save_json)
+        config = self.config.to_dict()
+        if quantized := describe(self):
+            config[QUANTIZATION] = quantized
+        atomic_write(Path(save_directory) / "config.json",
+                     lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n"))
 
     @classmethod
     def from_pretrained(cls, source: str | Path, map_location: str | torch.device = "cpu",
                         allow_pickle: bool = False) -> VisionLanguageModel:
         """A checkpoint directory or hub id: tinyvlm's own, Idefics3 / SmolVLM or nanoVLM
-        (models/checkpoints.py). With `allow_pickle`, a `pytorch_model.bin` will also do."""
+        (models/checkpoints.py). With `allow_pickle`, a `pytorch_model.bin` will also do. A quantized one
+        (saved quantized) comes back fused and quantized, with the weights it was saved with."""
         config, weights, path = read_checkpoint(source, allow_pickle)
         model = cls(config)
+        if quantized := read_json(path / "config.json").get(QUANTIZATION):
+            quantize_as(model.to(map_location).fuse_projections(), quantized)
         load_checked(model, weights, path)
         return model.to(map_location)

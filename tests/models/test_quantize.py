@@ -146,6 +146,44 @@ def test_compiled_greedy_tokens_are_the_rounded_models(quantized):
     _check_greedy(quantized, compile=True)
 
 
+def test_a_quantized_model_saves_its_integers_and_loads_back_the_same_model(quantized, tmp_path):
+    """save_pretrained writes safetensors holding each quantized layer's integers, scales and zero points
+    under the separate layers' names (the module docstring's layout), and from_pretrained rebuilds the same
+    torchao weights: the same logits, bit for bit. (Before: FusedLinear's state-dict hook could not split a
+    torchao weight, so saving raised.)"""
+    from safetensors.torch import load_file
+
+    from models import VisionLanguageModel
+
+    method, _, model, rounded = quantized
+    model.save_pretrained(tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["README.md", "config.json",
+                                                                "model.safetensors"]  # no pickle
+    saved = load_file(tmp_path / "model.safetensors")
+    # each saved layer, read as the docstring says, is the weight the quantized model multiplies by
+    expected = rounded.state_dict()  # the rounded weights, under the separate layers' names
+    layers = [key.removesuffix("_scale") for key in saved if key.endswith("weight_scale")]
+    assert len(layers) == 3 * 7 + 1 + 2 * 6 and "language.blocks.0.attn.k_proj.weight" in layers
+    for key in layers:
+        values, scale = saved[key], saved[key + "_scale"]
+        if method == "int8":
+            assert values.dtype == torch.int8
+            weight = values.double() * scale.double()
+        else:
+            assert values.dtype == torch.uint8 and values.shape[1] * 2 == expected[key].shape[1]
+            q = torch.stack([values & 15, values >> 4], dim=-1).flatten(1).double()
+            groups = lambda t: t.double().repeat_interleave(INT4_GROUP_SIZE, dim=1)  # noqa: E731
+            weight = (q - 8) * groups(scale) + groups(saved[key + "_zero"])
+        torch.testing.assert_close(weight, expected[key], rtol=1e-6, atol=1e-7)
+    loaded = VisionLanguageModel.from_pretrained(tmp_path).eval()
+    assert describe(loaded) == describe(model)
+    ids, images = _inputs()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, images)[0], model(ids, images)[0])
+    assert torch.equal(loaded.generate(ids, images, max_new_tokens=6, greedy=True),
+                       model.generate(ids, images, max_new_tokens=6, greedy=True))
+
+
 def test_bad_requests_are_one_line_errors():
     model = tiny_vlm()
     with pytest.raises(QuantizationError, match=r"^unknown quantization 'int3': choose one of int8, int4$"):
