@@ -17,8 +17,10 @@ checkpoint's `video` settings say (SmolVLM2's: frames per second, at most max_fr
 override them), each frame one image after its timestamp (data/video.py). Decoding is greedy unless a
 sampling option (--temperature, --top-k, --top-p) is given. In batch mode each line of the input is {"image":
 path, "prompt": text} (either may be left out: no image, or a caption) or {"messages": [{"role": "system" |
-"user" | "assistant", "content": text, "images": [paths]}, ...]} (a conversation to answer); the output has
-the same lines, in the same order, each with its "answer" added. In chat mode each line you type is a user
+"user" | "assistant", "content": text, "images": [paths]}, ...]} (a conversation to answer); a line may
+instead hold a "video" (a path; "fps" and "max_frames" override the checkpoint's sampling, as --fps and
+--max-frames do), its frames opening the first user message; the output has the same lines, in the same
+order, each with its "answer" added. In chat mode each line you type is a user
 turn, answered as it is generated, and each turn reuses the earlier turns' KV blocks through the engine's
 prefix cache (it says how many prompt tokens it reused): `/image PATH` attaches an image to your next turn,
 `/video PATH` a clip to the conversation's first (before it starts, or after `/reset`), `/reset` starts a new
@@ -35,6 +37,7 @@ from pathlib import Path
 import torch
 
 from data import CAPTION_PROMPT, ImageLoadError, Message, load_image
+from data.chat_processors import NO_IMAGES_BESIDE_A_VIDEO
 from data.detokenizer import IncrementalDetokenizer
 from data.video import Clip, VideoError, read_video
 from loading import load_for_inference, pick_device
@@ -67,17 +70,17 @@ def load(args: argparse.Namespace, device: torch.device):
                               quantize_vision=args.quantize_vision)
 
 
-def video_sampling(args: argparse.Namespace, config: VideoConfig) -> VideoConfig:
-    """The checkpoint's clip sampling (its `config.video`) with --fps / --max-frames in its place; ConfigError
-    for values it cannot take."""
-    overrides = {"fps": args.fps, "max_frames": args.max_frames}
+def video_sampling(config: VideoConfig, fps: float | None, max_frames: int | None) -> VideoConfig:
+    """The checkpoint's clip sampling (its `config.video`) with `fps` / `max_frames` (--fps / --max-frames, a
+    batch line's) in its place; ConfigError for values it cannot take."""
+    overrides = {"fps": fps, "max_frames": max_frames}
     return config.replace({key: value for key, value in overrides.items() if value is not None})
 
 
 def read_clip(path: str, args: argparse.Namespace, model) -> Clip:
     """The clip at `path`, its frames sampled for `model` as the command line says; VideoError if
     unreadable."""
-    return read_video(path, video_sampling(args, model.config.video))
+    return read_video(path, video_sampling(model.config.video, args.fps, args.max_frames))
 
 
 def run(args: argparse.Namespace) -> None:
@@ -112,8 +115,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def read_requests(path: Path) -> list[dict]:
-    """The batch file's lines: JSON objects with an optional "image" (a path, relative to the file) and
-    "prompt"."""
+    """The batch file's lines: JSON objects with an optional "image" or "video" (a path, relative to the file;
+    a video's "fps" and "max_frames") and "prompt", or "messages"."""
     try:
         lines = path.read_text().splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -135,8 +138,26 @@ def read_requests(path: Path) -> list[dict]:
             raise RequestError(f'{path}:{number}: "messages" must be a list of '
                                '{"role": system|user|assistant, "content": text, "images": [paths] '
                                '(user messages)} ending with a user message')
+        _check_video(record, f"{path}:{number}")
         records.append(record)
     return records
+
+
+def _check_video(record: dict, where: str) -> None:
+    """RequestError for a line's "video" that is not a path, has images beside it, or samples with values
+    VideoConfig refuses, and for "fps" / "max_frames" without a video."""
+    if "video" not in record:
+        if {"fps", "max_frames"} & record.keys():
+            raise RequestError(f'{where}: "fps" and "max_frames" sample a "video"')
+        return
+    if not isinstance(record["video"], str):
+        raise RequestError(f'{where}: "video" must be a path')
+    if "image" in record or any(message.get("images") for message in record.get("messages", [])):
+        raise RequestError(f"{where}: {NO_IMAGES_BESIDE_A_VIDEO}")
+    try:
+        video_sampling(VideoConfig(), record.get("fps"), record.get("max_frames"))
+    except ConfigError as e:
+        raise RequestError(f"{where}: {e}") from None
 
 
 def _messages_ok(messages) -> bool:
@@ -154,6 +175,27 @@ def _messages_ok(messages) -> bool:
     )
 
 
+def batch_prompt(record: dict, directory: Path) -> tuple[str | list[Message], list]:
+    """A batch line's prompt (text or messages) and images, read; a missing clip is a VideoError here, before
+    the model loads."""
+    if "video" in record and not (directory / record["video"]).is_file():
+        raise VideoError(f"{directory / record['video']}: no such file")
+    if "messages" in record:
+        return conversation(record, directory)
+    image = load_image(directory / record["image"]) if "image" in record else None
+    caption = image is not None or "video" in record
+    return check_prompt(record.get("prompt", CAPTION_PROMPT if caption else "")), [image] if image else []
+
+
+def batch_clip(record: dict, directory: Path, model) -> Clip | None:
+    """A batch line's clip, sampled as the checkpoint's `video` settings and the line's "fps" / "max_frames"
+    say."""
+    if "video" not in record:
+        return None
+    sampling = video_sampling(model.config.video, record.get("fps"), record.get("max_frames"))
+    return read_video(directory / record["video"], sampling)
+
+
 def conversation(record: dict, directory: Path) -> tuple[list[Message], list]:
     """A batch line's messages and their images (paths relative to the batch file), in order."""
     messages, images = [], []
@@ -168,7 +210,8 @@ def conversation(record: dict, directory: Path) -> tuple[list[Message], list]:
 
 def run_batch(args: argparse.Namespace, params: RequestParams) -> None:
     """Answer every line of --batch with the serving engine (continuous batching over a paged KV cache); write
-    the lines with their answers to --output, in input order, once all are answered (atomically)."""
+    the lines with their answers to --output, in input order, once all are answered (atomically). Images are
+    read (and clips found) before the model loads; a clip is decoded when the engine takes its line."""
     from tqdm import tqdm
 
     from serving.engine import Engine
@@ -176,19 +219,15 @@ def run_batch(args: argparse.Namespace, params: RequestParams) -> None:
 
     batch = Path(args.batch)
     records = read_requests(batch)
-    requests = []
-    for record in records:  # every image is checked before any work starts
-        if "messages" in record:
-            messages, images = conversation(record, batch.parent)
-            requests.append(Request(messages, images or None, params))
-            continue
-        image = load_image(batch.parent / record["image"]) if "image" in record else None
-        prompt = check_prompt(record.get("prompt", CAPTION_PROMPT if image else ""))
-        requests.append(Request(prompt, [image] if image else None, params))
+    prompts = [batch_prompt(record, batch.parent) for record in records]  # checked before any work starts
     model, processor = load(args, pick_device(args.device))
     engine = Engine(model, processor, ServingConfig(kv_cache_mib=args.kv_cache_mib))
-    with tqdm(total=len(requests), desc="answers", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
-        results = engine.generate(requests, progress=lambda done: bar.update(done - bar.n))
+    # each clip read as the engine takes its line: a few held at once, not the file's
+    requests = (Request(prompt, images or None, params, video=batch_clip(record, batch.parent, model))
+                for record, (prompt, images) in zip(records, prompts))
+    with tqdm(total=len(records), desc="answers", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
+        results = engine.generate(requests, progress=lambda done: bar.update(done - bar.n),
+                                  max_pending=2 * engine.settings.max_num_seqs)
     answers = [{**record, **({"answer": result.texts[0]} if params.n == 1 else {"answers": result.texts})}
                for record, result in zip(records, results)]
     atomic_write(Path(args.output),
@@ -298,7 +337,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-frames", type=int,
                         help="with --video: the most frames sampled (default: the checkpoint's)")
     parser.add_argument("--batch",
-                        help="a JSONL file of requests ({\"image\": path, \"prompt\": text} per line)")
+                        help="a JSONL file of requests ({\"image\" or \"video\": path, \"prompt\": text} "
+                             "per line)")
     parser.add_argument("--output", help="with --batch: the JSONL file to write the answers to")
     parser.add_argument("--chat", action="store_true", help="a conversation in the terminal (see above)")
     parser.add_argument("--kv-cache-mib", type=int, default=ServingConfig.kv_cache_mib,
@@ -340,7 +380,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.video is None and (args.fps, args.max_frames) != (None, None):
         cli.error("--fps and --max-frames sample a --video")
     try:  # checked before any model loads
-        video_sampling(args, VideoConfig())
+        video_sampling(VideoConfig(), args.fps, args.max_frames)
     except ConfigError as e:
         cli.error(str(e))
     return args

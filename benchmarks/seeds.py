@@ -4,11 +4,13 @@ table the README shows for the tiny default. What a newcomer sees is one draw fr
     python benchmarks/seeds.py                                     # configs/tiny.yaml, seeds 0-4, 2 threads
     python benchmarks/seeds.py --seeds 0 1 2 --threads 1 2          # 6 runs
     python benchmarks/seeds.py --set train.max_steps=100 --seeds 0  # a quick look at the script itself
+    python benchmarks/seeds.py --config configs/tiny-stream.yaml --collect runs/s0 runs/s1  # finished runs
 
 Each run is `python train.py --config CONFIG --train.seed S --train.num_threads T --train.output_dir
 OUT/sS-tT`, one after another (runs side by side would slow each other); its metrics.json gives the row. The
 table has one row per run, then min / median / max of each column, with the machine, torch version and minutes
-per run. Writes benchmarks/results/seeds-<config>.{md,json}.
+per run. Writes benchmarks/results/seeds-<config>.{md,json}. `--collect RUN ...` trains nothing: the table of
+runs already finished (their metrics.json, and seed and threads from their last checkpoint; no minutes).
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ def train(config: Path, seed: int, threads: int, out: Path, overrides: list[str]
         f"seed {seed}, {threads} threads",
     )
     return {"seed": seed, "threads": threads, "minutes": minutes, **metrics}
+
+
+def collected(run: Path) -> dict:
+    """A finished run's row: its metrics.json, with the seed and threads of its last checkpoint's config."""
+    metrics = json.loads((run / "metrics.json").read_text())
+    config = json.loads((run / f"step_{metrics['step']:06d}" / "run_config.json").read_text())["train"]
+    return {"seed": config["seed"], "threads": config["num_threads"], **metrics}
 
 
 def cpu_name() -> str:
@@ -75,6 +84,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="runs at once")
     parser.add_argument("--runs", type=Path, default=Path("runs/seeds"), help="where the runs go")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--collect", type=Path, nargs="+", metavar="RUN",
+                        help="finished runs' directories: their table, nothing trained")
     args = parser.parse_args()
     import torch
 
@@ -84,8 +95,11 @@ def main() -> None:
               f"in {row['minutes']:.1f} min", flush=True)
         return row
 
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        rows = list(pool.map(run, *zip(*[(t, s) for t in args.threads for s in args.seeds])))
+    if args.collect:
+        rows = [collected(run) for run in args.collect]
+    else:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            rows = list(pool.map(run, *zip(*[(t, s) for t in args.threads for s in args.seeds])))
     device = dict(o.partition("=")[::2] for o in args.set).get("train.device", "cpu")
     machine = (
         torch.cuda.get_device_name() if device.startswith("cuda") else f"{cpu_name()}, {os.cpu_count()} cores"

@@ -12,7 +12,9 @@ from datasets.features.features import require_decoding
 from torch.utils.data import Dataset
 
 from data.images import to_rgb
+from data.video import Clip, read_video
 from models.errors import TinyVLMError
+from models.split_config import VideoConfig
 from typed_config import one_line
 
 Policy = Literal["skip", "fail"]
@@ -32,15 +34,27 @@ def record_images(record: dict[str, Any]) -> list:
     return [] if images is None else images
 
 
+def record_video(record: dict[str, Any], config: VideoConfig) -> Clip | None:
+    """A record's clip: one already sampled (a `Clip`), or a file's frames sampled as inference samples them
+    (data/video.py), by `config` with the record's own "fps" / "max_frames" in place of its own; None without
+    one."""
+    video = record.get("video")
+    if video is None or isinstance(video, Clip):
+        return video
+    overrides = {key: record[key] for key in ("fps", "max_frames") if record.get(key) is not None}
+    return read_video(video, config.replace(overrides) if overrides else config)
+
+
 # decodes a stored image ({"bytes", "path"}) as `datasets` does: EXIF orientation applied
 _IMAGE = datasets.Image()
 
 
-def checked_record(record: dict[str, Any]) -> dict[str, Any]:
+def checked_record(record: dict[str, Any], video: VideoConfig | None = None) -> dict[str, Any]:
     """The record with its images fully decoded to RGB (stored ones, {"bytes", "path"}, too; corrupt image
-    data fails here, not inside a batch) and its texts checked to be user/assistant pairs of valid Unicode
-    strings with no empty answer; anything else raises (so does a record that carries the `problem` its source
-    met, as data/sources.py's load_jsonl keeps one)."""
+    data fails here, not inside a batch), its clip's frames read (`record_video`, by `video`: the model's
+    sampling) and its texts checked to be user/assistant pairs of valid Unicode strings with no empty answer;
+    anything else raises (so does a record that carries the `problem` its source met, as data/sources.py's
+    load_jsonl keeps one)."""
     if record.get("problem"):
         raise ValueError(record["problem"])
     texts = record["texts"]
@@ -63,7 +77,10 @@ def checked_record(record: dict[str, Any]) -> dict[str, Any]:
     images = [
         _IMAGE.decode_example(image) if isinstance(image, dict) else image for image in record_images(record)
     ]
-    return {**record, "images": [to_rgb(image) for image in images]}
+    checked = {**record, "images": [to_rgb(image) for image in images]}
+    if record.get("video") is not None:
+        checked["video"] = record_video(record, video or VideoConfig())
+    return checked
 
 
 def _stored_images_view(dataset: Any) -> datasets.Dataset | None:
@@ -108,7 +125,8 @@ class CheckedRecords(Dataset):
 
     def __init__(self, dataset, policy: Policy, name: str = "train",
                  report: Callable[[str], None] | None = None,
-                 check_texts: Callable[[list[dict[str, str]]], None] | None = None):
+                 check_texts: Callable[[list[dict[str, str]]], None] | None = None,
+                 video: VideoConfig | None = None):
         if policy not in ("skip", "fail"):
             raise ValueError(f"policy must be 'skip' or 'fail', got {policy!r}")
         self.dataset = dataset
@@ -117,6 +135,7 @@ class CheckedRecords(Dataset):
         self._stored = _stored_images_view(dataset)
         # the model's format refusing a text (a typed <image>): a bad record too
         self.check_texts = check_texts
+        self.video = video  # how a record's clip is sampled: the model's video settings
         self.report = report or _to_stderr
         self.num_bad = self.num_read = 0
 
@@ -140,7 +159,7 @@ class CheckedRecords(Dataset):
     def _read(self, index: int, fetch: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
         self.num_read += 1
         try:
-            record = checked_record(fetch())
+            record = checked_record(fetch(), self.video)
             if self.check_texts is not None:
                 self.check_texts(record["texts"])
             return record

@@ -67,10 +67,10 @@ class ConversationEncoder(Protocol):
         gives `encode`'s ids."""
 
     def encode_conversation(
-        self, turns: Turns, images: Sequence[Image.Image]
+        self, turns: Turns, images: Sequence[Image.Image], video: Clip | None = None
     ) -> tuple[list[int], list[int], torch.Tensor | None]:
-        """A whole conversation ({"user", "assistant"} turns; the images in the first user turn): (ids,
-        targets, pixels)."""
+        """A whole conversation ({"user", "assistant"} turns; the images, or a video's frames, in the first
+        user turn, as `encode_chat` places them): (ids, targets, pixels)."""
 
     def save_pretrained(self, directory: Path) -> None:
         """Write what `load_for_inference` needs besides the model (tokenizer, processor files) into
@@ -161,25 +161,34 @@ class ChatProcessor:
             raise PromptError("a video needs a user message to go in")
         messages = [dataclasses.replace(message, images=int(i == first_user))
                     for i, message in enumerate(messages)]
-        frame_ids = self.frames.placeholders(video.frames[:1])[0]  # alike for every frame: one global image
-        ids = encode_chat(self.tokenizer, messages, self.image_position,
-                          placeholders=[self._video_ids(video, frame_ids)])
-        return ids, self.frames.pixels(video.frames)
+        placeholder, pixels = self._video_inputs(video)
+        return encode_chat(self.tokenizer, messages, self.image_position, placeholders=[placeholder]), pixels
 
-    def _video_ids(self, video: Clip, frame_ids: list[int]) -> list[int]:
-        """`video_prompt`'s text encoded as plain text, each frame's placeholder ids in their place."""
+    def _video_inputs(self, video: Clip) -> tuple[list[int], torch.Tensor]:
+        """The clip as one placeholder (`video_prompt`'s text encoded as plain text, each frame's placeholder
+        ids in their place) and its frames' pixels."""
+        frame_ids = self.frames.placeholders(video.frames[:1])[0]  # alike for every frame: one global image
         texts = video_prompt(video, FRAME).split(FRAME)
         ids = encode_text(self.tokenizer, texts[0])
         for text in texts[1:]:
             ids += [*frame_ids, *encode_text(self.tokenizer, text)]
-        return ids
+        return ids, self.frames.pixels(video.frames)
 
     def encode_conversation(
-        self, turns: Turns, images: Sequence[Image.Image]
+        self, turns: Turns, images: Sequence[Image.Image], video: Clip | None = None
     ) -> tuple[list[int], list[int], torch.Tensor | None]:
+        """A training record's ids, targets and pixels; a `video` (no images beside it) goes in the first user
+        turn as `encode_chat` places it, so that a record trains on the prompt inference builds."""
+        if video is None:
+            placeholders, pixels = self.images.placeholders(images), self.images.pixels(images)
+        elif images:
+            raise PromptError(NO_IMAGES_BESIDE_A_VIDEO)
+        else:
+            placeholder, pixels = self._video_inputs(video)
+            placeholders = [placeholder]
         ids, targets = encode_conversation(self.tokenizer, turns, image_position=self.image_position,
-                                           placeholders=self.images.placeholders(images))
-        return ids, targets, self.images.pixels(images)
+                                           placeholders=placeholders)
+        return ids, targets, pixels
 
     def save_pretrained(self, directory: Path) -> None:
         self.tokenizer.save_pretrained(directory)
@@ -253,7 +262,7 @@ class CheckpointProcessor:
         return self._process(text, images) if video is None else self._process_video(text, images, video)
 
     def encode_conversation(
-        self, turns: Turns, images: Sequence[Image.Image]
+        self, turns: Turns, images: Sequence[Image.Image], video: Clip | None = None
     ) -> tuple[list[int], list[int], torch.Tensor | None]:
         """The conversation as the chat template writes it, its images expanded by the processor (the ids and
         pixels `encode` gives a prompt), with targets on each answer's tokens and the end-of-turn token
@@ -265,6 +274,9 @@ class CheckpointProcessor:
         the template's outside the `<image>` tokens it expands, all of which come before the first answer."""
         if not turns:
             raise ValueError("a conversation needs at least one user/assistant turn")
+        if video is not None:
+            raise PromptError("training on clips takes tinyvlm's own prompt format; this checkpoint's chat "
+                              "template trains on images only")
         messages = self._messages(turns, len(images))
         text = self._template(messages, prompt=False)
         ids, pixels = self._process(text, images)

@@ -37,7 +37,8 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
 
 
 class VQACollator:
-    """Records {"images": [PIL], "texts": [{"user", "assistant"}]} → a batch dict of tensors.
+    """Records {"images": [PIL], "texts": [{"user", "assistant"}]} (or a "video" Clip in place of the images,
+    prompted as inference prompts it) → a batch dict of tensors.
 
     input_ids, attention_mask, targets: LongTensor [B, T]; images: FloatTensor [N, 3, H, W], in the order
     their placeholders appear (row by row). Each record is encoded by a conversation encoder
@@ -95,7 +96,8 @@ class VQACollator:
         for position, record in enumerate(records):
             if record is None:
                 continue
-            ids, targets, pixels = self.encoder.encode_conversation(record["texts"], record_images(record))
+            ids, targets, pixels = self.encoder.encode_conversation(record["texts"], record_images(record),
+                                                                    record.get("video"))
             if len(ids) > self.max_length:
                 too_long.append(position)
                 continue

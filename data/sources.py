@@ -5,26 +5,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from pathlib import Path
 from typing import Any, Literal
 
 from datasets import Dataset, Features, List, Value, concatenate_datasets, load_dataset
 
-from data.bad_records import Policy, record_images
-from data.images import ImageLoadError, load_image
+from data.bad_records import Policy
+from data.images import load_image
+from data.jsonl_records import DataSourceError, read_line
+from data.jsonl_stream import JsonlSource
 from data.prompts import CAPTION_PROMPT
 from data.streaming import Source, StreamConfig
 from data.synthetic import ShapesConfig, shapes_datasets
-from models.errors import TinyVLMError
+from data.synthetic_video import VideoShapesConfig, video_shapes_datasets
 from typed_config import Config, check, one_line
 
 MAX_DEFAULT_HOLDOUT = 500
 _TEXTS = List({"user": Value("string"), "assistant": Value("string")})
-
-
-class DataSourceError(TinyVLMError, ValueError):
-    """A data file or folder that is missing or does not describe records."""
 
 
 def load_cauldron(subset: str, split: str = "train") -> Dataset:
@@ -45,91 +42,35 @@ def load_jsonl(path: str | Path, on_bad_record: Policy = "fail") -> Dataset:
     "conversations": [{"role": "user" | "assistant", "content": ...}, ...] in place of "texts"; a text-only
     record has no "images", or "images": [] or null. A line may carry a "question_type" string: the held-out
     exact-match scores are then given per type ("caption" is left out of the overall accuracy; lines without
-    one count as "question"). Other fields are dropped.
+    one count as "question"). A line may carry a clip in place of images, "video": "clip.mp4" (relative to the
+    file too), with its own "fps" and "max_frames" in place of the model's: its frames are sampled and
+    prompted as inference does when the record is read (data/bad_records.py `record_video`). Other fields
+    are dropped.
 
-    A malformed line (not JSON, no user/assistant turns, an image file that is not there) stops the load under
-    `on_bad_record="fail"`; under "skip" it is kept as a record carrying its `problem`, which reading it
-    raises, so that training skips and counts it with every other bad record (data/bad_records.py).
+    A malformed line (not JSON, no user/assistant turns, an image or clip file that is not there, a clip
+    beside images) stops the load under `on_bad_record="fail"`; under "skip" it is kept as a record carrying
+    its `problem`, which reading it raises, so that training skips and counts it with every other bad record
+    (data/bad_records.py).
     """
     path = Path(path)
     try:
         lines = path.read_text().splitlines()
     except OSError as e:
         raise DataSourceError(f"{path}: cannot read ({e.strerror or e})") from None
-    records = [_read_line(line, f"{path}:{number}", path.parent, on_bad_record)
+    records = [read_line(line, f"{path}:{number}", path.parent, on_bad_record)
                for number, line in enumerate(lines, 1) if line.strip()]
     if not records:
         raise DataSourceError(f"{path}: no records")
     features = {"images": List(Value("string")), "texts": _TEXTS}
-    for optional in ("question_type", "problem"):
-        if any(optional in record for record in records):
-            features[optional] = Value("string")
+    optional = {"question_type": "string", "problem": "string", "video": "string", "fps": "float64",
+                "max_frames": "int64"}
+    for name, kind in optional.items():
+        if any(name in record for record in records):
+            features[name] = Value(kind)
             for record in records:
-                record.setdefault(optional, None)
+                record.setdefault(name, None)
     dataset = Dataset.from_list(records, features=Features(features))
     return dataset.with_transform(_open_images)
-
-
-def _read_line(line: str, where: str, root: Path, on_bad_record: Policy) -> dict[str, Any]:
-    try:
-        return _parse_line(line, where, root)
-    except (DataSourceError, ImageLoadError) as error:
-        if on_bad_record == "fail":
-            raise
-        return {"images": [], "texts": [], "problem": str(error)}
-
-
-def _parse_line(line: str, where: str, root: Path) -> dict[str, Any]:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataSourceError(f"{where}: not valid JSON ({e.msg})") from None
-    if not isinstance(row, dict):
-        raise DataSourceError(f"{where}: expected a JSON object")
-    record = {"images": _image_paths(record_images(row), where, root), "texts": _turns(row, where)}
-    if "question_type" in row:
-        if not isinstance(row["question_type"], str):
-            raise DataSourceError(f"{where}: 'question_type' must be a string")
-        record["question_type"] = row["question_type"]
-    return record
-
-
-def _image_paths(images: Any, where: str, root: Path) -> list[str]:
-    """Paths made absolute (relative ones are taken from the JSONL file's folder) and checked to exist."""
-    if not (isinstance(images, list) and all(isinstance(image, str) for image in images)):
-        raise DataSourceError(f"{where}: 'images' must be a list of file paths")
-    paths = [root / image for image in images]
-    for path in paths:
-        if not path.is_file():
-            raise ImageLoadError(f"{path}: no such file (listed at {where})")
-    return [str(path) for path in paths]
-
-
-def _turns(row: dict[str, Any], where: str) -> list[dict[str, str]]:
-    """The row's `texts`, or its `conversations` paired into user/assistant turns."""
-    if "conversations" in row:
-        messages = row["conversations"]
-        alternating = (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)
-                       and [m.get("role") for m in messages] == ["user", "assistant"] * (len(messages) // 2))
-        if not alternating:
-            raise DataSourceError(f"{where}: 'conversations' must alternate user and assistant messages, "
-                                  "user first")
-        turns = [{"user": u.get("content"), "assistant": a.get("content")}
-                 for u, a in zip(messages[::2], messages[1::2])]
-    else:
-        turns = row.get("texts")
-    if not (isinstance(turns, list) and turns and all(_is_turn(turn) for turn in turns)):
-        raise DataSourceError(f"{where}: needs 'texts' (a list of user/assistant string pairs) or "
-                              "'conversations'")
-    return [{"user": turn["user"], "assistant": turn["assistant"]} for turn in turns]
-
-
-def _is_turn(turn: Any) -> bool:
-    return (
-        isinstance(turn, dict)
-        and isinstance(turn.get("user"), str)
-        and isinstance(turn.get("assistant"), str)
-    )
 
 
 def _open_images(batch: dict[str, list]) -> dict[str, list]:
@@ -161,8 +102,12 @@ class DataConfig(Config):
     """Where training and validation records come from; every source yields the_cauldron record format."""
 
     # where the records come from
-    source: Literal["synthetic", "cauldron", "jsonl", "imagefolder", "stream"] = "synthetic"
-    shapes: ShapesConfig = dataclasses.field(default_factory=ShapesConfig)  # source=synthetic
+    source: Literal["synthetic", "synthetic_video", "cauldron", "jsonl", "imagefolder",
+                    "stream"] = "synthetic"
+    # source=synthetic; source=synthetic_video draws its frames' scenes at shapes.image_size
+    shapes: ShapesConfig = dataclasses.field(default_factory=ShapesConfig)
+    # source=synthetic_video: clips of moving shapes (data/synthetic_video.py)
+    video_shapes: VideoShapesConfig = dataclasses.field(default_factory=VideoShapesConfig)
     subsets: tuple[str, ...] = ()  # source=cauldron: the_cauldron subsets, concatenated
     path: str | None = None  # source=jsonl|imagefolder: the JSONL file or the image folder
     # source=jsonl|imagefolder: optional; without it, `holdout` records are held out
@@ -196,6 +141,8 @@ def build_datasets(config: DataConfig) -> tuple[Dataset, Dataset]:
     """(train, validation) datasets of records for the configured source."""
     if config.source == "synthetic":
         return shapes_datasets(config.shapes)
+    if config.source == "synthetic_video":
+        return video_shapes_datasets(config.video_shapes, config.shapes.image_size)
     if config.source == "cauldron":
         train = concatenate_datasets([load_cauldron(subset) for subset in config.subsets])
     else:
@@ -216,6 +163,12 @@ def stream_sources(config: DataConfig) -> tuple[list[Source], list[dict[str, Any
     `holdout` rows, which training never reads)."""
     holdout = config.holdout or MAX_DEFAULT_HOLDOUT
     first, *others = config.streams
-    validation = Source.open(first).head(holdout)
+    validation = open_stream(first).head(holdout)
     check(bool(validation), f"data.streams[0] ({first.files}): its first {holdout} rows hold no record")
-    return [Source.open(first, skip=holdout), *map(Source.open, others)], validation
+    return [open_stream(first, skip=holdout), *map(open_stream, others)], validation
+
+
+def open_stream(config: StreamConfig, skip: int = 0) -> Source:
+    """A stream's source: JSONL files (`*.jsonl`) read a line at a time (data/jsonl_stream.py), else parquet
+    shards (data/streaming.py); its first `skip` rows left out (held out for validation)."""
+    return (JsonlSource if config.files.endswith(".jsonl") else Source).open(config, skip)

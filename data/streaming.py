@@ -36,6 +36,9 @@ from models.errors import TinyVLMError
 from typed_config import Config, ConfigError, check, one_line
 
 RATINGS = ("relevance", "image_correspondence", "visual_dependency", "formatting")
+# Columns a record keeps where every file of its source has them, in either layout: the held-out scores'
+# question types, and the synthetic scenes' per-cell labels that the ViT's "cells" pre-training learns from.
+PASSED = {"question_type": pa.string(), "cell_labels": pa.list_(pa.list_(pa.int64()))}
 Key = str  # a sample's id: "<file's path>#<row in the file>"
 
 
@@ -89,13 +92,14 @@ class Unit:
 class Source:
     """A streamed source's row groups and how its rows become records."""
 
-    def __init__(self, config: StreamConfig, units: list[Unit], filesystem: fsspec.AbstractFileSystem):
-        self.config, self.units, self.filesystem = config, units, filesystem
+    def __init__(self, config: StreamConfig, units: list[Unit], filesystem: fsspec.AbstractFileSystem,
+                 passed: tuple[str, ...] = ()):
+        self.config, self.units, self.filesystem, self.passed = config, units, filesystem, passed
         self.name = config.files
 
     @staticmethod
     def columns(config: StreamConfig) -> list[str]:
-        """The columns read in the config's layout."""
+        """The columns the config's layout needs."""
         ratings = ["source"] + [f"{rating}_ratings" for rating in RATINGS]
         return ["images", "texts"] + (ratings if config.layout == "finevision" else [])
 
@@ -103,7 +107,7 @@ class Source:
     def open(cls, config: StreamConfig, skip: int = 0) -> Source:
         """The source's files listed (in name order) with their row groups, the first `skip` rows left out
         (held out for validation). Files that cannot be listed or read (offline, not parquet) raise
-        StreamError."""
+        StreamError. JSONL files are a data/jsonl_stream.py source (data/sources.py `open_stream` picks)."""
         where, metadata = config.files, {}
         try:
             filesystem, pattern = fsspec.core.url_to_fs(config.files)
@@ -116,11 +120,13 @@ class Source:
                               f"({type(e).__name__}: {one_line(e)})") from None
         check(bool(paths), f"data.streams[].files: no parquet file matches {config.files}")
         columns = cls.columns(config)
-        for path in paths:
-            missing = [name for name in columns if name not in metadata[path].schema.to_arrow_schema().names]
+        names = [metadata[path].schema.to_arrow_schema().names for path in paths]
+        for path, present in zip(paths, names):
+            missing = [name for name in columns if name not in present]
             if missing:
                 raise ConfigError(f"data.streams[].files: {path} has no column {missing[0]!r}, which layout "
                                   f"{config.layout} needs")
+        passed = tuple(name for name in PASSED if all(name in present for present in names))
         units, seen = [], 0  # seen: the source's rows before the row group
         for path in paths:
             offset = 0
@@ -130,12 +136,13 @@ class Source:
                 if start < rows:
                     units.append(Unit(path, group, offset, start, rows))
                 offset, seen = offset + rows, seen + rows
-        return cls(config, units, filesystem)
+        return cls(config, units, filesystem, passed)
 
     def read(self, unit: Unit, rows: list[int] | None = None) -> Iterator[tuple[Key, dict[str, Any]]]:
         """(key, raw row) for the unit's rows (or only `rows`, positions in the row group), in order."""
         with self.filesystem.open(unit.file) as file:
-            table = pq.ParquetFile(file).read_row_group(unit.row_group, columns=self.columns(self.config))
+            table = pq.ParquetFile(file).read_row_group(unit.row_group,
+                                                        columns=[*self.columns(self.config), *self.passed])
         for row in range(unit.start, unit.stop) if rows is None else rows:
             yield f"{unit.file}#{unit.offset + row}", table.slice(row, 1).to_pylist()[0]
 
@@ -150,8 +157,9 @@ class Source:
 
     def record(self, row: dict[str, Any]) -> dict[str, Any] | None:
         """The row as a record (images still encoded; data/bad_records.py checks and decodes them), its
-        turns filtered by the configured minimum ratings; None when no turn is left."""
-        record = {"images": row["images"], "texts": row["texts"]}
+        turns filtered by the configured minimum ratings, with the PASSED columns the source has; None when no
+        turn is left."""
+        record = {"images": row["images"], "texts": row["texts"], **{name: row[name] for name in self.passed}}
         if self.config.layout == "cauldron":
             return record
         minimums = self.config.minimums()

@@ -189,9 +189,10 @@ def ask(scene: Scene, question_type: str, rng: random.Random) -> tuple[str, str]
 
 def make_shapes_dataset(split: Split, num_samples: int, seed: int, image_size: int = 64, noise: int = 0,
                         turns: int = 1, validation_fraction: float = 0.1,
-                        question_types: tuple[str, ...] = QUESTION_TYPES) -> Dataset:
+                        question_types: tuple[str, ...] = QUESTION_TYPES, labels: bool = False) -> Dataset:
     """`num_samples` records of `split`, each one image and `turns` question/answer turns; same arguments,
-    same data.
+    same data. With `labels`, each record also carries its scene's `cell_labels` (per cell, the classes of
+    its shape, colour and size: what the ViT's pre-training learns to name); the records are the same.
 
     Single-turn records cycle through `question_types`: a type listed twice is asked twice as often.
 
@@ -204,7 +205,8 @@ def make_shapes_dataset(split: Split, num_samples: int, seed: int, image_size: i
     check_question_types(question_types, known=QUESTION_TYPES if split == "validation" else
                          QUESTION_TYPES + TRAINING_ONLY_TYPES, name=f"{split} question_types")
     rng = random.Random(f"shapes:{split}:{seed}")
-    rows: dict[str, list] = {"images": [], "texts": [], "question_type": [], "noise_seed": []}
+    rows: dict[str, list] = {"images": [], "texts": [], "question_type": [], "noise_seed": [],
+                             **({"cell_labels": []} if labels else {})}
     while len(rows["texts"]) < num_samples:
         scene = sample_scene_of(split, rng, validation_fraction)
         if turns == 1:
@@ -215,11 +217,14 @@ def make_shapes_dataset(split: Split, num_samples: int, seed: int, image_size: i
         rows["question_type"].append("+".join(kinds))
         rows["images"].append([_png(render(scene, image_size, rng))])
         rows["noise_seed"].append(rng.getrandbits(63))  # drawn even without noise: same scenes either way
+        if labels:
+            rows["cell_labels"].append(cell_labels(scene))
     features = Features({
         "images": List(ImageFeature()),
         "texts": List({"user": Value("string"), "assistant": Value("string")}),
         "question_type": Value("string"),
         "noise_seed": Value("int64"),
+        **({"cell_labels": List(List(Value("int64")))} if labels else {}),
     })
     dataset = Dataset.from_dict(rows, features=features)
     if not noise:

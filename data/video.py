@@ -149,6 +149,31 @@ def _to_image(frame, max_side: int) -> Image.Image:
     return Image.fromarray(scaled.permute(1, 2, 0).numpy())
 
 
+def write_video(clip: Clip, path: str | Path, fps: float) -> Path:
+    """The clip's frames as an MP4 file at `fps` frames a second, losslessly (H.264 in RGB, `libx264rgb`
+    at crf 0): `read_video` gives back the very pixels."""
+    import av
+
+    width, height = clip.frames[0].size
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libx264rgb", rate=Fraction(fps).limit_denominator(1000),
+                                options={"crf": "0", "preset": "ultrafast"})
+        stream.width, stream.height, stream.pix_fmt = width, height, "rgb24"
+        for frame in clip.frames:
+            out.mux(stream.encode(av.VideoFrame.from_image(frame.convert("RGB"))))
+        out.mux(stream.encode())
+    return Path(path)
+
+
+def video_wording(config: VideoConfig) -> str:
+    """`video_prompt`'s words (no frames) for the longest clip `config` samples at its own rate: a tokenizer
+    trained on the records' texts learns them too."""
+    count = config.max_frames
+    blank = Image.new("RGB", (1, 1))
+    return video_prompt(Clip([blank] * count, list(range(count)), [i / config.fps for i in range(count)],
+                             count / config.fps), "")
+
+
 def video_prompt(clip: Clip, frame_text: str) -> str:
     """SmolVLM2's text for a clip (transformers' `SmolVLMProcessor.replace_video_token`): the frame count in
     words and the duration, then each frame's `frame_text` (its image placeholders) after its MM:SS

@@ -13,7 +13,9 @@ settings say: data/video.py). `generate_until` runs all of a task's requests thr
 model's log-probabilities. Any setting of the engine (serving/config.py ServingConfig) is a model argument of
 the same name: `--model_args checkpoint=runs/tiny,kv_cache_mib=2048,attention=gather`; `quantize=int8` (or
 int4) quantizes the language model's linears weight-only (models/quantize.py), `quantize_vision=True` the
-ViT's too.
+ViT's too. A document's images or clip are read and encoded only when its turn comes: at most
+`max_pending` documents (default: twice `batch_size`) are held encoded at once in `generate_until`, and
+`batch_size` in `loglikelihood`, however many a task has (a 64-frame clip of 512 px is ~200 MB encoded).
 """
 
 from __future__ import annotations
@@ -50,15 +52,18 @@ class TinyVLM(lmms):
     log-likelihood forward, and the engine's sequences at once unless `max_num_seqs` says; `serving`: any
     other ServingConfig field by name (values as lmms-eval parses them, or as text). lmms-eval also passes its
     `max_batch_size`, which changes nothing; `quantize`: "int8" or "int4" weights (`quantize_vision`: the
-    ViT's too). A checkpoint that cannot be loaded, a quantization that cannot run or engine settings that
-    do not fit end the process: one line, exit code 2."""
+    ViT's too); `max_pending`: the documents `generate_until` holds encoded at once (default: twice
+    `batch_size`, so that the engine's seats refill from encoded ones). A checkpoint that cannot be loaded, a
+    quantization that cannot run or engine settings that do not fit end the process: one line, exit code
+    2."""
 
     def __init__(self, checkpoint: str | None = None, device: str | None = None, batch_size: int | str = 16,
                  allow_pickle: bool = False, max_batch_size: int | None = None, quantize: str | None = None,
-                 quantize_vision: bool = False, **serving) -> None:
+                 quantize_vision: bool = False, max_pending: int | str | None = None, **serving) -> None:
         super().__init__()
         self.device = pick_device(device or "auto")
         self.batch_size = int(batch_size)
+        self.max_pending = int(max_pending or 2 * self.batch_size)
         try:
             config = ServingConfig.from_dict({"max_num_seqs": self.batch_size, **serving})
             self.model, self.processor = load_for_inference(checkpoint, self.device, allow_pickle,
@@ -84,21 +89,24 @@ class TinyVLM(lmms):
         return [image.convert("RGB") for image in images], clip
 
     def generate_until(self, requests: list[Instance]) -> list[str]:
-        """Every request through the engine at once (greedy unless it asks for a temperature; as many new
-        tokens as it asks for and the context holds); each answer cut at the first of its `until` strings."""
-        prepared, stops = [], []
+        """Every request through the engine (greedy unless it asks for a temperature; as many new tokens as it
+        asks for and the context holds), each document encoded as the engine takes it, at most `max_pending`
+        at once; each answer cut at the first of its `until` strings."""
+        results = self.engine.generate((self._request(*request.args) for request in requests),
+                                       max_pending=self.max_pending)
+        return [_cut(result.texts[0], _until(request.args[1])) for result, request in zip(results, requests)]
+
+    def _request(self, context: str, gen_kwargs: dict, doc_to_visual, doc_id: int, task: str,
+                 split: str) -> Request:
+        """A generate_until document as an engine request: its prompt and pixels, its sampling settings."""
+        images, video = self._visuals(doc_to_visual, doc_id, task, split)
+        prompt, pixels = self.processor.encode(context, images, video)
+        wanted = int(gen_kwargs.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
         context_length = self.model.config.language.max_position_embeddings
-        for context, gen_kwargs, doc_to_visual, doc_id, task, split in [request.args for request in requests]:
-            images, video = self._visuals(doc_to_visual, doc_id, task, split)
-            prompt, pixels = self.processor.encode(context, images, video)
-            wanted = int(gen_kwargs.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
-            params = RequestParams(temperature=float(gen_kwargs.get("temperature") or 0),
-                                   top_p=float(gen_kwargs.get("top_p") or 1.0),
-                                   max_tokens=max(min(wanted, context_length - len(prompt)), 1))
-            prepared.append(Request(prompt, pixels, params))
-            stops.append(_until(gen_kwargs))
-        results = self.engine.generate(prepared)
-        return [_cut(result.texts[0], until) for result, until in zip(results, stops)]
+        return Request(prompt, pixels, RequestParams(temperature=float(gen_kwargs.get("temperature") or 0),
+                                                     top_p=float(gen_kwargs.get("top_p") or 1.0),
+                                                     max_tokens=max(min(wanted, context_length - len(prompt)),
+                                                                    1)))
 
     @torch.no_grad()
     def loglikelihood(self, requests: list[Instance]) -> list[GenerationResult]:
@@ -107,20 +115,21 @@ class TinyVLM(lmms):
         multiple-choice tasks pick the choice with the smallest value. Each pair is wrapped in a
         GenerationResult: lmms-eval 0.7's evaluator turns a bare (float, bool) into its str, which its
         multiple-choice scoring cannot read."""
-        encoded = []
-        for context, continuation, doc_to_visual, doc_id, task, split in [
-            request.args for request in requests
-        ]:
-            if not isinstance(continuation, str):  # a task's doc_to_target, for "loglikelihood" tasks
-                continuation = continuation(self.task_dict[task][split][doc_id])
-            images, video = self._visuals(doc_to_visual, doc_id, task, split)
-            prompt, pixels = self.processor.encode(context, images, video)
-            encoded.append((prompt, self.tokenizer.encode(continuation, add_special_tokens=False), pixels))
         scores = []
-        for start in range(0, len(encoded), self.batch_size):
-            scores += continuation_scores(self.model, encoded[start : start + self.batch_size],
+        for start in range(0, len(requests), self.batch_size):  # each forward's rows encoded for it alone
+            chunk = requests[start : start + self.batch_size]
+            scores += continuation_scores(self.model, [self._scored(*request.args) for request in chunk],
                                           self.tokenizer.pad_token_id, self.device)
         return [GenerationResult(text=score) for score in scores]
+
+    def _scored(self, context: str, continuation, doc_to_visual, doc_id: int, task: str,
+                split: str) -> tuple[list[int], list[int], torch.Tensor | None]:
+        """A loglikelihood document as (prompt ids, continuation ids, pixels)."""
+        if not isinstance(continuation, str):  # a task's doc_to_target, for "loglikelihood" tasks
+            continuation = continuation(self.task_dict[task][split][doc_id])
+        images, video = self._visuals(doc_to_visual, doc_id, task, split)
+        prompt, pixels = self.processor.encode(context, images, video)
+        return prompt, self.tokenizer.encode(continuation, add_special_tokens=False), pixels
 
     def generate_until_multi_round(self, requests: list[Instance]) -> list[str]:
         raise NotImplementedError("tinyvlm answers single-round tasks (generate_until, loglikelihood)")

@@ -1,5 +1,5 @@
 """SmolVLM / Idefics3 checkpoints (transformers format; SmolVLM2's, model_type "smolvlm", with their video
-sampling) as tinyvlm models, and tinyvlm models as Idefics3 checkpoints.
+sampling) as tinyvlm models, and tinyvlm models as Idefics3 (or, with video, SmolVLM2) checkpoints.
 
     model = VisionLanguageModel.from_pretrained("HuggingFaceTB/SmolVLM-256M-Instruct")   # dispatches here
     python -m training.export --format idefics3 runs/tiny/step_002000 exported/           # the way back
@@ -54,6 +54,14 @@ def video_config(video_processor: dict | None) -> VideoConfig:
     return VideoConfig(fps=sampling.get("fps", VideoConfig.fps),
                        max_frames=sampling.get("max_frames", VideoConfig.max_frames),
                        max_side=size.get("longest_edge", VideoConfig.max_side))
+
+
+def set_video_sampling(video_processor, video: VideoConfig) -> None:
+    """Give transformers' SmolVLMVideoProcessor our sampling (`video_config`'s reverse: what it saves and
+    samples with)."""
+    size = {"longest_edge": video.max_side}
+    video_processor.video_sampling = {"fps": video.fps, "max_frames": video.max_frames, "video_size": size}
+    video_processor.fps, video_processor.num_frames, video_processor.size = video.fps, video.max_frames, size
 
 
 def config_from_idefics3(hf: dict, preprocessor: dict | None = None, generation: dict | None = None,
@@ -129,10 +137,10 @@ def read_idefics3(
     return config, weights
 
 
-def idefics3_config(config: VLMConfig):
-    """transformers' Idefics3Config for a tinyvlm config, or a CheckpointError naming the field Idefics3
-    lacks."""
-    from transformers import Idefics3Config
+def idefics3_config(config: VLMConfig, video: bool = False):
+    """transformers' Idefics3Config (SmolVLMConfig with `video`: the same model, which transformers' SmolVLM2
+    classes run) for a tinyvlm config, or a CheckpointError naming the field Idefics3 lacks."""
+    from transformers import Idefics3Config, SmolVLMConfig
 
     misfits = {
         # Idefics3 has no per-token embedding
@@ -146,9 +154,9 @@ def idefics3_config(config: VLMConfig):
         raise CheckpointError(f"this model does not fit the Idefics3 architecture: {', '.join(bad)} "
                               f"({', '.join(f'{n}={_field(config, n)!r}' for n in bad)})")
     vision, language = config.vision, config.language
-    return Idefics3Config(
+    return (SmolVLMConfig if video else Idefics3Config)(
         vision_config=dict(
-            model_type="idefics3_vision",
+            model_type="smolvlm_vision" if video else "idefics3_vision",
             hidden_size=vision.hidden_size,
             intermediate_size=vision.intermediate_size,
             num_hidden_layers=vision.num_layers,
@@ -177,7 +185,7 @@ def idefics3_config(config: VLMConfig):
         scale_factor=config.projector.pixel_shuffle_factor,
         image_token_id=config.image_token_id,
         tie_word_embeddings=language.tie_word_embeddings,
-        architectures=["Idefics3ForConditionalGeneration"],
+        architectures=[f"{'SmolVLM' if video else 'Idefics3'}ForConditionalGeneration"],
     )
 
 
@@ -188,18 +196,19 @@ def _field(config: VLMConfig, dotted: str):
     return value
 
 
-def export_idefics3(model: VisionLanguageModel, out: Path) -> None:
-    """Write `model` as a transformers Idefics3 checkpoint: config.json, model.safetensors (Idefics3's weight
-    names), generation_config.json (the stop tokens) and preprocessor_config.json (the image splitting
-    settings)."""
+def export_idefics3(model: VisionLanguageModel, out: Path, video: bool = False) -> None:
+    """Write `model` as a transformers Idefics3 checkpoint (SmolVLM2's with `video`: its processor, written
+    beside, carries the video sampling): config.json, model.safetensors (Idefics3's weight names),
+    generation_config.json (the stop tokens) and preprocessor_config.json (the image splitting settings)."""
     import json
 
     from safetensors.torch import save_file
-    from transformers import Idefics3ForConditionalGeneration
+    from transformers import Idefics3ForConditionalGeneration, SmolVLMForConditionalGeneration
 
-    hf_config = idefics3_config(model.config)
+    hf_config = idefics3_config(model.config, video)
     with torch.device("meta"):  # the names transformers expects, without allocating its weights
-        names = list(Idefics3ForConditionalGeneration(hf_config).state_dict())
+        model_class = SmolVLMForConditionalGeneration if video else Idefics3ForConditionalGeneration
+        names = list(model_class(hf_config).state_dict())
     ours = model.state_dict()
     tensors = {name: ours[to_tinyvlm_key(name)].detach().contiguous().cpu() for name in names
                if not (hf_config.tie_word_embeddings and name == "lm_head.weight")}
@@ -208,7 +217,7 @@ def export_idefics3(model: VisionLanguageModel, out: Path) -> None:
         "config.json": hf_config.to_dict(),
         "generation_config.json": {"eos_token_id": model.config.stop_ids, "bos_token_id": None},
         "preprocessor_config.json": {
-            "image_processor_type": "Idefics3ImageProcessor",
+            "image_processor_type": f"{'SmolVLM' if video else 'Idefics3'}ImageProcessor",
             "do_image_splitting": splitting.enabled,
             "size": {"longest_edge": splitting.max_image_size if splitting.enabled else vision.image_size},
             "max_image_size": {"longest_edge": vision.image_size},

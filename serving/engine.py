@@ -280,21 +280,36 @@ class Engine:
                 output.finished = True
                 self.scheduler.remove(group)
                 del self.groups[group.request_id]
+                # its pixels freed now, not at the next garbage collection (a group and its sequences are a
+                # reference cycle): what bounds the clips `generate(max_pending=...)` holds
+                group.images = group.features = None
         return list(outputs.values())
 
     # -- offline ---------------------------------------------------------------------------------------------
-    def generate(self, requests: Iterable[Request], progress=None) -> list[Result]:
+    def generate(self, requests: Iterable[Request], progress=None,
+                 max_pending: int | None = None) -> list[Result]:
         """Serve every request to the end; results in the order given. `progress(done)` is called as requests
-        end."""
-        order, prompts = [], {}
-        for request in requests:
-            request_id = self.add_request(request)
-            order.append(request_id)
-            prompts[request_id] = self.groups[request_id]
-        tokens = {request_id: [[] for _ in range(prompts[request_id].params.n)] for request_id in order}
-        logprobs = {request_id: [[] for _ in range(prompts[request_id].params.n)] for request_id in order
-                    if prompts[request_id].params.logprobs is not None}
+        end. With `max_pending`, `requests` is drawn from only while fewer than that many are unfinished: a
+        generator that reads each request's images or clip as it is drawn holds at most that many at once
+        (lmms-eval's video tasks), where a list is all read before the first step."""
+        order, tokens, logprobs = [], {}, {}
+        live, prompt_sizes = {}, {}  # the groups unfinished; (prompt tokens, cached tokens) of those ended
+        pending = iter(requests)
+
+        def draw() -> None:
+            while max_pending is None or len(self.groups) < max_pending:
+                request = next(pending, None)
+                if request is None:
+                    return
+                request_id = self.add_request(request)
+                order.append(request_id)
+                group = live[request_id] = self.groups[request_id]
+                tokens[request_id] = [[] for _ in range(group.params.n)]
+                if group.params.logprobs is not None:
+                    logprobs[request_id] = [[] for _ in range(group.params.n)]
+
         reasons: dict[str, list[str]] = {}
+        draw()
         while self.has_unfinished():
             for output in self.step():
                 for sample_tokens, new in zip(tokens[output.request_id], output.new_tokens):
@@ -303,11 +318,14 @@ class Engine:
                     sample_logprobs.extend(new)
                 if output.finished:
                     reasons[output.request_id] = output.finish_reasons
+                    ended = live.pop(output.request_id)
+                    prompt_sizes[output.request_id] = ended.num_prompt, ended.num_cached or 0
                     if progress:
                         progress(len(reasons))
+            draw()
         return [Result(request_id, tokens[request_id], [self.decode(t) for t in tokens[request_id]],
-                       reasons[request_id], prompts[request_id].num_prompt,
-                       prompts[request_id].num_cached or 0, logprobs.get(request_id)) for request_id in order]
+                       reasons[request_id], *prompt_sizes[request_id], logprobs.get(request_id))
+                for request_id in order]
 
     def decode(self, token_ids: list[int]) -> str:
         return (

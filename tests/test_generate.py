@@ -115,6 +115,22 @@ def test_quantize_answers_with_the_quantized_models_greedy_answer_and_says_so(ra
     assert re.search(rf"weights: [\d.]+ MiB \(language {method}; [\d.]+ MiB in float32\)$", err.strip()), err
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_checkpoint_saved_quantized_answers_as_the_float_one_quantized_at_load(random_checkpoint, image,
+                                                                                 capsys, tmp_path, method):
+    """save_pretrained of a quantized model, then generate.py --checkpoint on it (no --quantize): the answer
+    of the float checkpoint quantized at load, and the weights line says it is quantized."""
+    pytest.importorskip("torchao")
+    model, processor = load_for_inference(random_checkpoint, torch.device("cpu"), quantization=method)
+    _save(model, processor.tokenizer, tmp_path)
+    code, out, err = _run(capsys, "--checkpoint", tmp_path, "--image", image, "--prompt", "the sky",
+                          "--max-new-tokens", 12)
+    assert code == 0, err
+    assert out.strip() == _expected(random_checkpoint, image, "the sky", method, max_new_tokens=12,
+                                    greedy=True)[0]
+    assert f" (language {method}; " in err
+
+
 def test_an_unknown_quantization_is_refused_before_loading(capsys):
     with pytest.raises(SystemExit) as exit:
         generate.main(["--image", "x.png", "--quantize", "int3"])
@@ -300,6 +316,10 @@ def test_chat_reset_keeps_the_command_lines_image_and_says_so(random_checkpoint,
     ('{"image": "missing.png"}\n', "missing.png: no such file"),
     ('["a list"]\n', "requests.jsonl:1: expected"),
     ('{"messages": [{"role": "assistant", "content": "hi"}]}\n', "ending with a user message"),
+    ('{"video": "clip.mp4", "image": "a.png"}\n', "requests.jsonl:1: a video prompt holds the video's"),
+    ('{"prompt": "hi", "fps": 2}\n', 'requests.jsonl:1: "fps" and "max_frames" sample a "video"'),
+    ('{"video": "clip.mp4", "max_frames": 0}\n', "requests.jsonl:1: video.max_frames must be positive"),
+    ('{"video": "missing.mp4"}\n', "missing.mp4: no such file"),
 ])
 def test_bad_batch_files_are_one_line_errors_before_any_work(
     random_checkpoint, tmp_path, capsys, content, message
@@ -332,6 +352,34 @@ def test_a_clip_is_answered_as_the_model_answers_its_frames_sampled_as_fps_and_m
     expected = _conversation_answer(random_checkpoint, [Message("user", question)], [], 10, frames)
     assert code == 0, err
     assert out.strip() == expected.strip() and expected.strip()
+
+
+def test_batch_lines_with_a_video_answer_as_the_one_answer_video_path(random_checkpoint, clip, tmp_path,
+                                                                     capsys):
+    """A "video" line (its own "fps" / "max_frames", or the checkpoint's sampling; a prompt, a caption, or
+    messages) is answered by the engine as `--video` answers it alone."""
+    from data.video import read_video
+
+    question = "which way does the square move?"
+    lines = [{"video": clip.name, "prompt": question, "fps": 2, "max_frames": 3}, {"video": str(clip)},
+             {"video": clip.name, "messages": [{"role": "system", "content": "Answer briefly."},
+                                               {"role": "user", "content": question}]}]
+    batch = clip.parent / "requests.jsonl"  # a relative "video" is read beside the batch file
+    batch.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    output = tmp_path / "answers.jsonl"
+    code, _, err = _run(capsys, "--checkpoint", random_checkpoint, "--batch", batch, "--output", output,
+                        "--max-new-tokens", 10)
+    assert code == 0, err
+    answers = [json.loads(line)["answer"] for line in output.read_text().splitlines()]
+    alone = [_run(capsys, "--checkpoint", random_checkpoint, "--video", clip, "--max-new-tokens", 10, *argv)
+             for argv in (["--prompt", question, "--fps", 2, "--max-frames", 3], [])]
+    assert all(code == 0 for code, _, _ in alone)
+    model = VisionLanguageModel.from_pretrained(random_checkpoint)
+    conversation = _conversation_answer(random_checkpoint, [Message("system", "Answer briefly."),
+                                                            Message("user", question)], [], 10,
+                                        read_video(clip, model.config.video))
+    assert answers == [out.strip() for _, out, _ in alone] + [conversation.strip()]
+    assert len(set(answers)) == 3  # three prompts, three answers: each line asked its own
 
 
 def test_an_unreadable_clip_is_a_one_line_error(random_checkpoint, tmp_path, capsys):

@@ -11,6 +11,7 @@ from typing import Literal
 import yaml
 
 from data import DataConfig
+from data.video import sample_indices
 from loading import STEP_DIR, find_checkpoint
 from models.config import VLMConfig
 from models.lora import LANGUAGE_PROJECTIONS
@@ -71,9 +72,11 @@ class TrainConfig(Config):
     packing: bool = True
     # Before step 1 of a fresh run, for a ViT that starts from scratch: pre-train it for this many steps (0
     # skips it) with `vision_pretrain_objective`: "cells" (synthetic shapes only: name each patch's shape,
-    # colour and size, from the scene generator's labels; training/vision_pretraining.py), "answers" (any
-    # source, no labels: answer the training records' own questions through a one-layer reader;
-    # training/answer_pretraining.py), or "auto" (cells on the synthetic shapes, answers on any other source).
+    # colour and size, from the scene generator's labels, or streamed from shards that carry them, written by
+    # `python -m training.write_shards`; training/vision_pretraining.py), "answers" (any source but a stream,
+    # no labels: answer the training records' own questions through a one-layer reader;
+    # training/answer_pretraining.py), or "auto" (cells on the synthetic shapes and on streams, answers on any
+    # other source).
     vision_pretrain_steps: int = 0
     # The answers objective's own step count, in place of vision_pretrain_steps (null: that one; 0 there still
     # skips pre-training whatever the objective): it learns from one question per image where cells names
@@ -195,7 +198,7 @@ class RunConfig(Config):
         by the data source."""
         objective = self.train.vision_pretrain_objective
         if objective == "auto":
-            return "cells" if self.data.source == "synthetic" else "answers"
+            return "cells" if self.data.source in ("synthetic", "synthetic_video", "stream") else "answers"
         return objective
 
     def pretrain_steps(self) -> int:
@@ -230,24 +233,39 @@ class RunConfig(Config):
               "under adapters: set train.lora.rank")
         check(not self.train.lora.rank or self.train.parallel == "ddp",
               "train.lora.rank: adapters train with train.parallel=ddp (FSDP2 shards whole models)")
-        check(self.data.source != "stream" or not (self.pretrain_steps() or self.train.group_by_length),
-              "data.source=stream: the ViT's pre-training (train.vision_pretrain_steps) and "
-              "train.group_by_length read the records in memory; set them to 0 and false")
+        check(self.data.source != "stream" or not self.train.group_by_length,
+              "data.source=stream: train.group_by_length reads the records in memory; set it to false")
         if self.train.vision_pretrain_steps:
-            check(self.data.source == "synthetic" or self.train.vision_pretrain_objective != "cells",
-                  "train.vision_pretrain_objective=cells needs data.source=synthetic, whose scene generator "
-                  f"gives its labels; use answers (or auto) for data.source={self.data.source}")
+            check(self.data.source != "stream" or self.vision_pretrain_objective() == "cells",
+                  "data.source=stream: the ViT's answers pre-training reads the records in memory; use "
+                  "train.vision_pretrain_objective cells (shards with scene labels: python -m "
+                  "training.write_shards) or train.vision_pretrain_steps 0")
+            check(self.data.source in ("synthetic", "synthetic_video", "stream")
+                  or self.train.vision_pretrain_objective != "cells",
+                  "train.vision_pretrain_objective=cells needs the scenes' labels: data.source=synthetic, or "
+                  "a stream of shards that carry them; use answers (or auto) for "
+                  f"data.source={self.data.source}")
             check(self.model.vision.pretrained is None,
                   "train.vision_pretrain_steps would overwrite the pretrained ViT "
                   f"{self.model.vision.pretrained}; set it to 0")
         if self.train.vision_pretrain_steps and self.vision_pretrain_objective() == "cells":
-            check(self.model.vision.image_size == self.data.shapes.image_size,
+            check(self.data.source == "stream" or self.model.vision.image_size == self.data.shapes.image_size,
                   f"train.vision_pretrain_steps: model.vision.image_size ({self.model.vision.image_size}) "
                   f"must equal data.shapes.image_size ({self.data.shapes.image_size})")
             grid = self.model.vision.grid_size
             check(grid % 3 == 0,
                   f"train.vision_pretrain_steps: the patch grid ({grid}x{grid}) must split evenly into "
                   "the scenes' 3x3 cells")
+
+
+        if self.data.source == "synthetic_video":
+            clips, video = self.data.video_shapes, self.model.video
+            frames = clips.frames
+            check(sample_indices(frames, clips.fps, frames / clips.fps, video.fps, video.max_frames)
+                  == list(range(frames)),
+                  f"model.video (fps {video.fps}, max_frames {video.max_frames}) must sample every frame of "
+                  f"data.video_shapes' clips ({frames} frames at fps {clips.fps}): set model.video.fps to "
+                  f"{clips.fps} and model.video.max_frames to at least {frames}")
 
 
 def check_fresh_start(config: RunConfig) -> None:
@@ -278,7 +296,9 @@ def _flat(values: dict, prefix: str = "") -> dict:
     return flat
 
 
-def load_yaml(path: str | Path) -> dict:
+def load_yaml(path: str | Path, seen: tuple[Path, ...] = ()) -> dict:
+    """A YAML config's sections; one with `base: OTHER.yaml` (a path relative to it) is that config with its
+    own settings in place of the base's, section by section."""
     try:
         values = yaml.safe_load(Path(path).read_text())
     except FileNotFoundError:
@@ -287,7 +307,21 @@ def load_yaml(path: str | Path) -> dict:
         where = getattr(e, "problem_mark", None)
         raise ConfigError(f"{path}: not valid YAML{f' (line {where.line + 1})' if where else ''}") from None
     check(isinstance(values, dict), f"{path}: expected a mapping of sections (model, data, train, tokenizer)")
-    return values
+    if "base" not in values:
+        return values
+    base, where = values.pop("base"), Path(path).resolve()
+    check(isinstance(base, str), f"{path}: base must be a config file's path, got {base!r}")
+    check(where not in seen, f"{path}: its bases lead back to it")
+    return _merged(load_yaml(where.parent / base, (*seen, where)), values)
+
+
+def _merged(base: dict, changes: dict) -> dict:
+    """`base` with `changes`: a section (mapping) merged key by key, any other value replaced."""
+    merged = dict(base)
+    for key, value in changes.items():
+        sections = isinstance(value, dict) and isinstance(base.get(key), dict)
+        merged[key] = _merged(base[key], value) if sections else value
+    return merged
 
 
 def parse_overrides(arguments: list[str]) -> dict[str, str]:

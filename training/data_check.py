@@ -28,6 +28,8 @@ from data.chat_processors import ConversationEncoder
 from data.images import ImageLoadError
 from data.sources import stream_sources
 from data.streaming import RATINGS, Source
+from data.video import Clip, VideoError
+from models.split_config import VideoConfig
 from training.config import RunConfig, check_fresh_start
 from training.setup import model_and_processor
 from typed_config import one_line
@@ -47,6 +49,9 @@ class SourceReport:
     answer_tokens: list[int] = dataclasses.field(default_factory=list)
     image_tokens: list[int] = dataclasses.field(default_factory=list)
     image_sides: list[int] = dataclasses.field(default_factory=list)  # each image's width and height
+    frames: list[int] = dataclasses.field(default_factory=list)  # sampled frames per record with a clip
+    # per record with a clip: its prompt's tokens (frames' placeholders, their timestamps, SmolVLM2's words)
+    video_tokens: list[int] = dataclasses.field(default_factory=list)
     filtered: int = 0  # a stream's records whose every turn the ratings filters dropped
     ratings: dict[str, list[int]] = dataclasses.field(default_factory=lambda: defaultdict(list))  # per turn
 
@@ -72,6 +77,9 @@ class SourceReport:
         if self.image_sides:
             lines.append(f"  image sides in pixels: {_spread(self.image_sides)}; image tokens per record: "
                          f"{_spread(self.image_tokens)}")
+        if self.frames:
+            lines.append(f"  records with a clip: {len(self.frames):,}; frames per clip: "
+                         f"{_spread(self.frames)}; video tokens per clip: {_spread(self.video_tokens)}")
         return lines
 
 
@@ -86,6 +94,10 @@ def _spread(values: list[int]) -> str:
 def cause(error: Exception) -> str:
     """A bad record's cause, as the report groups them."""
     text = str(error)
+    if "no such video file" in text:  # a line's problem, kept as text (data/sources.py)
+        return "missing video file"
+    if isinstance(error, VideoError):
+        return "unreadable video"
     if "no such file" in text:
         return "missing image file"
     if isinstance(error, (ImageLoadError, UnidentifiedImageError)):  # a file, or a stored image's bytes
@@ -98,14 +110,16 @@ def cause(error: Exception) -> str:
 
 
 def check_source(report: SourceReport, dataset, processor: ConversationEncoder, image_token: int | None,
-                 locate: Callable[[int], str]) -> None:
-    """Read, check and encode every record of `dataset` as training does, into `report`."""
+                 locate: Callable[[int], str], video: VideoConfig | None = None) -> None:
+    """Read, check and encode every record of `dataset` as training does (clips sampled by `video`, the
+    model's settings), into `report`."""
     for index in range(len(dataset)):
         report.records += 1
         try:
-            record = checked_record(dataset[index])
+            record = checked_record(dataset[index], video)
             processor.check_texts(record["texts"])
-            ids, targets, _ = processor.encode_conversation(record["texts"], record["images"])
+            clip = record.get("video")
+            ids, targets, _ = processor.encode_conversation(record["texts"], record["images"], clip)
         # whatever training would meet reading or encoding this record
         except Exception as error:  # noqa: BLE001
             where, message = locate(index), one_line(error, 200)
@@ -115,6 +129,14 @@ def check_source(report: SourceReport, dataset, processor: ConversationEncoder, 
         report.answer_tokens.append(sum(target != IGNORE_INDEX for target in targets))
         report.image_tokens.append(sum(token == image_token for token in ids))
         report.image_sides += [side for image in record["images"] for side in image.size]
+        if clip is not None:
+            report.frames.append(len(clip.frames))
+            report.video_tokens.append(_clip_tokens(processor, clip))
+
+
+def _clip_tokens(processor: ConversationEncoder, clip: Clip) -> int:
+    """The tokens a clip adds to a prompt: the prompt with it less the prompt without it."""
+    return len(processor.encode("", [], clip)[0]) - len(processor.encode("", [])[0])
 
 
 def _stream_head(source: Source, count: int) -> tuple[SourceReport, list[dict[str, Any]], list[str]]:
@@ -169,7 +191,7 @@ def check_data(config: RunConfig) -> int:
     max_length = config.train.max_length
     reports = []
     for report, dataset, locate in sources:
-        check_source(report, dataset, processor, model.config.image_token_id, locate)
+        check_source(report, dataset, processor, model.config.image_token_id, locate, model.config.video)
         reports.append(report)
         print("\n".join(report.lines(max_length)), flush=True)
     bad, records = sum(r.num_bad for r in reports), sum(r.records for r in reports)

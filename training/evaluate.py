@@ -61,7 +61,7 @@ def answer(model: VisionLanguageModel, tokenizer,
         if stopped is not None and stopped():
             break
         chunk = records[start : start + batch_size]
-        encoded = [processor.encode(r["texts"][0]["user"], r["images"]) for r in chunk]
+        encoded = [processor.encode(r["texts"][0]["user"], r["images"], r.get("video")) for r in chunk]
         ids, mask = left_pad([prompt for prompt, _ in encoded], tokenizer.pad_token_id)
         pixels = [p for _, p in encoded if p is not None]
         images = torch.cat(pixels).to(device) if pixels else None
@@ -132,8 +132,8 @@ def save_prediction_grid(records: list[dict], predictions: list[str], path: Path
     for ax in axes.flat:
         ax.axis("off")
     for ax, record, prediction, title in zip(axes.flat, records, predictions, titles):
-        if record["images"]:
-            ax.imshow(record["images"][0])
+        if record["images"] or record.get("video"):  # a clip: its last frame
+            ax.imshow(record["images"][0] if record["images"] else record["video"].frames[-1])
         right = normalize(prediction) == normalize(record["texts"][0]["assistant"])
         # parse_math off: a "$" in a question or answer (chartqa's "$5") is text, not the start of mathtext
         ax.set_title(title, fontsize=TITLE_POINTS, color="green" if right else "red", parse_math=False)

@@ -1,6 +1,7 @@
 """Export checkpoints: a sharded (FSDP2) one into the ordinary `save_pretrained` layout (one process, no GPU
 needed), a LoRA one (an adapter and the model it adapts) merged into a plain checkpoint, or any tinyvlm model
-as a transformers Idefics3 checkpoint, which transformers, vLLM and SGLang load.
+as a transformers Idefics3 checkpoint, which transformers, vLLM and SGLang load (a SmolVLM2 one where its
+processor takes video: a SmolVLM2 fine-tune's, with the model's `video` sampling).
 
     python -m training.export runs/big/step_001000            # adds model.safetensors next to the shards
     python -m training.export runs/big/step_001000 --out exported/
@@ -64,15 +65,19 @@ CHAT_TEMPLATE = (
 def export_idefics3(checkpoint: Path, out: Path) -> Path:
     """Write the tinyvlm checkpoint as a transformers Idefics3 one, with its processor (a SmolVLM fine-tune's)
     or its tokenizer; a tokenizer of tinyvlm's gets the chat template of tinyvlm's prompts, content parts
-    included."""
+    included. A processor that takes video (SmolVLM2's) makes it a SmolVLM2 checkpoint whose video processor
+    samples as the model's `config.video` says. (A model with tinyvlm's own prompts exports as Idefics3,
+    without video: transformers' SmolVLM2 processor writes a conversation with a video through its built-in
+    `User:` / `Assistant:` template, never the checkpoint's ChatML.)"""
     from models.idefics3 import export_idefics3 as write_idefics3
+    from models.idefics3 import video_processor_config
 
     checkpoint = find_checkpoint(checkpoint)
     if adapter_base(checkpoint) is not None:  # a LoRA checkpoint: its base with the adapter merged in
         model, _ = load_checkpoint(checkpoint, torch.device("cpu"))
     else:
         model = VisionLanguageModel.from_pretrained(checkpoint)
-    write_idefics3(model, out)
+    write_idefics3(model, out, video="video_sampling" in (video_processor_config(checkpoint) or {}))
     copy_processor(checkpoint, out, model.config)
     return out
 
@@ -81,11 +86,17 @@ def copy_processor(checkpoint: Path, out: Path, config: VLMConfig | None = None)
     """What inference needs besides the weights: the checkpoint's whole transformers processor where it has
     one (a SmolVLM fine-tune: image splitting settings and chat template too), else its tokenizer files, if
     any: with `config` (an Idefics3 export) a tokenizer of tinyvlm's own gets CHAT_TEMPLATE, which
-    transformers' Idefics3 processor cannot replace (it writes Idefics3's own image tokens)."""
+    transformers' Idefics3 processor cannot replace (it writes Idefics3's own image tokens), and a video
+    processor samples as `config.video` says."""
     if any((checkpoint / name).is_file() for name in PROCESSOR_FILES):
         from transformers import AutoProcessor
 
-        AutoProcessor.from_pretrained(checkpoint).save_pretrained(out)
+        from models.idefics3 import set_video_sampling
+
+        processor = AutoProcessor.from_pretrained(checkpoint)
+        if config is not None and getattr(processor, "video_processor", None) is not None:
+            set_video_sampling(processor.video_processor, config.video)
+        processor.save_pretrained(out)
     elif (checkpoint / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
 

@@ -1,5 +1,5 @@
 """What a finished run leaves in its output directory: exact-match scores and metrics.json, the loss curve,
-the prediction grid and one held-out image for the demo."""
+the prediction grid and one held-out image (and clip) for the demo."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import sys
 
 from data import CheckedRecords
+from data.video import write_video
 from models import VisionLanguageModel
 from training.evaluate import answer, exact_match, save_loss_curve, save_prediction_grid
 from training.loop import Trainer, TrainState, peak_memory_mib
@@ -43,6 +44,10 @@ def write_results(model: VisionLanguageModel, trainer: Trainer, state: TrainStat
         example = (circles or with_image or [None])[0]
         if example:
             example["images"][0].save(output_dir / "heldout_example.png")
+        clips = [r for r in records if r.get("video")]
+        clip = ([r for r in clips if "circle" in json.dumps(r["texts"])] or clips or [None])[0]
+        if clip:  # for `generate.py --video`: the clip read back gives the very frames
+            write_video(clip["video"], output_dir / "heldout_example.mp4", trainer.config.model.video.fps)
     save_loss_curve(state.history, state.validation, output_dir / "loss_curve.png")
     (output_dir / METRICS).write_text(json.dumps(metrics, indent=2) + "\n")
     if trainer.wandb_run:

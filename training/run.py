@@ -40,7 +40,7 @@ from training.results import write_results
 from training.run_dir import check_output_dir, check_resumable, new_run_id
 from training.setup import model_and_processor, unsharded
 from training.signals import GracefulStop
-from training.vision_pretraining import Pretraining, pretraining_on_scenes
+from training.vision_pretraining import Pretraining, StreamedScenes, pretraining_on_scenes
 from typed_config import ConfigError, check, one_line
 
 TOKENIZER_RECORDS = 2000  # data.source=stream: each stream's first records train the tokenizer (when none)
@@ -77,11 +77,11 @@ def _train(config: RunConfig, resume: Path | None, ranks: distributed.Ranks, dev
     config = dataclasses.replace(config, model=model.config)
     _check(config, resume)
     train_records = CheckedRecords(train_data, config.data.on_bad_record, "train", report=report,
-                                   check_texts=processor.check_texts)
+                                   check_texts=processor.check_texts, video=config.model.video)
     with GracefulStop(escalate=not ranks.distributed) as stop:
         if config.pretrain_steps() and (resume is None or is_pretraining(resume)):
-            if not _pretrain_vision(config, model, processor, train_records, device, say, stop, resume,
-                                    run_id, ranks):
+            if not _pretrain_vision(config, model, processor, train_records, sources, device, say, stop,
+                                    resume, run_id, ranks):
                 return {"step": 0, "stopped_by": stop.requested or "stop signal"}
             distributed.broadcast_parameters(model.vision)  # GPU kernels need not be bit-exact across ranks
         resumed = resume if resume is not None and not is_pretraining(resume) else None
@@ -118,7 +118,8 @@ def _train_model(config: RunConfig, resume: Path | None, run_id: str, model: Vis
         collator = VQACollator.for_encoder(processor, train_config.max_length, ensure_image=ranks.distributed,
                                            pack=train_config.packing)
         validation_records = CheckedRecords(validation_data, config.data.on_bad_record, "validation",
-                                            report=report, check_texts=processor.check_texts)
+                                            report=report, check_texts=processor.check_texts,
+                                            video=config.model.video)
         validation_batches = _validation_batches(collator, validation_records, train_config)
     say(_description(config, distributed.unwrap(model), sources or train_data, validation_data, device,
                      ranks), flush=True)
@@ -260,14 +261,15 @@ def _add_adapters(model: VisionLanguageModel, train_config) -> None:
 
 
 def _pretrain_vision(config: RunConfig, model: VisionLanguageModel, chat: ChatProcessor,
-                     train_records: CheckedRecords, device: torch.device, say: Callable[..., None],
-                     stop: GracefulStop, resume: Path | None, run_id: str, ranks: distributed.Ranks) -> bool:
+                     train_records: CheckedRecords, sources: list[Source] | None, device: torch.device,
+                     say: Callable[..., None], stop: GracefulStop, resume: Path | None, run_id: str,
+                     ranks: distributed.Ranks) -> bool:
     """Pre-train the from-scratch ViT in place with the run's objective (see
     RunConfig.vision_pretrain_objective), from the start or from where the pre-training checkpoint `resume`
     stopped, then save a pre-training checkpoint (the run's, until its first step checkpoint). Returns
     False when a stop signal ended it first; it says how to continue then."""
     train_config = config.train
-    pretraining = _pretraining(config, model, chat, train_records, device)
+    pretraining = _pretraining(config, model, chat, train_records, sources, device)
     if resume is not None:
         load_pretraining(resume, pretraining)
     field = (
@@ -287,14 +289,19 @@ def _pretrain_vision(config: RunConfig, model: VisionLanguageModel, chat: ChatPr
 
 
 def _pretraining(config: RunConfig, model: VisionLanguageModel, chat: ChatProcessor,
-                 train_records: CheckedRecords, device: torch.device) -> Pretraining:
-    """The ViT's pre-training with the run's objective, at step 0."""
+                 train_records: CheckedRecords, sources: list[Source] | None,
+                 device: torch.device) -> Pretraining:
+    """The ViT's pre-training with the run's objective, at step 0 (cells: on fresh scenes, or on the labelled
+    images of `sources`, streamed)."""
     train_config = config.train
     processor, vision = ImageProcessor.from_config(config.model.vision), model.vision.to(device)
     common = dict(steps=config.pretrain_steps(), batch_size=train_config.vision_pretrain_batch_size,
                   lr=train_config.vision_pretrain_lr, seed=train_config.seed, device=device)
     if config.vision_pretrain_objective() == "cells":
-        return pretraining_on_scenes(vision, processor, config.data.shapes, **common)
+        scenes = StreamedScenes(sources, processor, vision.config.grid_size,
+                                train_config.vision_pretrain_batch_size, train_config.seed,
+                                config.data.shuffle_buffer) if sources else None
+        return pretraining_on_scenes(vision, processor, config.data.shapes, scenes=scenes, **common)
     encode = functools.partial(chat.tokenizer.encode, add_special_tokens=False)
     return pretraining_on_answers(
         vision,

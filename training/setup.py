@@ -3,6 +3,7 @@ loaded from the pretrained VLM it starts from (`init_from`), or read from the ch
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from data import (
     token_id,
 )
 from data.chat_processors import ChatProcessor, CheckpointProcessor, ConversationEncoder
+from data.video import video_wording
 from loading import PROCESSOR_FILES, SHARDED, find_checkpoint, load_with_processor
 from models import VisionLanguageModel, VLMConfig
 from models.lora import adapter_base
@@ -29,7 +31,10 @@ def build_tokenizer(config: RunConfig, train_dataset):
     """The configured Hugging Face tokenizer, or (none configured) a byte-level BPE trained on the training
     texts."""
     if config.tokenizer is None:
-        return build_shapes_tokenizer(conversation_texts(train_dataset))
+        texts = conversation_texts(train_dataset)
+        if "video" in getattr(train_dataset, "column_names", ()):  # clips: SmolVLM2's wording, once a record
+            texts = itertools.chain(texts, [video_wording(config.model.video)] * len(train_dataset))
+        return build_shapes_tokenizer(texts)
     from transformers import AutoTokenizer
 
     path = resolve(config.tokenizer)

@@ -7,7 +7,8 @@ from the start, the ViT's features collapse before the LM learns to read them. T
 would bring: a linear probe on every patch token learns to name the shape, colour and size in that patch's
 cell (labels from the scene generator, on fresh training-split scenes: the held-out split is never drawn), as
 the first ViTs were pre-trained on labelled images. `train.lr_vision: 0` then keeps the ViT frozen while the
-projector and the LM learn to read it.
+projector and the LM learn to read it. A streamed run (data.source=stream) draws its labelled images from the
+stream instead: the synthetic set's shards carry each scene's labels (`python -m training.write_shards`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from data import ImageProcessor, ShapesConfig
+from data.bad_records import checked_record
+from data.streaming import SlotReader, Source
 from data.synthetic import CELL_CLASSES, Split, add_noise, cell_labels, render, sample_scene_of
 from models.vision_transformer import VisionTransformer
 from training.progress import Every
+from typed_config import check
 
 GRID = 3  # the scenes' cells per side
 
@@ -90,6 +94,43 @@ class Scenes:
         set_random_state(self.rng, state["rng"])
 
 
+class StreamedScenes:
+    """`batch_size` labelled images at a time, read from streamed sources whose records carry `cell_labels`
+    (data/shards.py `write_synthetic_shards`): one reader over the whole stream (every rank reads the same,
+    as every rank draws the same fresh scenes), its position the state. A record with no image, or one that
+    does not decode, is passed over."""
+
+    def __init__(self, sources: list[Source], processor: ImageProcessor, grid_size: int, batch_size: int,
+                 seed: int, buffer_size: int) -> None:
+        for source in sources:
+            check("cell_labels" in source.passed,
+                  f"{source.name}: the ViT's cells pre-training needs each record's scene labels (a "
+                  "cell_labels column: python -m training.write_shards writes them), or "
+                  "train.vision_pretrain_steps 0")
+        self.sources, self.processor, self.batch_size = sources, processor, batch_size
+        self.cells, self.seed, self.buffer_size = patch_cells(grid_size), seed, buffer_size
+        self.reader = SlotReader(sources, 0, 1, seed, buffer_size)
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        images, labels = [], []
+        while len(images) < self.batch_size:
+            _, record = next(self.reader)
+            try:
+                image = checked_record(record)["images"][0] if record and record["images"] else None
+            except Exception:  # noqa: BLE001 - whatever makes a record bad (data/bad_records.py)
+                continue
+            if image is not None:
+                images.append(self.processor(image))
+                labels.append(record["cell_labels"])
+        return torch.stack(images), torch.tensor(labels)[:, self.cells]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"reader": self.reader.state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reader = SlotReader(self.sources, 0, 1, self.seed, self.buffer_size, state["reader"])
+
+
 @dataclasses.dataclass
 class Pretraining:
     """A ViT pre-training under way: a fresh batch's loss, the module trained beside the ViT and thrown away
@@ -141,16 +182,17 @@ class Pretraining:
 
 
 def pretraining_on_scenes(vision: VisionTransformer, processor: ImageProcessor, shapes: ShapesConfig,
-                          steps: int, batch_size: int, lr: float, seed: int,
-                          device: torch.device) -> Pretraining:
+                          steps: int, batch_size: int, lr: float, seed: int, device: torch.device,
+                          scenes: Scenes | StreamedScenes | None = None) -> Pretraining:
     """A pre-training (`Pretraining.run` trains it) of `vision` in place, with a per-patch (shape, colour,
     size) classifier (logits for CELL_CLASSES' classes, concatenated; the loss: the mean of the three
-    cross-entropies). Training needs only the ViT afterwards."""
+    cross-entropies), on `scenes` (default: fresh scenes as `shapes` describes them). Training needs only the
+    ViT afterwards."""
     sizes = [len(classes) for classes in CELL_CLASSES.values()]
     head = nn.Linear(vision.config.hidden_size, sum(sizes)).to(device)
     nn.init.normal_(head.weight, std=0.02, generator=torch.Generator(head.weight.device).manual_seed(seed))
     nn.init.zeros_(head.bias)
-    scenes = Scenes(shapes, processor, vision.config.grid_size, batch_size, seed)
+    scenes = scenes or Scenes(shapes, processor, vision.config.grid_size, batch_size, seed)
 
     def batch_loss() -> torch.Tensor:
         images, labels = scenes.batch()

@@ -118,3 +118,35 @@ def test_a_checkpoint_without_a_video_processor_refuses_a_clip_in_one_line(smolv
     with pytest.raises(PromptError, match="takes no video") as error:
         CheckpointProcessor.from_pretrained(smolvlm2[0] / "idefics3").encode(QUESTION, [], clip)
     assert "\n" not in str(error.value)
+
+
+def test_a_fine_tune_with_video_settings_exports_as_a_smolvlm2_that_transformers_samples_and_answers_alike(
+        smolvlm2, tmp_path, monkeypatch):
+    """A tinyvlm checkpoint of the SmolVLM2 (its processor kept) with video sampling of its own exports as a
+    SmolVLM2: transformers' processor samples as the model's config says, builds the prompt ours builds
+    from the export, and its model answers with the model's greedy tokens."""
+    from transformers import AutoProcessor, SmolVLMForConditionalGeneration
+
+    from training.export import main as export
+
+    directory, _, processor, clip = smolvlm2
+    sampling = VideoConfig(fps=3, max_frames=6, max_side=40)  # 4 s at 3 fps: 12 frames, 6 kept
+    model = VisionLanguageModel.from_pretrained(directory).eval()
+    model.config = model.config.replace({"video.fps": sampling.fps, "video.max_frames": sampling.max_frames,
+                                         "video.max_side": sampling.max_side})
+    model.save_pretrained(tmp_path / "ours")
+    CheckpointProcessor.from_pretrained(directory).save_pretrained(tmp_path / "ours")
+    assert export(["--format", "idefics3", str(tmp_path / "ours"), str(tmp_path / "smolvlm2")]) == 0
+    reference = SmolVLMForConditionalGeneration.from_pretrained(tmp_path / "smolvlm2").eval()
+    exported = AutoProcessor.from_pretrained(tmp_path / "smolvlm2")
+    assert reference.config.model_type == "smolvlm" and our_sampling(exported) == sampling
+    assert VisionLanguageModel.from_pretrained(tmp_path / "smolvlm2").config.video == sampling
+    inputs = reference_inputs(exported, clip, monkeypatch)
+    ids, pixels = CheckpointProcessor.from_pretrained(tmp_path / "smolvlm2").encode(
+        QUESTION, [], read_video(clip, model.config.video))
+    assert ids == inputs["input_ids"][0].tolist() and len(pixels) == 6
+    torch.testing.assert_close(pixels, inputs["pixel_values"][0], atol=0, rtol=0)
+    expected = reference.generate(**inputs, max_new_tokens=16, do_sample=False,
+                                  eos_token_id=None)[0, len(ids):]
+    assert model.generate(torch.tensor([ids]), pixels, max_new_tokens=16, greedy=True)[0].tolist() \
+        == expected.tolist()

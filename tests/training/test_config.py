@@ -139,7 +139,8 @@ def test_every_field_is_set_from_the_command_line(key):
 
 
 @pytest.mark.parametrize("path",
-                         ["configs/tiny.yaml", "configs/smollm2-shapes.yaml", "configs/nanovlm-222m.yaml"])
+                         ["configs/tiny.yaml", "configs/smollm2-shapes.yaml", "configs/nanovlm-222m.yaml",
+                          "configs/tiny-stream.yaml"])
 def test_shipped_configs_load(path):
     assert isinstance(load_run_config(path, {}), RunConfig)
 
@@ -174,7 +175,7 @@ def test_boolean_and_numeric_overrides_parse():
                 "--train.vision_pretrain_objective",
                 "cells",
             ],
-            r"vision_pretrain_objective=cells needs data.source=synthetic.* use answers \(or auto\) for "
+            r"vision_pretrain_objective=cells needs the scenes' labels.* use answers \(or auto\) for "
             r"data.source=jsonl",
         ),
         (
@@ -239,6 +240,39 @@ def test_nothing_in_a_config_is_executed(tmp_path):
 ])
 def test_the_vit_pretrains_for_its_objectives_steps(overrides, steps):
     assert load_run_config("configs/tiny.yaml", overrides).pretrain_steps() == steps
+
+
+def test_the_streamed_tiny_default_is_the_tiny_default_streamed():
+    """configs/tiny-stream.yaml (base: tiny.yaml): the same model and recipe, ViT pre-training included
+    (cells, from the shards' labels), on the shards streamed."""
+    tiny, streamed = (load_run_config(path, {}).to_dict() for path in ("configs/tiny.yaml",
+                                                                         "configs/tiny-stream.yaml"))
+    assert streamed["model"] == tiny["model"] and streamed["tokenizer"] == tiny["tokenizer"]
+    changed = {key for key in tiny["train"] if streamed["train"][key] != tiny["train"][key]}
+    assert changed == {"output_dir", "vision_pretrain_objective"}
+    config = load_run_config("configs/tiny-stream.yaml", {})
+    assert config.data.source == "stream" and config.data.holdout == config.data.shapes.num_validation
+    assert config.vision_pretrain_objective() == "cells" and config.pretrain_steps() == 400
+
+
+def test_a_base_config_is_merged_section_by_section(tmp_path):
+    (tmp_path / "base.yaml").write_text("train: {max_steps: 7, seed: 3}\ndata: {holdout: 5}\n")
+    (tmp_path / "run.yaml").write_text("base: base.yaml\ntrain: {seed: 4}\n")
+    config = load_run_config(tmp_path / "run.yaml", {})
+    assert (config.train.max_steps, config.train.seed, config.data.holdout) == (7, 4, 5)
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="loop.yaml: its bases lead back to it"):
+        load_run_config(tmp_path / "loop.yaml", {})
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"train.vision_pretrain_objective": "answers"},
+     "the ViT's answers pre-training reads the records in memory"),
+    ({"train.group_by_length": "true"}, "train.group_by_length reads the records in memory"),
+])
+def test_a_stream_refuses_what_reads_records_in_memory(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_run_config("configs/tiny-stream.yaml", overrides)
 
 
 def test_help_lists_every_setting_with_its_type_value_and_description(capsys):

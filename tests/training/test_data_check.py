@@ -81,3 +81,23 @@ def test_a_stream_is_checked_on_its_first_samples(tmp_path, capsys):
     assert f"dropped by the ratings filters: {dropped} records" in out
     assert "relevance ratings per turn: min 1 / median 4" in out and "unreadable image: 1" in out
     assert "validation: 6 records, 0 bad" in out  # the 10 held-out rows, less the 4 rated 1
+
+
+def test_clips_are_reported_with_frames_and_video_tokens_and_bad_ones_by_line(tmp_path, capsys):
+    from data.video import Clip, read_video, write_video
+    from models.split_config import VideoConfig
+
+    frames = [Image.new("RGB", (48, 48), (40 * i, 0, 0)) for i in range(4)]
+    write_video(Clip(frames, [0, 1, 2, 3], [0.0, 1.0, 2.0, 3.0], 4.0), tmp_path / "clip.mp4", fps=1)
+    (tmp_path / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + bytes(200))
+    clip = {"video": "clip.mp4", "texts": [{"user": "Which way?", "assistant": "left"}]}
+    rows = [clip] * 8 + [{**clip, "video": "broken.mp4"}, {**clip, "video": "gone.mp4"},
+                         {**clip, "max_frames": 2}]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert main(["--data.source", "jsonl", "--data.path", str(tmp_path / "data.jsonl"), "--check-data",
+                 "--model.video.max_frames", "3"]) == 0
+    out, path = capsys.readouterr().out, tmp_path / "data.jsonl"
+    assert f"  unreadable video: 1\n    {path}:9: {tmp_path / 'broken.mp4'}: not a readable video" in out
+    assert f"  missing video file: 1\n    {path}:10: {tmp_path / 'gone.mp4'}: no such video file" in out
+    assert len(read_video(tmp_path / "clip.mp4", VideoConfig(max_frames=3)).frames) == 3
+    assert "records with a clip: 9; frames per clip: min 2 / median 3 / p99 3 / max 3" in out

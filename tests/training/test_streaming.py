@@ -1,6 +1,6 @@
 """Training on a streamed source (data.source=stream): a run resumed from a checkpoint trains on the samples
 of the uninterrupted run, in its order, to the same weights and stream positions; a streamed run resumed with
-another number of readers is refused."""
+another number of readers is refused; a JSONL stream's bad lines are skipped and counted."""
 
 import dataclasses
 import json
@@ -14,7 +14,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from data import make_shapes_dataset
+from data import jsonl_stream, make_shapes_dataset
 from data.shards import write_shards
 from data.sources import DataConfig
 from data.streaming import StreamConfig
@@ -107,3 +107,27 @@ def test_two_ranks_of_two_workers_resume_their_streams_exactly(tmp_path):
     assert saved[0]["stream"] == saved[1]["stream"]
     expected, got = (load_file(run / "step_000004" / "model.safetensors") for run in runs.values())
     assert all((expected[key] == got[key]).all() for key in expected)
+
+
+def test_a_jsonl_stream_trains_and_counts_its_bad_lines(tmp_path, monkeypatch):
+    """Own-data JSONL streamed (data/jsonl_stream.py): its two bad lines, read within the run's first epoch,
+    are skipped and counted by their keys, and the held-out lines are the validation records."""
+    monkeypatch.setattr(jsonl_stream, "LINES_PER_UNIT", 4)
+    (tmp_path / "pics").mkdir()
+    lines = []
+    for number, record in enumerate(make_shapes_dataset("train", 32, seed=0, image_size=32)):
+        record["images"][0].save(tmp_path / "pics" / f"{number}.png")
+        lines.append(json.dumps({"images": [f"pics/{number}.png"], "texts": record["texts"],
+                                 "question_type": record["question_type"]}))
+    missing = {"images": ["pics/gone.png"], "texts": [{"user": "a", "assistant": "b"}]}
+    lines[10:10] = ["{not json", json.dumps(missing)]
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    config = small_config(tmp_path / "run", **{"train.max_steps": "5", "train.eval_every": "5",
+                                               "train.save_every": "5", "train.eval_questions": "4"})
+    streams = (StreamConfig(files=str(path)),)
+    metrics = train(dataclasses.replace(config, data=DataConfig(source="stream", streams=streams, holdout=4,
+                                                                shuffle_buffer=3)))
+    assert metrics["step"] == 5 and metrics["bad_records"] == 2 and metrics["num_questions"] == 4
+    saved = json.loads((tmp_path / "run" / "step_000005" / STATE_JSON).read_text())
+    assert saved["bad_record_indices"] == [f"{path}#10", f"{path}#11"]
