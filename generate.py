@@ -39,7 +39,7 @@ import torch
 from data import CAPTION_PROMPT, ImageLoadError, Message, load_image
 from data.chat_processors import NO_IMAGES_BESIDE_A_VIDEO
 from data.detokenizer import IncrementalDetokenizer
-from data.video import Clip, VideoError, read_video
+from data.video import Clip, VideoError, read_video, video_sampling
 from loading import load_for_inference, pick_device
 from models import GenerationError, TinyVLMError, kv_cache_bytes
 from models.quantize import QUANTIZATIONS, weights_summary
@@ -68,13 +68,6 @@ def load(args: argparse.Namespace, device: torch.device):
     """The command line's model (fused, quantized as --quantize says) and processor."""
     return load_for_inference(args.checkpoint, device, args.allow_pickle, quantization=args.quantize,
                               quantize_vision=args.quantize_vision)
-
-
-def video_sampling(config: VideoConfig, fps: float | None, max_frames: int | None) -> VideoConfig:
-    """The checkpoint's clip sampling (its `config.video`) with `fps` / `max_frames` (--fps / --max-frames, a
-    batch line's) in its place; ConfigError for values it cannot take."""
-    overrides = {"fps": fps, "max_frames": max_frames}
-    return config.replace({key: value for key, value in overrides.items() if value is not None})
 
 
 def read_clip(path: str, args: argparse.Namespace, model) -> Clip:

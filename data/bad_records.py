@@ -12,7 +12,7 @@ from datasets.features.features import require_decoding
 from torch.utils.data import Dataset
 
 from data.images import to_rgb
-from data.video import Clip, read_video
+from data.video import Clip, read_video, video_sampling
 from models.errors import TinyVLMError
 from models.split_config import VideoConfig
 from typed_config import one_line
@@ -41,8 +41,7 @@ def record_video(record: dict[str, Any], config: VideoConfig) -> Clip | None:
     video = record.get("video")
     if video is None or isinstance(video, Clip):
         return video
-    overrides = {key: record[key] for key in ("fps", "max_frames") if record.get(key) is not None}
-    return read_video(video, config.replace(overrides) if overrides else config)
+    return read_video(video, video_sampling(config, record.get("fps"), record.get("max_frames")))
 
 
 # decodes a stored image ({"bytes", "path"}) as `datasets` does: EXIF orientation applied

@@ -149,6 +149,14 @@ def _to_image(frame, max_side: int) -> Image.Image:
     return Image.fromarray(scaled.permute(1, 2, 0).numpy())
 
 
+def video_sampling(config: VideoConfig, fps: float | None, max_frames: int | None) -> VideoConfig:
+    """A model's clip sampling (its `config.video`) with `fps` / `max_frames` in its place where given
+    (generate.py's --fps / --max-frames, a batch line's or a training record's); ConfigError for values it
+    cannot take."""
+    overrides = {"fps": fps, "max_frames": max_frames}
+    return config.replace({key: value for key, value in overrides.items() if value is not None})
+
+
 def write_video(clip: Clip, path: str | Path, fps: float) -> Path:
     """The clip's frames as an MP4 file at `fps` frames a second, losslessly (H.264 in RGB, `libx264rgb`
     at crf 0): `read_video` gives back the very pixels."""
