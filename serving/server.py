@@ -45,6 +45,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import gc
 import json
 import os
 import secrets
@@ -423,6 +424,15 @@ def served_name(args: argparse.Namespace) -> str:
     return args.model_name or (Path(args.checkpoint).name if args.checkpoint else "tinyvlm")
 
 
+def freeze_startup_heap() -> None:
+    """Take every object alive once the server is set up (the model, the tokenizer, the modules) out
+    of the garbage collector's walks (`gc.freeze`, as vLLM and SGLang do after start-up). A full collection
+    holds the GIL while it walks the heap, and every stream and /health waits on it (1.3-4.4 s over the test
+    suite's heap of 1.07M objects); frozen, it walks only what requests allocated since."""
+    gc.collect()
+    gc.freeze()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -462,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
                         video=model.config.video)
     app = create_app(async_engine, processor.tokenizer, served_name(args), limits=limits, media=media,
                      api_key=args.api_key, quantization=describe(model))
+    freeze_startup_heap()
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C, after uvicorn's graceful shutdown (as uvicorn.run)
         uvicorn.Server(server_config(app, args.host, args.port, args.header_timeout)).run()
     async_engine.shutdown()

@@ -4,6 +4,7 @@ their blocks."""
 
 import base64
 import contextlib
+import gc
 import io
 import json
 import math
@@ -28,7 +29,7 @@ from serving.connections import server_config  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.protocol import RequestLimits  # noqa: E402
 from serving.requests import Output  # noqa: E402
-from serving.server import Completion, create_app  # noqa: E402
+from serving.server import Completion, create_app, freeze_startup_heap  # noqa: E402
 from tests.models.helpers import base_tokenizer, chat_vlm, tiny_vlm  # noqa: E402
 
 
@@ -60,6 +61,7 @@ class Server:
             self.port = probe.getsockname()[1]
         self.server = uvicorn.Server(server_config(app, "127.0.0.1", self.port, header_timeout,
                                                    log_level="warning"))
+        freeze_startup_heap()
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -71,6 +73,7 @@ class Server:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+        gc.unfreeze()
 
 
 @contextlib.contextmanager
