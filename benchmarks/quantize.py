@@ -10,13 +10,15 @@ tinyvlm keeps it). "int8 dyn" is torchao's int8 dynamic-activation int8-weight c
 offered by --quantize; measured here to see whether it would be worth it. ms/step as in decode.py: (time(N new
 tokens) - time(1)) / (N - 1). Each row's floor: its weights' bytes (what a decode step reads at least once)
 at the rate this device reads a buffer of the float model's size; "x float" is its step against the float
-model's in the same method and batch. Writes benchmarks/results/quantize-<device>.{md,json}.
+model's in the same method and batch, the quantizations timed in turn, round after round (the median of
+--repeats rounds). Writes benchmarks/results/quantize-<device>.{md,json}.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -63,30 +65,35 @@ def quantized_pair(reference: nn.Module, ours: nn.Module, name: str) -> tuple[nn
 
 @torch.inference_mode()
 def measure(reference, ours, args, device) -> list[dict]:
+    """Each batch size and method times every quantization in turn, `repeats` rounds, the median kept: a
+    drift of the machine's memory speed during the run (this VM's buffer reads measured 33-52 GB/s from one
+    run to the next) then falls on all of them alike instead of on whichever ran last."""
     gb_per_s, float_floor_ms = bandwidth_floor_ms(ours.language, device)
     print(f"reads at {gb_per_s:.1f} GB/s: float32 floor {float_floor_ms:.2f} ms/step", flush=True)
+    pairs = {name: quantized_pair(reference, ours, name) for name in args.quantizations}
     rows = []
-    for name in args.quantizations:
-        ref_q, ours_q, seconds = quantized_pair(reference, ours, name)
-        megabytes = weight_bytes(ours_q.language) / 1e6
-        for batch in args.batch_sizes:
-            ids = torch.randint(100, 49000, (batch, args.prompt_len),
-                                generator=torch.Generator().manual_seed(batch)).to(device)
-            for method in args.methods:
-                run = make_runner(method, ref_q, ours_q)
+    for batch in args.batch_sizes:
+        ids = torch.randint(100, 49000, (batch, args.prompt_len),
+                            generator=torch.Generator().manual_seed(batch)).to(device)
+        for method in args.methods:
+            runs = {name: make_runner(method, ref_q, ours_q) for name, (ref_q, ours_q, _) in pairs.items()}
+            for run in runs.values():
                 run(ids, args.new_tokens if "fast" in method else args.warmup_tokens)  # compile / warm up
-                full, _ = timed(run, ids, args.new_tokens, args.repeats, device)
-                first, _ = timed(run, ids, 1, args.repeats, device)
-                step_ms = 1000 * (full - first) / (args.new_tokens - 1)
+            steps: dict[str, list[float]] = {name: [] for name in runs}
+            for _ in range(args.repeats):
+                for name, run in runs.items():
+                    full, _ = timed(run, ids, args.new_tokens, 1, device)
+                    first, _ = timed(run, ids, 1, 1, device)
+                    steps[name].append(1000 * (full - first) / (args.new_tokens - 1))
+            base_ms = statistics.median(steps[args.quantizations[0]])
+            for name, (_, ours_q, seconds) in pairs.items():
+                megabytes, step_ms = weight_bytes(ours_q.language) / 1e6, statistics.median(steps[name])
                 rows.append(dict(quantization=name, batch=batch, method=method, ms_per_step=step_ms,
                                  weight_mb=megabytes, floor_ms=megabytes / 1e3 / gb_per_s * 1e3,
-                                 quantize_s=seconds))
-                print(f"{name:<9} batch {batch:>2}  {method:<22} {step_ms:8.2f} ms/step  {megabytes:7.1f} MB",
-                      flush=True)
-    for row in rows:
-        base = next(r for r in rows if r["quantization"] == rows[0]["quantization"]
-                    and (r["batch"], r["method"]) == (row["batch"], row["method"]))
-        row["x_float"] = row["ms_per_step"] / base["ms_per_step"]
+                                 quantize_s=seconds, x_float=step_ms / base_ms))
+                rounds = ", ".join(f"{t:.1f}" for t in steps[name])
+                print(f"{name:<9} batch {batch:>2}  {method:<22} {step_ms:8.2f} ms/step  {megabytes:7.1f} MB"
+                      f"  (rounds: {rounds})", flush=True)
     return rows
 
 
@@ -113,7 +120,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--warmup-tokens", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quantizations", nargs="+", default=list(QUANTIZATIONS), choices=QUANTIZATIONS)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
