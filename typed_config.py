@@ -180,7 +180,8 @@ def _first_sentence(text: str | None, limit: int = 110) -> str:
 def _type_name(annotation: Any) -> str:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin in (Union, types.UnionType):
-        return "|".join(_type_name(arg) for arg in args if arg is not type(None)) + "|null"
+        return "|".join(_type_name(arg) for arg in args if arg is not type(None)) + (
+            "|null" if type(None) in args else "")
     if origin is Literal:
         return "|".join(map(str, args))
     if origin in (tuple, list):

@@ -17,6 +17,8 @@ from data.prompts import IGNORE_INDEX
 from models.config import ImagePosition
 
 Side = Literal["left", "right"]
+# A record encoded: its ids, answer-only targets and image tensors ([tiles, 3, S, S] each)
+Sample = tuple[list[int], list[int], list[torch.Tensor]]
 
 
 def pad(sequences: list[list[int]], value: int, side: Side = "right") -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,28 +94,39 @@ class VQACollator:
 
     def collate(self, records: list[dict | None]) -> tuple[dict[str, torch.Tensor], list[int]]:
         """The batch, and the positions in `records` of the records dropped for exceeding `max_length`."""
-        samples, too_long = [], []  # (ids, targets, [pixels [tiles, 3, S, S]] or []) per record kept
+        samples, too_long = [], []
         for position, record in enumerate(records):
             if record is None:
                 continue
-            ids, targets, pixels = self.encoder.encode_conversation(record["texts"], record_images(record),
-                                                                    record.get("video"))
-            if len(ids) > self.max_length:
+            sample = self.encode(record)
+            if len(sample[0]) > self.max_length:
                 too_long.append(position)
                 continue
-            # pixels: a tile per image, or split
-            samples.append((ids, targets, [] if pixels is None else [pixels]))
+            samples.append(sample)
+        return self.assemble(samples), too_long
+
+    def encode(self, record: dict) -> Sample:
+        """A record's ids, answer-only targets and image tensors ([tiles, 3, S, S] each; none without an
+        image), whatever its length."""
+        ids, targets, pixels = self.encoder.encode_conversation(record["texts"], record_images(record),
+                                                                record.get("video"))
+        return ids, targets, [] if pixels is None else [pixels]
+
+    def assemble(self, samples: list[Sample], rows: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
+        """The batch of `rows` (lists of positions in `samples`; by default every sample, packed into rows as
+        long as the longest with `pack`, else a row each)."""
+        samples = list(samples)
+        chosen = range(len(samples)) if rows is None else [i for row in rows for i in row]
         size, per_image = self.encoder.image_size, self.encoder.tokens_per_image
-        if self.ensure_image and not any(images for _, _, images in samples):
+        if self.ensure_image and not any(samples[i][2] for i in chosen):
             image_ids = [self.encoder.image_token_id] * per_image
             samples.append((image_ids, [IGNORE_INDEX] * per_image, [torch.zeros(1, 3, size, size)]))
-        if not samples:
-            samples = [([self.tokenizer.pad_token_id], [IGNORE_INDEX], [])]
-        rows = (
-            pack_rows([len(ids) for ids, _, _ in samples])
-            if self.pack
-            else [[i] for i in range(len(samples))]
-        )
+            rows = None if rows is None else [*rows, [len(samples) - 1]]
+        if not samples or rows == []:
+            samples, rows = [([self.tokenizer.pad_token_id], [IGNORE_INDEX], [])], [[0]]
+        if rows is None:
+            lengths = [len(ids) for ids, _, _ in samples]
+            rows = pack_rows(lengths) if self.pack else [[i] for i in range(len(samples))]
         id_rows = []
         target_rows = []
         sequence_rows = []
@@ -126,10 +139,9 @@ class VQACollator:
         input_ids, _ = pad(id_rows, self.tokenizer.pad_token_id, self.padding_side)
         attention_mask, _ = pad(sequence_rows, 0, self.padding_side)
         targets, _ = pad(target_rows, IGNORE_INDEX, self.padding_side)
-        batch = {
+        return {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "targets": targets,
             "images": torch.cat(images) if images else torch.empty(0, 3, size, size),
         }
-        return batch, too_long

@@ -146,6 +146,21 @@ class Source:
         for row in range(unit.start, unit.stop) if rows is None else rows:
             yield f"{unit.file}#{unit.offset + row}", table.slice(row, 1).to_pylist()[0]
 
+    def read_keys(self, keys: list[Key]) -> dict[Key, dict[str, Any]]:
+        """The raw rows of `keys` (of this source's units), read a unit at a time."""
+        wanted: dict[int, list[int]] = defaultdict(list)
+        for key in keys:
+            file, _, number = key.rpartition("#")
+            found = next(((index, unit) for index, unit in enumerate(self.units)
+                          if unit.file == file and unit.offset + unit.start <= int(number)
+                          < unit.offset + unit.stop), None)
+            if found is None:
+                raise StreamError(f"{key}: no such sample in {self.name}; were its files changed during the "
+                                  "run?")
+            wanted[found[0]].append(int(number) - found[1].offset)
+        return {key: row for index, rows in wanted.items()
+                for key, row in self.read(self.units[index], sorted(rows))}
+
     def rows(self) -> Iterator[tuple[Key, dict[str, Any]]]:
         """(key, raw row) of every row, in file order."""
         return (item for unit in self.units for item in self.read(unit))

@@ -18,6 +18,7 @@ from models.lora import LANGUAGE_PROJECTIONS
 from training.loss import LossWeight
 from typed_config import Config, ConfigError, check
 
+Packing = Literal["longest", "max_length", "off"]
 FINE_TUNE_DIR = "runs/finetune"  # where a fine-tune over the default recipe (train.py --init_from) writes
 
 
@@ -67,9 +68,13 @@ class TrainConfig(Config):
     # padding, the same samples. Resume with the same global batch size (batch_size x world_size) to see the
     # same batches.
     group_by_length: bool = False
-    # Pack each batch's samples into as few rows as its longest sample allows (data/packing.py): the same
-    # samples and the same loss, on fewer padding tokens.
-    packing: bool = True
+    # Several samples a row (data/packing.py; each sample keeps the logits it has alone). longest: a batch's
+    # batch_size samples in as few rows as its longest sample allows (the same samples and loss as off, on
+    # fewer padding tokens). max_length (data.source=stream): batch_size rows of up to max_length tokens each,
+    # first-fit decreasing from a window of streamed samples, so a step sees a varying number of samples (see
+    # docs/streaming.md, "Packing"). off: a row per sample. true and false (older configs) mean longest and
+    # off.
+    packing: Packing | bool = "longest"
     # Before step 1 of a fresh run, for a ViT that starts from scratch: pre-train it for this many steps (0
     # skips it) with `vision_pretrain_objective`: "cells" (synthetic shapes only: name each patch's shape,
     # colour and size, from the scene generator's labels, or streamed from shards that carry them, written by
@@ -145,6 +150,8 @@ class TrainConfig(Config):
     wandb_project: str = "tinyvlm"  # the Weights & Biases project
 
     def __post_init__(self) -> None:
+        if isinstance(self.packing, bool):
+            self.packing = "longest" if self.packing else "off"
         self.check_at_least("train", 1,
                             ("max_steps", "batch_size", "grad_accum_steps", "max_length", "eval_every",
                              "save_every", "keep_checkpoints", "log_every", "dist_timeout",
@@ -233,6 +240,9 @@ class RunConfig(Config):
               "under adapters: set train.lora.rank")
         check(not self.train.lora.rank or self.train.parallel == "ddp",
               "train.lora.rank: adapters train with train.parallel=ddp (FSDP2 shards whole models)")
+        check(self.train.packing != "max_length" or self.data.source == "stream",
+              "train.packing=max_length packs streamed samples (data.source=stream); in memory a batch is "
+              f"the sampler's batch_size records: use longest (data.source={self.data.source})")
         check(self.data.source != "stream" or not self.train.group_by_length,
               "data.source=stream: train.group_by_length reads the records in memory; set it to false")
         if self.train.vision_pretrain_steps:

@@ -116,7 +116,7 @@ def _train_model(config: RunConfig, resume: Path | None, run_id: str, model: Vis
         # Records encoded the way the model is asked: tinyvlm's ChatML, or a checkpoint's own chat template
         # and images.
         collator = VQACollator.for_encoder(processor, train_config.max_length, ensure_image=ranks.distributed,
-                                           pack=train_config.packing)
+                                           pack=train_config.packing != "off")
         validation_records = CheckedRecords(validation_data, config.data.on_bad_record, "validation",
                                             report=report, check_texts=processor.check_texts,
                                             video=config.model.video)
@@ -163,7 +163,8 @@ def _batches(config: RunConfig, state: loop.TrainState, train_records: CheckedRe
                                config.data.shuffle_buffer, config.data.on_bad_record, ranks.rank,
                                ranks.world_size, train_config.num_workers,
                                consumed=state.step * train_config.grad_accum_steps, positions=state.stream,
-                               report=report, check_texts=processor.check_texts)
+                               report=report, check_texts=processor.check_texts,
+                               fill_rows=train_config.packing == "max_length")
     return _streamed(streamed, *loader)
 
 

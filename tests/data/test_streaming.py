@@ -97,6 +97,19 @@ def test_too_few_row_groups_for_the_slots_is_a_clear_error(tmp_path):
         SourceStream(source, 0, 4, 0, 1)
 
 
+def test_samples_are_read_back_by_their_keys(tmp_path):
+    """`Source.read_keys` (a resumed packing window's samples): each key's row, as the files hold it in order,
+    across files and row groups; a held-out row or one not there is a clear error."""
+    keys = write_shards(tmp_path, tiny_records(20), files=2, rows_per_group=3)
+    source = Source.open(StreamConfig(files=str(tmp_path / "*.parquet")), skip=2)
+    rows = dict(source.rows())
+    wanted = [keys[17], keys[2], keys[9], keys[10]]
+    assert source.read_keys(wanted) == {key: rows[key] for key in wanted}
+    for key in (keys[1], keys[0].replace("#0", "#99")):  # held out; past the file's end
+        with pytest.raises(StreamError, match="no such sample"):
+            source.read_keys([key])
+
+
 def test_no_matching_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="no parquet file matches"):
         Source.open(StreamConfig(files=str(tmp_path / "*.parquet")))

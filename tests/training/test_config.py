@@ -5,6 +5,7 @@ import dataclasses
 import json
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal
 
 import pytest
@@ -30,7 +31,7 @@ def _other_value(value: Any, annotation: Any) -> Any:
     choice, a string extended, a tuple's items changed; None becomes a value."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
-        (kind,) = [a for a in args if a is not type(None)]
+        kind = [a for a in args if a is not type(None)][0]  # the first: train.packing's choices, not bool
         return _other_value(value, kind) if value is not None else {int: 1, str: "somewhere/else"}[kind]
     if origin is Literal:
         return args[(args.index(value) + 1) % len(args)]
@@ -78,6 +79,7 @@ TINY_CHANGES = {
         "data.shapes.train_question_types": QUESTION_TYPES,
     },
     "train.decay_steps": {"train.decay_steps": 200},  # 0 or at least warmup_steps (100)
+    "train.packing": {"train.packing": "off"},  # max_length packs streamed samples only
     # a whole VLM brings a trained ViT
     "init_from": {"init_from": "some/vlm", "train.vision_pretrain_steps": 0},
     # adapters
@@ -275,6 +277,21 @@ def test_a_stream_refuses_what_reads_records_in_memory(overrides, message):
         load_run_config("configs/tiny-stream.yaml", overrides)
 
 
+def test_packing_takes_its_choices_and_the_older_true_and_false(tmp_path):
+    """train.packing: longest (the default), max_length (streams only: one line says what to write in
+    memory) or off; true and false, as configs and checkpoints before the choice hold them, mean longest and
+    off."""
+    assert load_run_config("configs/tiny.yaml", {}).train.packing == "longest"
+    for written, meant in (("true", "longest"), ("false", "off")):
+        (tmp_path / "old.yaml").write_text(f"base: {Path('configs/tiny.yaml').resolve()}\n"
+                                           f"train:\n  packing: {written}\n")
+        assert load_run_config(tmp_path / "old.yaml", {}).train.packing == meant
+    assert load_run_config("configs/tiny-stream.yaml", {"train.packing": "max_length"}).train.packing \
+        == "max_length"
+    with pytest.raises(ConfigError, match="train.packing=max_length packs streamed samples .*: use longest"):
+        load_run_config("configs/tiny.yaml", {"train.packing": "max_length"})
+
+
 def test_help_lists_every_setting_with_its_type_value_and_description(capsys):
     """`python train.py --help`: a line per setting of the run config, from the typed configs themselves."""
     from train import main
@@ -293,6 +310,7 @@ def test_help_lists_every_setting_with_its_type_value_and_description(capsys):
         assert json.loads(shown) == (list(value) if isinstance(value, tuple) else value), line
         assert len(description.split()) >= 2, line  # every field has its comment
         assert kind == {bool: "true|false", int: "int", float: "float"}.get(annotation, kind), line
+        assert kind.endswith("|null") == (type(None) in typing.get_args(annotation)), line  # if it may be
     assert len(lines) == len(list(_leaf_fields(tiny))) + 3  # and --config, --resume, --check-data
 
 

@@ -24,7 +24,7 @@ from training.run import train
 from typed_config import ConfigError
 
 
-def _stream_config(tmp_path, run_dir, **train_settings):
+def _stream_config(tmp_path, run_dir, packing="longest", **train_settings):
     shards = tmp_path / "shards"
     if not shards.exists():
         records = list(make_shapes_dataset("train", 96, seed=0, image_size=32))
@@ -34,12 +34,17 @@ def _stream_config(tmp_path, run_dir, **train_settings):
     config = small_config(run_dir, **settings)
     streams = (StreamConfig(files=str(shards / "*.parquet"), layout="finevision", min_relevance=1),)
     return dataclasses.replace(config, data=DataConfig(source="stream", streams=streams, holdout=8,
-                                                       shuffle_buffer=5))
+                                                       shuffle_buffer=5),
+                               train=dataclasses.replace(config.train, packing=packing))
 
 
-@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
-def test_a_resumed_stream_trains_like_the_uninterrupted_run(tmp_path, workers):
-    settings = {"train.num_workers": str(workers)}
+@pytest.mark.parametrize(("workers", "packing"), [
+    (0, "longest"), (0, "max_length"), pytest.param(2, "longest", marks=pytest.mark.slow),
+    pytest.param(2, "max_length", marks=pytest.mark.slow)])
+def test_a_resumed_stream_trains_like_the_uninterrupted_run(tmp_path, workers, packing):
+    """train.packing max_length: the resumed run reads its windows' samples again and packs the same rows."""
+    settings = {"train.num_workers": str(workers), "train.max_length": "128", "packing": packing,
+                "train.batch_size": "4"}
     whole = tmp_path / "whole"
     metrics = train(_stream_config(tmp_path, whole, **settings))
     assert metrics["bad_records"] == 0 and set(metrics["source_token_shares"].values()) == {1.0}
@@ -51,6 +56,8 @@ def test_a_resumed_stream_trains_like_the_uninterrupted_run(tmp_path, workers):
     saved = [json.loads((run / "step_000006" / STATE_JSON).read_text()) for run in (whole, resumed)]
     assert saved[0]["sample_digests"] == saved[1]["sample_digests"]  # the same samples, step by step
     assert saved[0]["stream"] == saved[1]["stream"] and saved[0]["history"] == saved[1]["history"]
+    windows = [position.get("window") for position in saved[0]["stream"].values()]
+    assert all(bool(window) == (packing == "max_length") for window in windows)
 
 
 def test_resuming_a_stream_with_other_readers_is_refused(tmp_path):
@@ -61,12 +68,14 @@ def test_resuming_a_stream_with_other_readers_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigkill_and_resume_train_on_the_uninterrupted_samples(tmp_path):
+@pytest.mark.parametrize("packing", ["longest", "max_length"])
+def test_sigkill_and_resume_train_on_the_uninterrupted_samples(tmp_path, packing):
     """`python train.py` killed with SIGKILL after its step-4 checkpoint, then `--resume`d."""
     runs = {name: tmp_path / name for name in ("whole", "killed")}
     for name, run in runs.items():
         config = _stream_config(tmp_path, run, **{"train.max_steps": "10", "train.save_every": "2",
-                                                  "train.keep_checkpoints": "10"})
+                                                  "train.keep_checkpoints": "10", "train.max_length": "128"},
+                                packing=packing)
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(config.to_dict()))
     command = [sys.executable, "train.py", "--config"]
     subprocess.run([*command, str(tmp_path / "whole.yaml")], check=True, capture_output=True)
@@ -85,13 +94,16 @@ def test_sigkill_and_resume_train_on_the_uninterrupted_samples(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_ranks_of_two_workers_resume_their_streams_exactly(tmp_path):
-    """torchrun (gloo), 2 ranks x 2 DataLoader workers: the checkpoint holds all 4 readers' positions, and a
-    job resumed from step 2 trains on the samples of the uninterrupted one to its weights."""
+@pytest.mark.parametrize("packing", ["longest", "max_length"])
+def test_two_ranks_of_two_workers_resume_their_streams_exactly(tmp_path, packing):
+    """torchrun (gloo), 2 ranks x 2 DataLoader workers: the checkpoint holds all 4 readers' positions (with
+    train.packing max_length, their windows), and a job resumed from step 2 trains on the samples of the
+    uninterrupted one to its weights."""
     runs = {name: tmp_path / name for name in ("whole", "resumed")}
     settings = {"train.max_steps": "4", "train.save_every": "2", "train.keep_checkpoints": "5",
-                "train.num_workers": "2", "train.batch_size": "4", "train.num_threads": "1"}
-    config = _stream_config(tmp_path, runs["whole"], **settings)
+                "train.num_workers": "2", "train.batch_size": "4", "train.num_threads": "1",
+                "train.max_length": "128"}
+    config = _stream_config(tmp_path, runs["whole"], packing, **settings)
     (tmp_path / "whole.yaml").write_text(yaml.safe_dump(config.to_dict()))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                 "train.py"]
