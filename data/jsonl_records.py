@@ -1,15 +1,18 @@
-"""One line of an own-data JSONL file read into a record: its images' and clip's paths made absolute and
-checked, its turns and its optional fields; or a one-line DataSourceError (or the file's image or clip error)
-naming the line. data/sources.py reads a file whole with it, data/jsonl_stream.py a line at a time."""
+"""One line of an own-data JSONL file, or of an image folder's metadata.jsonl, read into a record: its
+images' and clip's paths made absolute and checked, its turns and its optional fields; or a one-line
+DataSourceError (or the file's image or clip error) naming the line. data/sources.py reads a JSONL file whole
+with it, data/jsonl_stream.py a line at a time."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from data.bad_records import Policy, record_images
 from data.images import ImageLoadError
+from data.prompts import CAPTION_PROMPT
 from data.video import VideoError
 from models.errors import TinyVLMError
 
@@ -19,21 +22,55 @@ class DataSourceError(TinyVLMError, ValueError):
 
 
 def read_line(line: str, where: str, root: Path, on_bad_record: Policy) -> dict[str, Any]:
+    """An own-data JSONL line's record (data/sources.py `load_jsonl` describes the format)."""
+    return _read(_parse_line, line, where, root, on_bad_record)
+
+
+def read_metadata_line(line: str, where: str, root: Path, on_bad_record: Policy) -> dict[str, Any]:
+    """An image folder's metadata.jsonl line, {"file_name": ..., "question": ..., "answer": ...} or
+    {"file_name": ..., "text": ...}, as the record data/sources.py `load_imagefolder` gives: the image (its
+    path relative to the folder) and one turn (`metadata_turns`)."""
+    return _read(_parse_metadata_line, line, where, root, on_bad_record)
+
+
+def metadata_turns(row: dict[str, Any], where: str) -> list[dict[str, str]]:
+    """An image folder row's turn: its question and answer, else its `text` caption answering
+    CAPTION_PROMPT."""
+    if isinstance(row.get("question"), str) and isinstance(row.get("answer"), str):
+        return [{"user": row["question"], "assistant": row["answer"]}]
+    if isinstance(row.get("text"), str):
+        return [{"user": CAPTION_PROMPT, "assistant": row["text"]}]
+    raise DataSourceError(f"{where}: needs 'question' and 'answer' strings, or a 'text' caption")
+
+
+def _read(parse: Callable[[dict[str, Any], str, Path], dict[str, Any]], line: str, where: str, root: Path,
+          on_bad_record: Policy) -> dict[str, Any]:
+    """The line parsed by `parse`; a bad line raises under "fail", else is a record carrying its `problem`."""
     try:
-        return _parse_line(line, where, root)
+        return parse(_json_object(line, where), where, root)
     except (DataSourceError, ImageLoadError, VideoError) as error:
         if on_bad_record == "fail":
             raise
         return {"images": [], "texts": [], "problem": str(error)}
 
 
-def _parse_line(line: str, where: str, root: Path) -> dict[str, Any]:
+def _json_object(line: str, where: str) -> dict[str, Any]:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
         raise DataSourceError(f"{where}: not valid JSON ({e.msg})") from None
     if not isinstance(row, dict):
         raise DataSourceError(f"{where}: expected a JSON object")
+    return row
+
+
+def _parse_metadata_line(row: dict[str, Any], where: str, root: Path) -> dict[str, Any]:
+    if not isinstance(row.get("file_name"), str):
+        raise DataSourceError(f"{where}: needs a 'file_name' (the image's path in the folder)")
+    return {"images": _image_paths([row["file_name"]], where, root), "texts": metadata_turns(row, where)}
+
+
+def _parse_line(row: dict[str, Any], where: str, root: Path) -> dict[str, Any]:
     record = {"images": _image_paths(record_images(row), where, root), "texts": _turns(row, where)}
     if "question_type" in row:
         if not isinstance(row["question_type"], str):

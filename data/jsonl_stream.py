@@ -37,6 +37,9 @@ class Block:
 class JsonlSource(Source):
     """A JSONL source: its blocks of lines, and how a line becomes a record."""
 
+    kind = "JSONL"  # what the files are, in errors
+    parse = staticmethod(read_line)  # (line, where, folder, on_bad_record) -> record
+
     def __init__(self, config: StreamConfig, units: list[Unit], filesystem: fsspec.AbstractFileSystem,
                  blocks: dict[str, list[Block]]):
         super().__init__(config, units, filesystem, passed=("question_type",))
@@ -46,11 +49,11 @@ class JsonlSource(Source):
     def open(cls, config: StreamConfig, skip: int = 0) -> JsonlSource:
         """The source's files (in name order) in blocks of LINES_PER_UNIT lines, the first `skip` records left
         out (held out for validation)."""
-        check(config.layout == "cauldron", f"data.streams[].files: {config.files} is JSONL, whose records "
-              "have no ratings (layout: cauldron)")
-        where, indexed = config.files, {}
+        check(config.layout == "cauldron", f"data.streams[].files: {config.files} is {cls.kind}, whose "
+              "records have no ratings (layout: cauldron)")
+        where, indexed, glob = config.files, {}, cls.glob(config.files)
         try:
-            filesystem, pattern = fsspec.core.url_to_fs(config.files)
+            filesystem, pattern = fsspec.core.url_to_fs(glob)
             paths = sorted(filesystem.glob(pattern))
             for where in paths:
                 indexed[where] = _index(filesystem, where)
@@ -67,6 +70,11 @@ class JsonlSource(Source):
                     units.append(Unit(path, number, number * LINES_PER_UNIT, start, rows))
                 seen += rows
         return cls(config, units, filesystem, {path: blocks for path, (blocks, _) in indexed.items()})
+
+    @staticmethod
+    def glob(files: str) -> str:
+        """The glob of the JSONL files a stream's `files` names."""
+        return files
 
     def read(self, unit: Unit, rows: list[int] | None = None) -> Iterator[tuple[Key, dict[str, Any]]]:
         """(key, raw row: the line, where it is and its folder) for the unit's rows (or only `rows`, positions
@@ -91,9 +99,9 @@ class JsonlSource(Source):
                 line += 1
 
     def record(self, row: dict[str, Any]) -> dict[str, Any]:
-        """The line parsed as data/sources.py parses a JSONL line (a bad one: a record carrying its
-        `problem`), its images to be opened from their paths when the record is checked."""
-        record = read_line(row["line"], row["where"], Path(row["root"]), "skip")
+        """The line parsed by `parse`, as data/sources.py parses it in memory (a bad one: a record carrying
+        its `problem`), its images to be opened from their paths when the record is checked."""
+        record = self.parse(row["line"], row["where"], Path(row["root"]), "skip")
         return {**record, "images": [{"bytes": None, "path": path} for path in record["images"]]}
 
 

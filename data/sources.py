@@ -11,10 +11,10 @@ from typing import Any, Literal
 from datasets import Dataset, Features, List, Value, concatenate_datasets, load_dataset
 
 from data.bad_records import Policy
+from data.imagefolder_stream import ImageFolderSource, is_image_folder
 from data.images import load_image
-from data.jsonl_records import DataSourceError, read_line
+from data.jsonl_records import DataSourceError, metadata_turns, read_line
 from data.jsonl_stream import JsonlSource
-from data.prompts import CAPTION_PROMPT
 from data.streaming import Source, StreamConfig
 from data.synthetic import ShapesConfig, shapes_datasets
 from data.synthetic_video import VideoShapesConfig, video_shapes_datasets
@@ -79,7 +79,7 @@ def _open_images(batch: dict[str, list]) -> dict[str, list]:
 
 def load_imagefolder(directory: str | Path, split: str = "train") -> Dataset:
     """An image folder whose metadata.jsonl gives each `file_name` a `question` and `answer`, or a `text`
-    caption."""
+    caption (each line its own: a folder may mix them)."""
     if not Path(directory).is_dir():
         raise DataSourceError(f"{directory}: no such directory")
     dataset = load_dataset("imagefolder", data_dir=str(directory), split=split)
@@ -87,13 +87,14 @@ def load_imagefolder(directory: str | Path, split: str = "train") -> Dataset:
     if not ({"question", "answer"} <= columns or "text" in columns):
         raise DataSourceError(f"{directory}: metadata.jsonl needs 'question' and 'answer' fields, or 'text' "
                               "captions")
-    return dataset.with_transform(_imagefolder_records)
+    where = f"{directory}/metadata.jsonl"
+    return dataset.with_transform(functools.partial(_imagefolder_records, where=where))
 
 
-def _imagefolder_records(batch: dict[str, list]) -> dict[str, list]:
-    pairs = (zip(batch["question"], batch["answer"]) if "question" in batch
-             else ((CAPTION_PROMPT, text) for text in batch["text"]))
-    texts = [[{"user": user, "assistant": assistant}] for user, assistant in pairs]
+def _imagefolder_records(batch: dict[str, list], where: str) -> dict[str, list]:
+    """Each row's image and turn (`metadata_turns`: a folder may mix questions and captions)."""
+    rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+    texts = [metadata_turns(row, where) for row in rows]
     return {"images": [[image] for image in batch["image"]], "texts": texts}
 
 
@@ -112,8 +113,8 @@ class DataConfig(Config):
     path: str | None = None  # source=jsonl|imagefolder: the JSONL file or the image folder
     # source=jsonl|imagefolder: optional; without it, `holdout` records are held out
     validation_path: str | None = None
-    # source=stream: parquet shards streamed, never loaded whole, mixed by their weights; sections written in
-    # a YAML file (docs/streaming.md)
+    # source=stream: parquet shards, JSONL files or image folders streamed, never loaded whole, mixed by their
+    # weights; sections written in a YAML file (docs/streaming.md)
     streams: tuple[StreamConfig, ...] = ()
     shuffle_buffer: int = 1000  # source=stream: samples each reader shuffles among (1: the shards' order)
     check_samples: int = 1000  # source=stream: `train.py --check-data` checks each stream's first rows
@@ -169,6 +170,9 @@ def stream_sources(config: DataConfig) -> tuple[list[Source], list[dict[str, Any
 
 
 def open_stream(config: StreamConfig, skip: int = 0) -> Source:
-    """A stream's source: JSONL files (`*.jsonl`) read a line at a time (data/jsonl_stream.py), else parquet
-    shards (data/streaming.py); its first `skip` rows left out (held out for validation)."""
-    return (JsonlSource if config.files.endswith(".jsonl") else Source).open(config, skip)
+    """A stream's source: an image folder's metadata.jsonl (data/imagefolder_stream.py) or JSONL files
+    (`*.jsonl`) read a line at a time (data/jsonl_stream.py), else parquet shards (data/streaming.py); its
+    first `skip` rows left out (held out for validation)."""
+    kind = (ImageFolderSource if is_image_folder(config.files)
+            else JsonlSource if config.files.endswith(".jsonl") else Source)
+    return kind.open(config, skip)

@@ -48,9 +48,11 @@ class StreamError(TinyVLMError, ValueError):
 
 @dataclasses.dataclass
 class StreamConfig(Config):
-    """One streamed source: parquet shards in FineVision's or the_cauldron's layout."""
+    """One streamed source: parquet shards in FineVision's or the_cauldron's layout, JSONL files or an image
+    folder."""
 
-    # a glob of parquet files, local or on the hub, e.g. hf://datasets/HuggingFaceM4/FineVision/ai2d_merged/*.parquet
+    # a glob of parquet files, local or on the hub, e.g. hf://datasets/HuggingFaceM4/FineVision/ai2d_merged/*.parquet;
+    # a glob of JSONL files (*.jsonl, data.source=jsonl's records); or an image folder (or its metadata.jsonl)
     files: str = ""
     # finevision: images, texts, source and per-turn <rating>_ratings; cauldron: images and texts
     layout: Literal["finevision", "cauldron"] = "cauldron"
@@ -63,7 +65,8 @@ class StreamConfig(Config):
     min_formatting: int = 0
 
     def __post_init__(self) -> None:
-        check(bool(self.files), "data.streams[].files: a glob of parquet files is needed")
+        check(bool(self.files), "data.streams[].files: a glob of parquet or JSONL files, or an image folder, "
+              "is needed")
         check(self.weight > 0, f"data.streams[].weight must be positive, got {self.weight}")
         for rating in RATINGS:
             minimum = getattr(self, f"min_{rating}")
@@ -107,7 +110,8 @@ class Source:
     def open(cls, config: StreamConfig, skip: int = 0) -> Source:
         """The source's files listed (in name order) with their row groups, the first `skip` rows left out
         (held out for validation). Files that cannot be listed or read (offline, not parquet) raise
-        StreamError. JSONL files are a data/jsonl_stream.py source (data/sources.py `open_stream` picks)."""
+        StreamError. JSONL files and image folders are data/jsonl_stream.py and data/imagefolder_stream.py
+        sources (data/sources.py `open_stream` picks)."""
         where, metadata = config.files, {}
         try:
             filesystem, pattern = fsspec.core.url_to_fs(config.files)

@@ -40,6 +40,24 @@ def _source(path, skip=0) -> Source:
     return open_stream(StreamConfig(files=str(path)), skip=skip)
 
 
+def epoch_keys(source: Source, readers: int = 4) -> list[str]:
+    """The keys every one of `readers` readers (2 ranks x 2 workers) reads in an epoch, all together."""
+    return [key for slot in range(readers)
+            for key, _ in SourceStream(source, slot, readers, seed=0, buffer_size=5, epochs=1)]
+
+
+def resumed_and_uninterrupted(source: Source, read: int = 11, more: int = 30) -> tuple[list, list]:
+    """A reader's next `more` samples (keys and records) after `read`: resumed from its state (through
+    JSON), and uninterrupted."""
+    reader = SlotReader([source], 1, 2, seed=3, buffer_size=4)
+    for _ in range(read):
+        next(reader)
+    state = json.loads(json.dumps(reader.state()))
+    expected = [next(reader) for _ in range(more)]
+    resumed = SlotReader([source], 1, 2, seed=3, buffer_size=4, state=state)
+    return [next(resumed) for _ in range(more)], expected
+
+
 def test_a_streamed_jsonl_file_holds_the_records_load_jsonl_reads(jsonl):
     source = _source(jsonl)
     streamed = [source.record(row) for _, row in source.rows()]
@@ -59,9 +77,7 @@ def test_a_streamed_jsonl_file_holds_the_records_load_jsonl_reads(jsonl):
 
 def test_every_record_of_an_epoch_is_read_by_exactly_one_of_two_ranks_by_two_workers(jsonl):
     source = _source(jsonl)
-    every = [key for key, _ in source.rows()]
-    read = [key for slot in range(4)
-            for key, _ in SourceStream(source, slot, 4, seed=0, buffer_size=5, epochs=1)]
+    every, read = [key for key, _ in source.rows()], epoch_keys(source)
     assert sorted(read) == sorted(every) and len(set(read)) == len(every) == 40 + BAD
 
 
@@ -72,14 +88,8 @@ def test_held_out_lines_are_never_streamed(jsonl):
 
 
 def test_a_jsonl_stream_resumed_from_its_state_continues_exactly(jsonl):
-    sources = [_source(jsonl)]
-    reader = SlotReader(sources, 1, 2, seed=3, buffer_size=4)
-    for _ in range(11):
-        next(reader)
-    state = json.loads(json.dumps(reader.state()))
-    expected = [next(reader) for _ in range(30)]  # into the next epoch
-    resumed = SlotReader(sources, 1, 2, seed=3, buffer_size=4, state=state)
-    assert [next(resumed) for _ in range(30)] == expected
+    resumed, expected = resumed_and_uninterrupted(_source(jsonl), more=30)  # into the next epoch
+    assert resumed == expected
 
 
 def test_ratings_on_a_jsonl_stream_are_a_clear_error(jsonl):
