@@ -70,7 +70,8 @@ def quantize(model: nn.Module, method: str, vision: bool = False, empty: bool = 
     embedding stays in float, as in gpt-fast and torchao (a lookup reads one row a token), and so does an
     output head tied to it (transformers' torchao integration keeps a tied head: quantizing it would quantize
     the embedding too); an untied head is quantized like the other linears, as gpt-fast does. Merge adapters
-    first (models/lora.py). With `empty`, the quantized weights are zeros, to be loaded (`quantize_as`)."""
+    first (models/lora.py). With `empty`, the quantized weights are placeholders, to be loaded
+    (`quantize_as`)."""
     from models.lora import has_adapters
 
     weight = next(model.language.parameters())
@@ -89,22 +90,23 @@ def quantize(model: nn.Module, method: str, vision: bool = False, empty: bool = 
 def quantize_linears(module: nn.Module, method: str, keep: set[int] = frozenset(), empty: bool = False
                      ) -> None:
     """Every linear layer under `module` (any model's: transformers' too) quantized with `method`, in place,
-    except those whose weight's id is in `keep` and those the int4 kernel cannot take; with `empty`, to zeros
-    (no rounding), to be loaded."""
+    except those whose weight's id is in `keep` and those the int4 kernel cannot take; with `empty`, to be
+    loaded: each weight a placeholder of no storage (its shape, dtype and device) whose state dict gives the
+    shapes of the plain tensors to load (without packing zeros, or unpacking anything to learn them), and
+    loading puts the torchao weight built from those tensors in its place."""
     quantize_, config_for = torchao_quantizer(method)
     for linear in module.modules():
         config = config_for(linear) if isinstance(linear, nn.Linear) else None
         if config is None or id(linear.weight) in keep:
             continue
         if empty:
-            zeros = {suffix: torch.zeros(shape, dtype=dtype)
-                     for suffix, (shape, dtype) in _plain_shapes(method, *linear.weight.shape).items()}
-            weight = from_plain(method, zeros, linear.weight.dtype, linear.weight.device)
-            linear.weight = nn.Parameter(weight, requires_grad=False)
+            weight = linear.weight
+            placeholder = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+            linear.weight = nn.Parameter(placeholder, requires_grad=False)
         else:
             quantize_(linear, config)
-        linear.register_state_dict_post_hook(_save_plain)
-        linear.register_load_state_dict_pre_hook(_load_plain)
+        linear.register_state_dict_post_hook(functools.partial(_save_plain, method))
+        linear.register_load_state_dict_pre_hook(functools.partial(_load_plain, method))
 
 
 def quantize_as(model: nn.Module, saved: dict[str, str]) -> nn.Module:
@@ -231,26 +233,32 @@ def from_plain(method: str, tensors: dict[str, Tensor], dtype: torch.dtype, devi
         raise QuantizationError(f"int4 weights load on a CPU, not on {device.type}: load the float model and "
                                 "quantize it there")
     # tinygemm's CPU packing of the values, and its [K/32, N, 2] scales and zeros
-    values = _unpacked(values)
+    values = _unpacked(values.int())
     scale_and_zero = torch.stack([scale, tensors["_zero"].to(device)], dim=-1).transpose(0, 1)
-    return Int4OpaqueTensor(torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.int(), 1),
+    return Int4OpaqueTensor(torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1),
                             scale_and_zero.to(dtype).contiguous(), [1, INT4_GROUP_SIZE], values.shape)
 
 
-def _save_plain(linear: nn.Module, state: dict, prefix: str, _metadata) -> None:
-    """State-dict hook of a quantized linear layer: its weight as `plain` tensors."""
+def _save_plain(method: str, linear: nn.Module, state: dict, prefix: str, _metadata) -> None:
+    """State-dict hook of a `method`-quantized linear layer: its weight as `plain` tensors; for a placeholder
+    not loaded yet (`quantize_linears`' `empty`), tensors of their shapes and dtypes on the meta device (no
+    data: what `load_checked` compares a file's with)."""
     weight = state.pop(prefix + "weight")
-    state.update({f"{prefix}weight{suffix}": tensor for suffix, tensor in plain(weight).items()})
+    tensors = plain(weight) if type(weight).__name__ in KINDS else {
+        suffix: torch.empty(shape, dtype=dtype, device="meta")
+        for suffix, (shape, dtype) in _plain_shapes(method, *weight.shape).items()}
+    state.update({f"{prefix}weight{suffix}": tensor for suffix, tensor in tensors.items()})
 
 
-def _load_plain(linear: nn.Module, state: dict, prefix: str, *_) -> None:
-    """Load hook of a quantized linear layer: its `plain` tensors, where the state dict holds them, read back
-    as the torchao weight they were."""
-    method = KINDS[type(linear.weight).__name__]
+def _load_plain(method: str, linear: nn.Module, state: dict, prefix: str, *_) -> None:
+    """Load hook of a `method`-quantized linear layer: its `plain` tensors, where the state dict holds them,
+    built into the torchao weight they were, which takes the layer's weight's place (load_state_dict's copy
+    of it into the layer's weight is then a copy onto itself: nothing)."""
     keys = [f"{prefix}weight{suffix}" for suffix in _plain_shapes(method, 1, INT4_GROUP_SIZE)]
     if all(key in state for key in keys) and state[keys[0]].dtype in (torch.int8, torch.uint8):
         tensors = {key.removeprefix(prefix + "weight"): state.pop(key) for key in keys}
-        state[prefix + "weight"] = from_plain(method, tensors, linear.weight.dtype, linear.weight.device)
+        weight = from_plain(method, tensors, linear.weight.dtype, linear.weight.device)
+        linear.weight = state[prefix + "weight"] = nn.Parameter(weight, requires_grad=False)
 
 
 def _unpack_int4_cpu(packed: Tensor, rows: int, columns: int) -> Tensor:
@@ -277,9 +285,9 @@ def _int4_cpu_layout(rows: int, columns: int) -> Tensor:
 
 
 def _unpacked(packed: Tensor) -> Tensor:
-    """A uint8 tensor's 4-bit halves [..., 2 * columns], each byte's low half first."""
-    shifts = torch.tensor([0, 4], dtype=torch.uint8, device=packed.device)
-    return (packed.unsqueeze(-1) >> shifts & 15).flatten(-2)
+    """The 4-bit halves [..., 2 * columns] of bytes (uint8, or their values in a wider integer dtype, kept),
+    each byte's low half first."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
 
 
 def shared_parameters(model: nn.Module) -> set[int]:
@@ -290,6 +298,7 @@ def shared_parameters(model: nn.Module) -> set[int]:
     return shared
 
 
+@functools.cache  # from_plain asks for it once a weight
 def torchao_quantizer(method: str):
     """torchao's `quantize_`, and a function from a linear layer to its torchao config (None: stays float),
     imported here so that everything else runs without torchao."""

@@ -8,6 +8,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 
+import models.quantize
 from models import LanguageModel
 from models.quantize import load_quantized_language_model
 from models.weights import CheckpointError
@@ -100,13 +101,18 @@ def test_a_gguf_llama_loads_with_transformers_logits(tmp_path, tie, matrices):
     torch.testing.assert_close(actual_fused, expected, atol=1e-4, rtol=0)
 
 
+def _no_unpacking(*_):
+    raise AssertionError("an int4 weight was unpacked")
+
+
 @pytest.mark.parametrize("mixed", [False, True], ids=["q4_1", "mixed"])
-def test_int4_reads_q4_1_blocks_as_they_are(tmp_path, mixed):
+def test_int4_reads_q4_1_blocks_as_they_are(tmp_path, mixed, monkeypatch):
     """load_quantized_language_model(gguf, "int4"): each Q4_1 matrix (blocks of 32 4-bit q with a
     scale d and a minimum m: w = d * q + m) becomes an int4 weight holding the file's q unchanged, and the
     logits are those of the model de-quantized to float32 (gguf's own dequantize), to float32 rounding.
     Mixed: a float32 matrix (holding values on Q4_1's grid) is quantized as it loads, and a Q4_1 head of 120
-    rows (not a multiple of 16: int4's kernel leaves it float) is de-quantized."""
+    rows (not a multiple of 16: int4's kernel leaves it float) is de-quantized. An all-Q4_1 file loads
+    without unpacking any int4 weight (before, every one was unpacked to learn the shapes to load)."""
     pytest.importorskip("torchao")
     reference = save_tiny_llama(tmp_path / "hf", tie=False, vocab_size=120 if mixed else 128)
     float32 = ("blk.0.ffn_down.weight",) if mixed else ()
@@ -115,7 +121,10 @@ def test_int4_reads_q4_1_blocks_as_they_are(tmp_path, mixed):
         weight.copy_(torch.from_numpy(dequantize(quantize(weight.numpy(), GGMLQuantizationType.Q4_1),
                                                  GGMLQuantizationType.Q4_1)))
     _write_gguf(tmp_path / "model.gguf", reference, matrices=GGMLQuantizationType.Q4_1, float32=float32)
-    direct = load_quantized_language_model(tmp_path / "model.gguf", "int4")
+    with monkeypatch.context() as patch:
+        if not mixed:  # (mixed: the float32 matrix is quantized, then read back as plain int4 tensors)
+            patch.setattr(models.quantize, "_unpack_int4_cpu", _no_unpacking)
+        direct = load_quantized_language_model(tmp_path / "model.gguf", "int4")
     float_model = LanguageModel.from_pretrained(tmp_path / "model.gguf")
     saved = direct.state_dict()  # the int4 weights' q, two a byte (models/quantize.py), the parts' names
     names = {**{f"blk.{i}.{gguf}.weight": f"blocks.{i}.{hf.replace('self_attn', 'attn')}.weight"
