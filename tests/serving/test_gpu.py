@@ -99,3 +99,21 @@ def test_a_decode_step_does_not_sync_with_the_device(model, params):
             engine.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_quantized_engine_captures_its_graphs_and_gives_the_eager_tokens(method):
+    """torchao's CUDA weights (int8; int4's tile-packed tinygemm layout, bfloat16 only) inside the captured
+    decode step: a graph per bucket, and the tokens of the same quantized engine run eagerly."""
+    from models.quantize import quantize
+    from tests.models.helpers import fused_copy
+
+    pytest.importorskip("torchao")
+    model = quantize(fused_copy(tiny_vlm(seed=1)).cuda().to(torch.bfloat16), method)
+    graphed, eager = _engine(model, cuda_graphs=True), _engine(model, cuda_graphs=False)
+    assert sorted(graphed.runner.graphs.graphs) == [1, 2, 4, 8, 16, 32, 40]
+    for count in (1, 3, 16, 33):
+        requests = _requests(count)
+        assert [r.token_ids for r in graphed.generate(requests)] == [
+            r.token_ids for r in eager.generate(requests)
+        ], count
