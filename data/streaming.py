@@ -152,12 +152,14 @@ class Source:
 
     def read_keys(self, keys: list[Key]) -> dict[Key, dict[str, Any]]:
         """The raw rows of `keys` (of this source's units), read a unit at a time."""
+        by_file: dict[str, list[tuple[int, Any]]] = defaultdict(list)
+        for index, unit in enumerate(self.units):
+            by_file[unit.file].append((index, unit))
         wanted: dict[int, list[int]] = defaultdict(list)
         for key in keys:
             file, _, number = key.rpartition("#")
-            found = next(((index, unit) for index, unit in enumerate(self.units)
-                          if unit.file == file and unit.offset + unit.start <= int(number)
-                          < unit.offset + unit.stop), None)
+            found = next(((index, unit) for index, unit in by_file.get(file, [])
+                          if unit.offset + unit.start <= int(number) < unit.offset + unit.stop), None)
             if found is None:
                 raise StreamError(f"{key}: no such sample in {self.name}; were its files changed during the "
                                   "run?")
