@@ -364,8 +364,9 @@ def test_structured_answers_validate_and_leave_free_requests_in_the_same_steps_u
 
 
 def test_an_answer_its_schema_cannot_finish_ends_cut_short_not_with_a_forced_stop_token():
-    """Regression: a schema an answer can begin but never finish (its required property is only a reference
-    to itself) allows no token after `{"a":`. That row's logits were all masked, the sampler took token 0
+    """Regression: a schema an answer can begin but never finish (its required property is only a choice of
+    itself, which every xgrammar compiles; >= 0.2.9 refuses a bare self-reference) allows no token after
+    `{"a":`. That row's logits were all masked, the sampler took token 0
     (a stop token of this model) and the answer ended "stop", looking complete; now it ends there, finish
     reason "length", and nothing is drawn from the masked row. A free request in the same steps is
     unchanged."""
@@ -376,7 +377,7 @@ def test_an_answer_its_schema_cannot_finish_ends_cut_short_not_with_a_forced_sto
     tokenizer = base_tokenizer()
     model = chat_vlm(tokenizer)
     schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/loop"}}, "required": ["a"],
-              "$defs": {"loop": {"$ref": "#/$defs/loop"}}}
+              "$defs": {"loop": {"anyOf": [{"$ref": "#/$defs/loop"}]}}}
     structure = Structure("json_schema", json.dumps(schema))
     stuck = [Request("well?", None, RequestParams(greedy=True, max_tokens=20, structure=structure)),
              Request("well?", None, RequestParams(temperature=1.0, seed=1, n=2, max_tokens=20,
