@@ -291,8 +291,8 @@ def test_structured_answers_through_the_openai_client(served):
 
 
 @pytest.mark.parametrize("schema, message", [
-    # only itself: it was served as "" with finish_reason "stop"; xgrammar >= 0.2.9 refuses a bare self-reference
-    # when compiling, older ones compile it and our check finds no first token
+    # only itself: it was served as "" with finish_reason "stop"; xgrammar >= 0.2.9 refuses a bare
+    # self-reference when compiling, older ones compile it and our check finds no first token
     ({"$ref": "#"}, "the json schema "),
     ({"anyOf": [{"$ref": "#"}]}, "admits no answer"),  # compiles in every xgrammar; no first token
     ({"type": "no-such-type"}, 'cannot be compiled (Unsupported type "no-such-type")'),
