@@ -132,9 +132,9 @@ def load_for_inference(checkpoint: str | Path | None, device: torch.device, allo
                        runs: Path = RUNS, quantization: str | None = None, quantize_vision: bool = False):
     """`load_with_processor`'s model and processor, the model's projections fused for inference
     (`VisionLanguageModel.fuse_projections`: fewer kernels a step, the same outputs and state dict), then,
-    given a `quantization` ("int8", "int4"), its language model's linears (and with `quantize_vision` its
-    ViT's) quantized weight-only (models/quantize.py; an adapter is merged in before). A checkpoint saved
-    quantized loads quantized: a `quantization` that is its own is already applied."""
+    given a `quantization` ("int8", "int4", "int8-dynamic"), its language model's linears (and with
+    `quantize_vision` its ViT's) quantized (models/quantize.py; an adapter is merged in before). A checkpoint
+    saved quantized loads quantized: a `quantization` that is its own is already applied."""
     model, processor = load_with_processor(checkpoint, device, allow_pickle, runs)
     model.fuse_projections()
     if quantization is not None and set(describe(model).values()) != {quantization}:

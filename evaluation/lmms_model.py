@@ -12,7 +12,7 @@ settings say: data/video.py). `generate_until` runs all of a task's requests thr
 (batched, greedy unless the task asks for a temperature); `loglikelihood` scores continuations with the
 model's log-probabilities. Any setting of the engine (serving/config.py ServingConfig) is a model argument of
 the same name: `--model_args checkpoint=runs/tiny,kv_cache_mib=2048,attention=gather`; `quantize=int8` (or
-int4) quantizes the language model's linears weight-only (models/quantize.py), `quantize_vision=True` the
+int4, int8-dynamic) quantizes the language model's linears (models/quantize.py), `quantize_vision=True` the
 ViT's too. A document's images or clip are read and encoded only when its turn comes: at most
 `max_pending` documents (default: twice `batch_size`) are held encoded at once in `generate_until`, and
 `batch_size` in `loglikelihood`, however many a task has (a 64-frame clip of 512 px is ~200 MB encoded).
@@ -51,8 +51,8 @@ class TinyVLM(lmms):
     """`checkpoint`: a directory or hub id (None: the newest run under runs/); `batch_size`: the rows of a
     log-likelihood forward, and the engine's sequences at once unless `max_num_seqs` says; `serving`: any
     other ServingConfig field by name (values as lmms-eval parses them, or as text). lmms-eval also passes its
-    `max_batch_size`, which changes nothing; `quantize`: "int8" or "int4" weights (`quantize_vision`: the
-    ViT's too); `max_pending`: the documents `generate_until` holds encoded at once (default: twice
+    `max_batch_size`, which changes nothing; `quantize`: "int8", "int4" or "int8-dynamic" (`quantize_vision`:
+    the ViT's too); `max_pending`: the documents `generate_until` holds encoded at once (default: twice
     `batch_size`, so that the engine's seats refill from encoded ones). A checkpoint that cannot be loaded, a
     quantization that cannot run or engine settings that do not fit end the process: one line, exit code
     2."""

@@ -1,18 +1,25 @@
-"""Weight-only int8 / int4 quantization of a VisionLanguageModel's linear layers for inference, through
-torchao (gpt-fast's int8 and int4 weight-only schemes): the weights are stored in 8 or 4 bits and de-quantized
-inside the matmul, activations stay in the model's dtype. Decoding a batch of a few rows reads every weight
+"""int8 / int4 quantization of a VisionLanguageModel's linear layers for inference, through torchao:
+weight-only (gpt-fast's int8 and int4 schemes: the weights are stored in 8 or 4 bits and de-quantized inside
+the matmul, activations stay in the model's dtype), or int8 weights with int8 dynamic activations (each input
+row rounded to int8 as it comes, an int8 x int8 matmul). Decoding a batch of a few rows reads every weight
 once a step, so its time follows the weights' bytes.
 
     model = quantize(model, "int8")                # the language model's linears: int8, one scale per row
-    model = quantize(model, "int4", vision=True)   # and the ViT's: int4 in groups of 32-128 weights
+    model = quantize(model, "int4", vision=True)   # and the ViT's: int4 in groups of 32 weights
+    model = quantize(model, "int8-dynamic")        # int8 weights and int8 activations (a CPU's batches)
     describe(model)                                # {"language": "int8", ...}: what is quantized
     weights_summary(model)                         # "22.1 MiB (language int8; 90.4 MiB in float32)"
 
 int8: symmetric, one scale per output row (torchao's Int8WeightOnlyConfig). int4: asymmetric groups of 32
 weights along the input (gpt-fast's and GGUF Q4_1's group), a scale and a zero point each, packed for
 tinygemm's kernels (torchao's CPU `Int4OpaqueTensor`, on a GPU its tile-packed layout in bfloat16). A layer
-whose shape the int4 kernel cannot take stays in float. Fuse first (`fuse_projections`), then quantize: a
-fused q/k/v layer's rows and groups are its parts' rows and groups, so the numbers are the same either way.
+whose shape the int4 kernel cannot take stays in float. int8-dynamic (torchao's
+Int8DynamicActivationInt8WeightConfig, on a CPU with AVX512-VNNI): int8's weights, and each row of a layer's
+input (a token) rounded symmetrically to int8 when it is multiplied, with its own scale, max |x| / 127.5
+(float32; q = round(x * (1 / scale)), half to even, clamped to [-128, 127]: the row's largest negative value,
+if the largest in magnitude, lands on a tie, -128 or -127 as float32 rounds); the int32 products times both
+scales. Fuse first (`fuse_projections`), then quantize: a fused q/k/v layer's rows and groups are its parts'
+rows and groups, so the numbers are the same either way.
 
 Saved (`save_pretrained`): a quantized layer's state dict holds its plain integers, scales and zero points,
 row by row (so a fused layer splits into its parts' entries), in safetensors, and config.json says what is
@@ -21,9 +28,9 @@ quantized (`"quantization": {"language": "int4"}`, as transformers records its `
 own flattened tensors: the CPU int4 packing depends on the CPU's vector width (AVX-512 and AVX2 interleave
 rows differently), which is why torchao's safetensors support leaves `Int4OpaqueTensor` out.
 
-    KEY.weight        int8: the int8 values [N, K]; int4: two 4-bit values q a byte, the even column's in the
-                      low 4 bits [N, K/2]
-    KEY.weight_scale  int8: the row's scale [N, 1]; int4: each group's scale [N, K/32]
+    KEY.weight        int8 (and int8-dynamic): the int8 values [N, K]; int4: two 4-bit values q a byte, the
+                      even column's in the low 4 bits [N, K/2]
+    KEY.weight_scale  int8 (and int8-dynamic): the row's scale [N, 1]; int4: each group's scale [N, K/32]
     KEY.weight_zero   int4 only: each group's zero [N, K/32]; w = (q - 8) * scale + zero (tinygemm's grid)
 """
 
@@ -37,13 +44,20 @@ from torch import Tensor, nn
 
 from models.errors import TinyVLMError
 
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "int8-dynamic")
 INT4_GROUP_SIZE = 32  # the finest group torchao's int4 kernels take (128 and 64 cost SmolLM2-135M far more)
 INT4_ROWS_MULTIPLE = 16  # tinygemm's CPU packing takes output widths that are multiples of 16
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-INT4_DTYPES = {"cpu": FLOAT_DTYPES, "cuda": (torch.bfloat16,)}  # tinygemm: CPU any float, CUDA bfloat16
-# torchao's weight tensors by kind (its class names: importing them would import torchao)
+# where a quantization runs, by device type, when not everywhere int8 does: tinygemm's int4 on a CPU in any
+# float, on CUDA in bfloat16; int8-dynamic on a CPU only (on CUDA torch._int_mm refuses fewer than 17 rows:
+# every decode step of a smaller batch; not checked on a GPU yet)
+RUNS_ON = {"int4": {"cpu": FLOAT_DTYPES, "cuda": (torch.bfloat16,)}, "int8-dynamic": {"cpu": FLOAT_DTYPES}}
+# torchao's weight tensors by kind (its class names: importing them would import torchao); an Int8Tensor that
+# also rounds its input (`act_quant_kwargs`) is int8-dynamic's
 KINDS = {"Int8Tensor": "int8", "Int4OpaqueTensor": "int4", "Int4TilePackedTo4dTensor": "int4"}
+CUDA_INT4 = "Int4TilePackedTo4dTensor"  # not saved yet: no unpacking of its layout written
+CUDA_INT4_UNSAVED = ("int4 weights packed for CUDA cannot be saved yet: save the float model and quantize it "
+                     "when it loads (--quantize int4)")
 
 
 class QuantizationError(TinyVLMError, ValueError):
@@ -57,16 +71,29 @@ def check_supported(method: str, device: torch.device, dtype: torch.dtype) -> No
         raise QuantizationError(f"unknown quantization {method!r}: choose one of {', '.join(QUANTIZATIONS)}")
     if dtype not in FLOAT_DTYPES:
         raise QuantizationError(f"{method} quantizes float32, bfloat16 or float16 weights, not {dtype}")
-    if method == "int4" and dtype not in INT4_DTYPES.get(device.type, ()):
+    runs_on = RUNS_ON.get(method)
+    if runs_on is not None and dtype not in runs_on.get(device.type, ()):
         supported = ", ".join(f"{name} ({', '.join(str(d).removeprefix('torch.') for d in dtypes)})"
-                              for name, dtypes in INT4_DTYPES.items())
-        raise QuantizationError(f"int4 does not run with {str(dtype).removeprefix('torch.')} weights on "
+                              for name, dtypes in runs_on.items())
+        raise QuantizationError(f"{method} does not run with {str(dtype).removeprefix('torch.')} weights on "
                                 f"{device.type}: it runs on {supported}")
+    if method == "int8-dynamic" and not int8_matmul_exact():
+        raise QuantizationError("int8-dynamic needs an x86 CPU with AVX512-VNNI: without it torch's int8 "
+                                "matmul (oneDNN's) adds products in 16 bits that saturate, giving wrong "
+                                "sums; use int8")
+
+
+def int8_matmul_exact() -> bool:
+    """Whether this CPU's int8 x int8 matmul (torch._int_mm: oneDNN's) sums exactly: not on an x86 CPU
+    without AVX512-VNNI, where AVX2's pairwise 16-bit sums saturate (measured with oneDNN held to AVX2: wrong
+    sums for random int8 values; torchao's remedy, `reduce_range`, rounds to 7 bits instead)."""
+    capabilities = torch.cpu.get_capabilities()
+    return "avx2" not in capabilities or bool(capabilities.get("avx512_vnni"))
 
 
 def quantize(model: nn.Module, method: str, vision: bool = False, empty: bool = False) -> nn.Module:
     """`model` (a VisionLanguageModel) with its language model's linear layers, and with `vision` its ViT's,
-    quantized weight-only in place for inference (`method` "int8" or "int4"); returns the model. The token
+    quantized in place for inference (`method`: one of QUANTIZATIONS); returns the model. The token
     embedding stays in float, as in gpt-fast and torchao (a lookup reads one row a token), and so does an
     output head tied to it (transformers' torchao integration keeps a tied head: quantizing it would quantize
     the embedding too); an untied head is quantized like the other linears, as gpt-fast does. Merge adapters
@@ -122,13 +149,28 @@ def quantize_as(model: nn.Module, saved: dict[str, str]) -> nn.Module:
 
 def describe(model: nn.Module) -> dict[str, str]:
     """Each part of the model ("vision", "projector", "language") that has quantized weights, and how
-    ("int8", "int4"); empty for a float model."""
+    ("int8", "int4", "int8-dynamic"); empty for a float model."""
     found = {}
     for part, module in model.named_children():
-        kinds = {KINDS.get(type(p).__name__) for p in module.parameters()} - {None}
+        kinds = {kind(p) for p in module.parameters()} - {None}
         if kinds:
             found[part] = "+".join(sorted(kinds))
     return found
+
+
+def kind(weight: Tensor) -> str | None:
+    """How a weight is quantized (one of QUANTIZATIONS), or None for a float one."""
+    found = KINDS.get(type(weight).__name__)
+    if found == "int8" and weight.act_quant_kwargs is not None:  # torchao's Int8Tensor rounding its input too
+        return "int8-dynamic"
+    return found
+
+
+def check_savable(model: nn.Module) -> None:
+    """QuantizationError unless `save_pretrained` can write each of the model's quantized weights (`plain`):
+    not torchao's CUDA int4 layout yet."""
+    if any(type(p).__name__ == CUDA_INT4 for p in model.parameters()):
+        raise QuantizationError(CUDA_INT4_UNSAVED)
 
 
 def stored_bytes(tensor: torch.Tensor) -> int:
@@ -197,7 +239,7 @@ def _dequantized(packed: Tensor, scale: Tensor, zero: Tensor) -> Tensor:
 def _plain_shapes(method: str, rows: int, columns: int) -> dict[str, tuple[tuple[int, int], torch.dtype]]:
     """The shapes and dtypes of a [rows, columns] weight's plain tensors (the module docstring's), by suffix
     of the weight's key."""
-    if method == "int8":
+    if method != "int4":  # int8's, and int8-dynamic's: the same weights
         return {"": ((rows, columns), torch.int8), "_scale": ((rows, 1), torch.float32)}
     groups = ((rows, columns // INT4_GROUP_SIZE), torch.float32)
     return {"": ((rows, columns // 2), torch.uint8), "_scale": groups, "_zero": groups}
@@ -206,16 +248,15 @@ def _plain_shapes(method: str, rows: int, columns: int) -> dict[str, tuple[tuple
 def plain(weight: Tensor) -> dict[str, Tensor]:
     """A quantized weight's integers, scales and zero points as plain tensors whose rows are its rows, by
     suffix of the weight's key (the module docstring's layout)."""
-    kind = type(weight).__name__
-    if kind == "Int8Tensor":  # symmetric: its zero points are 0
+    name = type(weight).__name__
+    if name == "Int8Tensor":  # int8 and int8-dynamic; symmetric: its zero points are 0
         return {"": weight.qdata, "_scale": weight.scale}
-    if kind == "Int4OpaqueTensor":
+    if name == "Int4OpaqueTensor":
         scale, zero = weight.scale_and_zero.transpose(0, 1).unbind(-1)
         values = _unpack_int4_cpu(weight.qdata, *weight.shape)
         return {"": values[:, 0::2] | values[:, 1::2] << 4, "_scale": scale.contiguous(),
                 "_zero": zero.contiguous()}
-    raise QuantizationError(f"saving {kind} weights is not supported (int4 packed for CUDA): save the float "
-                            "model and quantize it when it is loaded")
+    raise QuantizationError(CUDA_INT4_UNSAVED)
 
 
 def from_plain(method: str, tensors: dict[str, Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -223,12 +264,15 @@ def from_plain(method: str, tensors: dict[str, Tensor], dtype: torch.dtype, devi
     of a `dtype` model on `device` that holds the `method`'s `plain` tensors, built from them as they are."""
     torchao_quantizer(method)  # torchao imported, or a one-line error
     from torchao.prototype.quantization.int4 import Int4OpaqueTensor
-    from torchao.quantization import Int8Tensor
+    from torchao.quantization import Int8Tensor, PerRow
+    from torchao.quantization.quantize_.workflows import QuantizeTensorToInt8Kwargs
 
     values, scale = tensors[""].to(device), tensors["_scale"].to(device)
-    if method == "int8":  # symmetric, a scale per row (torchao keeps zero points of 0 and float32 scales)
+    if method != "int4":  # symmetric, a scale per row (torchao keeps zero points of 0 and float32 scales)
+        # int8-dynamic: Int8DynamicActivationInt8WeightConfig's rounding of the input (per token, symmetric)
+        dynamic = QuantizeTensorToInt8Kwargs(granularity=PerRow()) if method == "int8-dynamic" else None
         return Int8Tensor(values, scale.float(), [1, values.shape[1]], dtype,
-                          zero_point=torch.zeros_like(scale, dtype=torch.int8))
+                          zero_point=torch.zeros_like(scale, dtype=torch.int8), act_quant_kwargs=dynamic)
     if device.type != "cpu":
         raise QuantizationError(f"int4 weights load on a CPU, not on {device.type}: load the float model and "
                                 "quantize it there")
@@ -307,7 +351,12 @@ def torchao_quantizer(method: str):
     try:
         quiet_import("torchao")
         from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
-        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+        from torchao.quantization import (
+            Int4WeightOnlyConfig,
+            Int8DynamicActivationInt8WeightConfig,
+            Int8WeightOnlyConfig,
+            quantize_,
+        )
     except ImportError:
         raise QuantizationError("quantization needs torchao: pip install 'tinyvlm[quantize]'") from None
 
@@ -321,5 +370,8 @@ def torchao_quantizer(method: str):
                                         set_inductor_config=False)
         return PrototypeInt4WeightOnlyConfig(group_size=INT4_GROUP_SIZE, set_inductor_config=False)
 
-    int8 = Int8WeightOnlyConfig(set_inductor_config=False)
-    return quantize_, int4 if method == "int4" else lambda linear: int8
+    if method == "int4":
+        return quantize_, int4
+    int8 = (Int8DynamicActivationInt8WeightConfig if method == "int8-dynamic" else Int8WeightOnlyConfig)(
+        set_inductor_config=False)
+    return quantize_, lambda linear: int8

@@ -27,7 +27,7 @@ from models.kv_cache import repeat_rows
 from models.language_model import LanguageModel
 from models.linear_cross_entropy import head_and_loss
 from models.modality_projector import ModalityProjector
-from models.quantize import describe, quantize_as
+from models.quantize import check_savable, describe, quantize_as
 from models.sampling import SamplingParams, sample
 from models.vision_transformer import VisionTransformer
 from models.weights import atomic_write, load_checked, read_json, save_weights
@@ -259,6 +259,13 @@ class VisionLanguageModel(nn.Module, PyTorchModelHubMixin, library_name="tinyvlm
         EOS."""
         settings.setdefault("stop_check_every", STOP_CHECK_INTERVAL)
         return torch.stack(list(self.stream(input_ids, images, attention_mask, **settings)), dim=1)
+
+    def save_pretrained(self, save_directory: str | Path, **settings) -> str | None:
+        """huggingface_hub's `save_pretrained`, refused in one line before it creates the directory or removes
+        a config.json there for a model whose quantized weights cannot be saved (models/quantize.py
+        `check_savable`)."""
+        check_savable(self)
+        return super().save_pretrained(save_directory, **settings)
 
     def _save_pretrained(self, save_directory: Path) -> None:
         """config.json + model.safetensors, each written atomically (temporary file, fsync, rename). A

@@ -24,7 +24,7 @@ from loading import load_for_inference
 from models import VisionLanguageModel
 from models.quantize import quantize
 from tests.models import helpers
-from tests.models.helpers import tiny_vlm_config
+from tests.models.helpers import INT8_DYNAMIC, tiny_vlm_config
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def test_num_samples_prints_each_sample_from_one_prefill(random_checkpoint, imag
     assert len(set(expected)) > 1  # the samples differ, so each row is printed from its own tokens
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", INT8_DYNAMIC])
 def test_quantize_answers_with_the_quantized_models_greedy_answer_and_says_so(random_checkpoint, image,
                                                                               capsys, method):
     pytest.importorskip("torchao")
@@ -115,7 +115,7 @@ def test_quantize_answers_with_the_quantized_models_greedy_answer_and_says_so(ra
     assert re.search(rf"weights: [\d.]+ MiB \(language {method}; [\d.]+ MiB in float32\)$", err.strip()), err
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", INT8_DYNAMIC])
 def test_a_checkpoint_saved_quantized_answers_as_the_float_one_quantized_at_load(random_checkpoint, image,
                                                                                  capsys, tmp_path, method):
     """save_pretrained of a quantized model, then generate.py --checkpoint on it (no --quantize): the answer
@@ -137,7 +137,7 @@ def test_an_unknown_quantization_is_refused_before_loading(capsys):
     assert exit.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]  # after argparse's usage lines; quotes by version
     assert re.fullmatch(r"\S+: error: argument --quantize: invalid choice: 'int3' "
-                        r"\(choose from '?int8'?, '?int4'?\)", last), last
+                        r"\(choose from '?int8'?, '?int4'?, '?int8-dynamic'?\)", last), last
 
 
 @pytest.mark.slow

@@ -105,7 +105,7 @@ def test_quantize_serves_the_quantized_models_answers_and_a_bad_one_exits_2(tmp_
         TinyVLM(checkpoint=str(tmp_path), device="cpu", quantize="int3")
     assert ended.value.code == 2  # the last line: torchao's import may log a deprecation note before it
     assert capsys.readouterr().err.strip().splitlines()[-1] == ("error: unknown quantization 'int3': choose "
-                                                                 "one of int8, int4")
+                                                                 "one of int8, int4, int8-dynamic")
 
 
 def test_a_checkpoint_that_cannot_load_exits_2_with_one_line(tmp_path):

@@ -15,6 +15,7 @@ from torch import nn
 
 from models import LanguageConfig, VisionConfig, VisionLanguageModel, VLMConfig
 from models.fused_linear import fuse_projections
+from models.quantize import int8_matmul_exact
 
 # Triton kernels on CPU tensors run in Triton's interpreter, which tests/conftest.py turns on where there is
 # no GPU.
@@ -302,3 +303,9 @@ def base_tokenizer_dir(directory: Path,
                                         bos_token="<|im_start|>")
     tokenizer.save_pretrained(directory)
     return len(tokenizer)
+
+
+# int8-dynamic as a test parameter: refused on an x86 CPU without AVX512-VNNI (models/quantize.py), so its
+# cases skip there
+INT8_DYNAMIC = pytest.param("int8-dynamic", marks=pytest.mark.skipif(
+    not int8_matmul_exact(), reason="int8-dynamic needs AVX512-VNNI on an x86 CPU"))

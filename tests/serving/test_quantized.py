@@ -1,21 +1,23 @@
-"""The engine serves a weight-only quantized model (models/quantize.py) with the quantized model's own greedy
-tokens (`generate` on each request alone), under continuous batching, chunked prefill and preemption."""
+"""The engine serves a quantized model (models/quantize.py) with the quantized model's own greedy tokens
+(`generate` on each request alone), under continuous batching, chunked prefill and preemption."""
 
 import pytest
 
 from models.quantize import quantize
 from serving.config import ServingConfig
 from serving.engine import Engine
-from tests.models.helpers import fused_copy, tiny_vlm
+from tests.models.helpers import INT8_DYNAMIC, fused_copy, tiny_vlm
 from tests.serving.test_engine import _alone, _requests, _serve
 
 pytest.importorskip("torchao")
 
 
-def test_a_quantized_model_serves_its_own_greedy_tokens():
+@pytest.mark.parametrize("method", ["int4", INT8_DYNAMIC])
+def test_a_quantized_model_serves_its_own_greedy_tokens(method):
     """int4: torchao's packed tinygemm weight (int8's plain int8 weight takes the same path: the engine leaves
-    tensor-subclass weights to their own forward)."""
-    model = quantize(fused_copy(tiny_vlm(seed=1)), "int4")  # fused, then quantized, as load_for_inference
+    tensor-subclass weights to their own forward); int8-dynamic: each row of a batch rounded to int8 with its
+    own scale, so a request's rows compute as they do alone."""
+    model = quantize(fused_copy(tiny_vlm(seed=1)), method)  # fused, then quantized, as load_for_inference
     requests = _requests()
     engine = Engine(model, config=ServingConfig(num_blocks=40, block_size=8, max_num_seqs=8,
                                                 max_batch_tokens=10))
