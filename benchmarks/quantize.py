@@ -1,13 +1,12 @@
-"""Decode speed and weight bytes of weight-only int8 / int4 (models/quantize.py) against float, side by side
-in one run on the same random weights (SmolLM2-135M shape, benchmarks/decode.py's models), greedy.
+"""Decode speed and weight bytes of int8 / int4 / int8-dynamic (models/quantize.py) against float, side by
+side in one run on the same random weights (SmolLM2-135M shape, benchmarks/decode.py's models), greedy.
 
-    python benchmarks/quantize.py                         # CPU: batch 1 and 8, float32 / int8 / int4
+    python benchmarks/quantize.py                         # CPU: batch 1 and 8, float32 and each quantization
     python benchmarks/quantize.py --device cuda --dtype bfloat16 --batch-sizes 1
 
 Each quantization runs through tinyvlm's compiled decode step ("fast") and eagerly, and through transformers'
 `generate` (dynamic cache) with torchao's same config applied to its Llama's linears (its tied head kept, as
-tinyvlm keeps it). "int8 dyn" is torchao's int8 dynamic-activation int8-weight config on the same layers: not
-offered by --quantize; measured here to see whether it would be worth it. ms/step as in decode.py: (time(N new
+tinyvlm keeps it). ms/step as in decode.py: (time(N new
 tokens) - time(1)) / (N - 1). Each row's floor: its weights' bytes (what a decode step reads at least once)
 at the rate this device reads a buffer of the float model's size; "x float" is its step against the float
 model's in the same method and batch, the quantizations timed in turn, round after round (the median of
@@ -29,9 +28,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import hardware, write_result  # noqa: E402
 from benchmarks.decode import bandwidth_floor_ms, build_models, make_runner, timed  # noqa: E402
-from models.quantize import quantize, quantize_linears, stored_bytes, torchao_quantizer  # noqa: E402
+from models.quantize import QUANTIZATIONS as OFFERED  # noqa: E402
+from models.quantize import quantize, quantize_linears, stored_bytes  # noqa: E402
 
-QUANTIZATIONS = ("float", "int8", "int4", "int8 dyn")
+QUANTIZATIONS = ("float", *OFFERED)
 METHODS = ("tinyvlm fast", "tinyvlm eager", "transformers dynamic")
 
 
@@ -45,17 +45,6 @@ def quantized_pair(reference: nn.Module, ours: nn.Module, name: str) -> tuple[nn
     reference, ours = copy.deepcopy(reference), copy.deepcopy(ours).fuse_projections()
     if name == "float":
         return reference, ours, 0.0
-    if name == "int8 dyn":
-        from torchao.quantization import Int8DynamicActivationInt8WeightConfig
-
-        quantize_ = torchao_quantizer("int8")[0]
-        config = Int8DynamicActivationInt8WeightConfig(set_inductor_config=False)
-        start = time.perf_counter()
-        quantize_(ours.language, config, filter_fn=lambda module, fqn: isinstance(module, nn.Linear)
-                  and fqn != "head")
-        seconds = time.perf_counter() - start
-        quantize_(reference.model, config)
-        return reference, ours, seconds
     start = time.perf_counter()
     quantize(ours, name)
     seconds = time.perf_counter() - start

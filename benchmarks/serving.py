@@ -4,6 +4,7 @@ ignored.
     python benchmarks/serving.py                          # CPU: 64 requests, prompts and outputs 16-256
     python benchmarks/serving.py --workloads 16 --max-len 64 --methods engine static      # a quick look
     python benchmarks/serving.py --methods engine --quantize int8    # the engine on float32 and int8 weights
+    python benchmarks/serving.py --methods engine engine-compiled --quantize int8 int8-dynamic
     python benchmarks/serving.py --device cuda --workloads 256 1024 nanovllm --max-num-seqs 256 \\
         --compile-static
 
@@ -50,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import hardware  # noqa: E402
 from benchmarks.decode import build_models, synchronize  # noqa: E402
 from benchmarks.quantize import quantized_pair  # noqa: E402
+from models.quantize import QUANTIZATIONS  # noqa: E402
 from serving.config import ServingConfig  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.requests import (
@@ -281,7 +283,7 @@ def write(results: dict[str, list[dict]], failures: list[str], args, device, tit
     plot(results, stem.with_suffix(".png"), title)
 
 def result_stem(args, device: torch.device) -> str:
-    return f"serving-{device.type}" + (f"-{args.quantize}" if args.quantize else "")
+    return "-".join([f"serving-{device.type}", *args.quantize])
 
 
 def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
@@ -327,10 +329,10 @@ def parse_args() -> argparse.Namespace:
                         help="hf-one serves this many of the requests (default: all)")
     parser.add_argument("--hf-cb-requests", type=int, help="hf-cb serves this many of them (default: all)")
     parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--quantize", choices=("int8", "int4"),
+    parser.add_argument("--quantize", nargs="+", choices=QUANTIZATIONS, default=[],
                         help="each method also on copies quantized so (benchmarks/quantize.py's: ours fused, "
                              "transformers' with the same torchao config): rows 'METHOD int8', written to "
-                             "serving-DEVICE-int8.*")
+                             "serving-DEVICE-int8.* (serving-DEVICE-int8-int4.* for two)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     return parser.parse_args()
 
@@ -344,8 +346,8 @@ def main() -> None:
     ours.fuse_projections()  # as load_for_inference gives it to generate.py and the server
     # each method on the float models, and with --quantize on quantized copies too ("engine int8")
     variants = {"": (reference, ours)}
-    if args.quantize:
-        variants[f" {args.quantize}"] = quantized_pair(reference, ours, args.quantize)[:2]
+    for method in args.quantize:
+        variants[f" {method}"] = quantized_pair(reference, ours, method)[:2]
     title = (f"SmolLM2-135M shape, random weights, {args.dtype}, greedy, EOS ignored; engine: max_num_seqs "
              f"{args.max_num_seqs}, max_batch_tokens {args.max_batch_tokens}, {args.kv_blocks} blocks of "
              f"{args.block_size}; {hardware(device)}; torch {torch.__version__}")
