@@ -16,6 +16,8 @@
 #                                      # losses and gradients of SDPA under the dense mask), then nanovlm-222m
 #                                      # compiled training on 512-token rows packing 4 samples, dense mask vs
 #                                      # FlexAttention
+#   bash benchmarks/gpu.sh quantize OUT # issue 59 (~5 min): the quantized engines' GPU test (graphs, eager tokens),
+#                                      # then batch-1 decode in bfloat16 against int8 and int4 weights, side by side
 #
 # Each writes its tables and logs under OUT (then copy them to benchmarks/results/).
 #
@@ -29,8 +31,8 @@
 #     'bitsandbytes/libbitsandbytes_xpu*'     # its CUDA 13 libraries alone: the carry's limit is 64 MiB
 # They are installed into /tmp/site, with gpu_site/sitecustomize.py (see there why).
 set -uo pipefail
-mode=${1:?usage: benchmarks/gpu.sh seeds|speed|serving|engine|fast|flex OUT}
-out=${2:?usage: benchmarks/gpu.sh seeds|speed|serving|engine|fast|flex OUT}
+mode=${1:?usage: benchmarks/gpu.sh seeds|speed|serving|engine|fast|flex|quantize OUT}
+out=${2:?usage: benchmarks/gpu.sh seeds|speed|serving|engine|fast|flex|quantize OUT}
 mkdir -p "$out"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -96,5 +98,11 @@ flex)
       --out "$out" 2>&1 | tee -a "$out/train.log"
   done
   ;;
-*) echo "unknown mode $mode: seeds, speed, serving, engine, fast or flex" >&2; exit 2 ;;
+quantize)
+  timeout "${TESTS_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/serving/test_gpu.py \
+    -k quantized 2>&1 | tee "$out/gpu-tests.log"
+  timeout "${DECODE_TIMEOUT:-180}" python3 benchmarks/quantize.py --device cuda --dtype bfloat16 --batch-sizes 1 \
+    --quantizations float int8 int4 --out "$out" 2>&1 | tee "$out/quantize.log"
+  ;;
+*) echo "unknown mode $mode: seeds, speed, serving, engine, fast, flex or quantize" >&2; exit 2 ;;
 esac
