@@ -26,7 +26,8 @@
 # ".whl" with the call:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 -d .whl \
-#     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pyarrow==26.0.1 fsspec==2026.9.0 bitsandbytes==0.50.2
+#     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pyarrow==26.0.1 fsspec==2026.9.0 bitsandbytes==0.50.2 \
+#     torchao==0.18.0    # quantize's (3.4 MB, no requirements; not on the lent machines; untried with torch 2.11)
 #   zip -d .whl/bitsandbytes-*.whl 'bitsandbytes/libbitsandbytes_cuda1[12]*' 'bitsandbytes/libbitsandbytes_rocm*' \
 #     'bitsandbytes/libbitsandbytes_xpu*'     # its CUDA 13 libraries alone: the carry's limit is 64 MiB
 # They are installed into /tmp/site, with gpu_site/sitecustomize.py (see there why).

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import hardware, write_result  # noqa: E402
 from benchmarks.decode import bandwidth_floor_ms, build_models, make_runner, timed  # noqa: E402
 from models.quantize import QUANTIZATIONS as OFFERED  # noqa: E402
-from models.quantize import quantize, quantize_linears, stored_bytes  # noqa: E402
+from models.quantize import QuantizationError, check_supported, quantize, quantize_linears, stored_bytes  # noqa: E402
 
 QUANTIZATIONS = ("float", *OFFERED)
 METHODS = ("tinyvlm fast", "tinyvlm eager", "transformers dynamic")
@@ -37,6 +37,18 @@ METHODS = ("tinyvlm fast", "tinyvlm eager", "transformers dynamic")
 
 def weight_bytes(model: nn.Module) -> int:
     return sum(stored_bytes(p) for p in model.parameters())
+
+
+def runnable(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Float and each quantization that runs on `device` with `dtype` weights (models/quantize.py's check)."""
+    names = ["float"]
+    for name in OFFERED:
+        try:
+            check_supported(name, device, dtype)
+        except QuantizationError:
+            continue
+        names.append(name)
+    return names
 
 
 def quantized_pair(reference: nn.Module, ours: nn.Module, name: str) -> tuple[nn.Module, nn.Module, float]:
@@ -87,7 +99,7 @@ def measure(reference, ours, args, device) -> list[dict]:
 
 
 def table(rows: list[dict], args, device: torch.device) -> list[str]:
-    title = (f"Weight-only quantization, decode, SmolLM2-135M shape, random weights, {args.dtype}, greedy, "
+    title = (f"Quantization, decode, SmolLM2-135M shape, random weights, {args.dtype}, greedy, "
              f"{args.prompt_len}-token prompt, {args.new_tokens} new tokens; {hardware(device)}; "
              f"torch {torch.__version__}")
     lines = [f"**{title}**", "",
@@ -110,11 +122,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--warmup-tokens", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quantizations", nargs="+", default=list(QUANTIZATIONS), choices=QUANTIZATIONS)
+    parser.add_argument("--quantizations", nargs="+", choices=QUANTIZATIONS,
+                        help="default: float and every quantization that runs on --device in --dtype")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     device = torch.device(args.device)
+    args.quantizations = args.quantizations or runnable(device, getattr(torch, args.dtype))
     reference, ours = build_models(device, getattr(torch, args.dtype))
     rows = measure(reference, ours, args, device)
     write_result(args.out, f"quantize-{device.type}", table(rows, args, device), dict(rows=rows))

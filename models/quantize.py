@@ -37,6 +37,7 @@ rows differently), which is why torchao's safetensors support leaves `Int4Opaque
 from __future__ import annotations
 
 import functools
+import warnings
 from pathlib import Path
 
 import torch
@@ -49,8 +50,8 @@ INT4_GROUP_SIZE = 32  # the finest group torchao's int4 kernels take (128 and 64
 INT4_ROWS_MULTIPLE = 16  # tinygemm's CPU packing takes output widths that are multiples of 16
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # where a quantization runs, by device type, when not everywhere int8 does: tinygemm's int4 on a CPU in any
-# float, on CUDA in bfloat16; int8-dynamic on a CPU only (on CUDA torch._int_mm refuses fewer than 17 rows:
-# every decode step of a smaller batch; not checked on a GPU yet)
+# float, on CUDA in bfloat16; int8-dynamic on a CPU only (on CUDA torch._int_mm takes more than 16 rows, and
+# torchao falls back to a float matmul below that: every decode step of a smaller batch; not checked on a GPU)
 RUNS_ON = {"int4": {"cpu": FLOAT_DTYPES, "cuda": (torch.bfloat16,)}, "int8-dynamic": {"cpu": FLOAT_DTYPES}}
 # torchao's weight tensors by kind (its class names: importing them would import torchao); an Int8Tensor that
 # also rounds its input (`act_quant_kwargs`) is int8-dynamic's
@@ -78,17 +79,19 @@ def check_supported(method: str, device: torch.device, dtype: torch.dtype) -> No
         raise QuantizationError(f"{method} does not run with {str(dtype).removeprefix('torch.')} weights on "
                                 f"{device.type}: it runs on {supported}")
     if method == "int8-dynamic" and not int8_matmul_exact():
-        raise QuantizationError("int8-dynamic needs an x86 CPU with AVX512-VNNI: without it torch's int8 "
+        raise QuantizationError("int8-dynamic needs a CPU with AVX512-VNNI: without it torch's int8 "
                                 "matmul (oneDNN's) adds products in 16 bits that saturate, giving wrong "
                                 "sums; use int8")
 
 
 def int8_matmul_exact() -> bool:
-    """Whether this CPU's int8 x int8 matmul (torch._int_mm: oneDNN's) sums exactly: not on an x86 CPU
-    without AVX512-VNNI, where AVX2's pairwise 16-bit sums saturate (measured with oneDNN held to AVX2: wrong
-    sums for random int8 values; torchao's remedy, `reduce_range`, rounds to 7 bits instead)."""
-    capabilities = torch.cpu.get_capabilities()
-    return "avx2" not in capabilities or bool(capabilities.get("avx512_vnni"))
+    """Whether this CPU's int8 x int8 matmul (torch._int_mm: oneDNN's) is known to sum exactly: with
+    AVX512-VNNI (torchao's own test, `torch.cpu._is_vnni_supported`, guarded as torchao guards it). Without
+    it, AVX2's pairwise 16-bit sums saturate (measured with oneDNN held to AVX2: wrong sums for random int8
+    values; torchao's remedy, `reduce_range`, rounds to 7 bits instead); other CPUs (AVX-VNNI, Arm) are not
+    checked, so refused too."""
+    is_vnni_supported = getattr(torch.cpu, "_is_vnni_supported", None)
+    return bool(is_vnni_supported and is_vnni_supported())
 
 
 def quantize(model: nn.Module, method: str, vision: bool = False, empty: bool = False) -> nn.Module:
@@ -140,11 +143,17 @@ def quantize_as(model: nn.Module, saved: dict[str, str]) -> nn.Module:
     """`model` quantized as `describe` said of a saved one (`{"language": "int4"}`: config.json's
     "quantization"), ready to load that model's weights."""
     methods, parts = set(saved.values()), set(saved)
-    if len(methods) != 1 or not {"language"} <= parts <= {"language", "vision"}:
+    if len(methods) != 1 or not {"language"} <= parts <= {"language", "vision"} or not methods <= set(
+            QUANTIZATIONS):
         raise QuantizationError(f"config.json's quantization {saved} is not one tinyvlm writes (the "
                                 f"language model's linears, maybe the ViT's, in one of "
                                 f"{', '.join(QUANTIZATIONS)})")
-    return quantize(model, methods.pop(), vision="vision" in parts, empty=True)
+    method = methods.pop()
+    if method == "int8-dynamic" and not int8_matmul_exact():  # its weights are int8's: they run weight-only
+        warnings.warn("this checkpoint is int8-dynamic, which needs a CPU with AVX512-VNNI: its int8 weights "
+                      "load as int8 (weight-only, the activations in float)", stacklevel=2)
+        method = "int8"
+    return quantize(model, method, vision="vision" in parts, empty=True)
 
 
 def describe(model: nn.Module) -> dict[str, str]:
@@ -161,7 +170,7 @@ def describe(model: nn.Module) -> dict[str, str]:
 def kind(weight: Tensor) -> str | None:
     """How a weight is quantized (one of QUANTIZATIONS), or None for a float one."""
     found = KINDS.get(type(weight).__name__)
-    if found == "int8" and weight.act_quant_kwargs is not None:  # torchao's Int8Tensor rounding its input too
+    if found == "int8" and getattr(weight, "act_quant_kwargs", None) is not None:  # it rounds its input too
         return "int8-dynamic"
     return found
 
@@ -190,7 +199,7 @@ def weights_summary(model: nn.Module) -> str:
     if not quantized:
         return f"{stored:.1f} MiB, {dtype}"
     unquantized = sum(p.numel() * p.element_size() for p in parameters) / 2**20
-    parts = ", ".join(f"{part} {kind}" for part, kind in quantized.items())
+    parts = ", ".join(f"{part} {method}" for part, method in quantized.items())
     return f"{stored:.1f} MiB ({parts}; {unquantized:.1f} MiB in {dtype})"
 
 

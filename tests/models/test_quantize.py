@@ -328,14 +328,32 @@ def test_bad_requests_are_one_line_errors():
         quantize(model, "int4")
 
 
-def test_int8_dynamic_is_refused_on_an_x86_cpu_without_vnni(monkeypatch):
+def test_int8_dynamic_is_refused_on_a_cpu_without_vnni(monkeypatch):
     """Without AVX512-VNNI, oneDNN's int8 matmul adds pairs of products in saturating 16 bits: torch._int_mm
     gave wrong sums for random int8 values with oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2), so such a CPU
     is refused in one line; weight-only int8 (a float matmul) still runs there."""
-    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True, "avx512_vnni": False})
-    with pytest.raises(QuantizationError, match=r"^int8-dynamic needs an x86 CPU with AVX512-VNNI: .+int8$"):
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
+    with pytest.raises(QuantizationError, match=r"^int8-dynamic needs a CPU with AVX512-VNNI: .+int8$"):
         quantize(tiny_vlm(), "int8-dynamic")
     check_supported("int8", torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("method", [INT8_DYNAMIC])
+def test_an_int8_dynamic_checkpoint_loads_weight_only_where_it_cannot_run(method, tmp_path, monkeypatch):
+    """Its weights are int8's, so a CPU without VNNI loads them as int8 (weight-only), saying so, rather than
+    refusing a checkpoint it could run."""
+    from models import VisionLanguageModel
+
+    model = quantize(tiny_vlm(seed=1).fuse_projections(), method)
+    model.save_pretrained(tmp_path)
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
+    with pytest.warns(UserWarning, match=r"^this checkpoint is int8-dynamic, which needs a CPU with AVX512"):
+        loaded = VisionLanguageModel.from_pretrained(tmp_path).eval()
+    assert describe(loaded) == {"language": "int8"}
+    weight_only = quantize(tiny_vlm(seed=1).fuse_projections(), "int8")  # the same int8 weights, weight-only
+    ids, images = _inputs()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, images)[0], weight_only(ids, images)[0])
 
 
 @pytest.mark.parametrize("method", ["int8", INT8_DYNAMIC])
