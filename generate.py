@@ -352,7 +352,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--quantize", choices=QUANTIZATIONS,
                         help="the language model's linears weight-only in int8 or int4 (torchao): fewer "
                              "bytes read a decode step; int8-dynamic: int8 activations too (on a CPU, for "
-                             "compiled batches: the server's --compile)")
+                             "batches: the server)")
     parser.add_argument("--quantize-vision", action="store_true", help="with --quantize: the ViT's too")
     parser.add_argument("--allow-pickle", action="store_true",
                         help="accept pytorch_model.bin weights (read with torch.load(weights_only=True)); "

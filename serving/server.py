@@ -388,7 +388,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--quantize", choices=QUANTIZATIONS,
                         help="the language model's linears weight-only in int8 or int4 (torchao); "
-                             "int8-dynamic: int8 activations too, faster for a CPU's batches with --compile")
+                             "int8-dynamic: int8 activations too (a CPU's batches: float32's throughput, the "
+                             "first token sooner)")
     parser.add_argument("--quantize-vision", action="store_true", help="with --quantize: the ViT's too")
     parser.add_argument("--model-name",
                         help="the model id clients use (default: the checkpoint's directory name)")
