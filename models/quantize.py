@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from models.errors import TinyVLMError
 
 QUANTIZATIONS = ("int8", "int4", "int8-dynamic")
+INT8_WEIGHTS = ("int8", "int8-dynamic")  # the same int8 weights, saved alike (int8-dynamic rounds inputs too)
 INT4_GROUP_SIZE = 32  # the finest group torchao's int4 kernels take (128 and 64 cost SmolLM2-135M far more)
 INT4_ROWS_MULTIPLE = 16  # tinygemm's CPU packing takes output widths that are multiples of 16
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -143,8 +144,8 @@ def quantize_as(model: nn.Module, saved: dict[str, str]) -> nn.Module:
     """`model` quantized as `describe` said of a saved one (`{"language": "int4"}`: config.json's
     "quantization"), ready to load that model's weights."""
     methods, parts = set(saved.values()), set(saved)
-    if len(methods) != 1 or not {"language"} <= parts <= {"language", "vision"} or not methods <= set(
-            QUANTIZATIONS):
+    known = len(methods) == 1 and methods <= set(QUANTIZATIONS)
+    if not known or not {"language"} <= parts <= {"language", "vision"}:
         raise QuantizationError(f"config.json's quantization {saved} is not one tinyvlm writes (the "
                                 f"language model's linears, maybe the ViT's, in one of "
                                 f"{', '.join(QUANTIZATIONS)})")
@@ -248,7 +249,7 @@ def _dequantized(packed: Tensor, scale: Tensor, zero: Tensor) -> Tensor:
 def _plain_shapes(method: str, rows: int, columns: int) -> dict[str, tuple[tuple[int, int], torch.dtype]]:
     """The shapes and dtypes of a [rows, columns] weight's plain tensors (the module docstring's), by suffix
     of the weight's key."""
-    if method != "int4":  # int8's, and int8-dynamic's: the same weights
+    if method in INT8_WEIGHTS:
         return {"": ((rows, columns), torch.int8), "_scale": ((rows, 1), torch.float32)}
     groups = ((rows, columns // INT4_GROUP_SIZE), torch.float32)
     return {"": ((rows, columns // 2), torch.uint8), "_scale": groups, "_zero": groups}
@@ -277,7 +278,7 @@ def from_plain(method: str, tensors: dict[str, Tensor], dtype: torch.dtype, devi
     from torchao.quantization.quantize_.workflows import QuantizeTensorToInt8Kwargs
 
     values, scale = tensors[""].to(device), tensors["_scale"].to(device)
-    if method != "int4":  # symmetric, a scale per row (torchao keeps zero points of 0 and float32 scales)
+    if method in INT8_WEIGHTS:  # symmetric, a scale per row (torchao keeps zero points of 0, float32 scales)
         # int8-dynamic: Int8DynamicActivationInt8WeightConfig's rounding of the input (per token, symmetric)
         dynamic = QuantizeTensorToInt8Kwargs(granularity=PerRow()) if method == "int8-dynamic" else None
         return Int8Tensor(values, scale.float(), [1, values.shape[1]], dtype,
