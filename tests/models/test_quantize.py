@@ -449,3 +449,14 @@ def test_smollm2_perplexity_float_int8_int4_beside_transformers(reference, vlm):
     # a minimum per 32): already on that grid, they come back as they were (measured: equal to 7 digits;
     # groups of 64 and 128 cost +41%)
     assert abs(found["int4"][0] - float_ppl) <= 1e-3 * float_ppl
+
+
+@pytest.mark.parametrize("saved", [{"language": "int3"}, {"vision": "int8"},
+                                   {"language": "int8", "vision": "int4"},
+                                   {"language": "int8", "projector": "int8"}])
+def test_a_quantization_tinyvlm_never_writes_is_refused_in_one_line(saved):
+    """config.json's "quantization" (`quantize_as`): one method, on the language model and maybe the ViT."""
+    from models.quantize import quantize_as
+
+    with pytest.raises(QuantizationError, match=r"^config.json's quantization .* is not one tinyvlm writes"):
+        quantize_as(tiny_vlm(), saved)
