@@ -131,6 +131,11 @@ class AsyncEngine:
             pass
 
     def _fail_all(self, message: str) -> None:
+        """End every request after a failed step: each unfinished one aborted, and every stream still open
+        told (an overlapped step may have finished a request whose final output the failure lost)."""
         for request_id in list(self.engine.groups):
             self.engine.abort(request_id)
+        with self.lock:
+            request_ids = list(self.streams)
+        for request_id in request_ids:
             self._deliver(request_id, EngineFailure(message), final=True)

@@ -42,6 +42,10 @@ class ServingConfig(Config):
     # The decode forward through torch.compile, compiled at start-up before any graph capture (fewer, fused
     # kernels a step).
     compile_decode: bool = False
+    # The host schedules and prepares step N + 1 while the device runs step N, whose sampled ids it reads
+    # after launching N + 1 (a sample that stopped at N wastes one row of N + 1; null: on a GPU, where the
+    # host and the device run side by side).
+    overlap: bool | None = None
     # The language model's linears through oneDNN on weights packed once (serving/packed_linear.py; as much
     # memory again): float32 weights on a CPU and an eager decode only (null: wherever they can).
     pack_weights: bool | None = None
@@ -75,11 +79,11 @@ class ServingConfig(Config):
                 onednn: bool = True) -> ServingConfig:
         """This config with every "auto" and null decided, for `dtype` weights on a `device_type` device whose
         KV cache takes `kv_token_bytes` a token, sequences of up to `context` tokens and a torch build with
-        oneDNN or not (`onednn`). The defaults: on a GPU the Triton kernel, CUDA graphs and admission in
-        batches of max_num_seqs / 8; on a CPU sparse decode attention (float32 / float64, eager; else gather)
-        and, for float32 with oneDNN, prepacked linears; as many blocks as kv_cache_mib holds. A pure
-        function of its arguments (and TRITON_INTERPRET, which runs Triton on a CPU for tests); ConfigError
-        for settings that cannot run there or together."""
+        oneDNN or not (`onednn`). The defaults: on a GPU the Triton kernel, CUDA graphs, overlapped steps
+        and admission in batches of max_num_seqs / 8; on a CPU sparse decode attention (float32 / float64,
+        eager; else gather) and, for float32 with oneDNN, prepacked linears; as many blocks as kv_cache_mib
+        holds. A pure function of its arguments (and TRITON_INTERPRET, which runs Triton on a CPU for tests);
+        ConfigError for settings that cannot run there or together."""
         cuda, cpu = device_type == "cuda", device_type == "cpu"
         sparse_usable = cpu and dtype in (torch.float32, torch.float64) and not self.compile_decode
         attention = self.attention
@@ -101,6 +105,7 @@ class ServingConfig(Config):
         check(not pack_weights or (packable and not self.compile_decode),
               "pack_weights needs float32 weights on a CPU (in a torch built with oneDNN) and an eager "
               "forward (no serving.compile_decode)")
+        overlap = cuda if self.overlap is None else self.overlap
         admission_batch = self.admission_batch
         if admission_batch is None:
             admission_batch = max(1, self.max_num_seqs // 8) if cuda_graphs else 1
@@ -108,7 +113,7 @@ class ServingConfig(Config):
         if num_blocks is None:  # the budget's blocks, at most max_num_seqs full contexts, + the null block
             fit = self.kv_cache_mib * 2**20 // (kv_token_bytes * self.block_size)
             num_blocks = max(min(fit, self.max_num_seqs * -(-context // self.block_size)) + 1, 2)
-        return dataclasses.replace(self, attention=attention, cuda_graphs=cuda_graphs,
+        return dataclasses.replace(self, attention=attention, cuda_graphs=cuda_graphs, overlap=overlap,
                                    pack_weights=pack_weights, admission_batch=admission_batch,
                                    num_blocks=num_blocks)
 

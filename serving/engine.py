@@ -13,7 +13,9 @@ or step by step (a server): `add_request`, then `step()` until `has_unfinished()
 `abort(request_id)` drops a request and frees its blocks. Each step schedules (serving/scheduler.py), runs the
 decode rows and the prompt chunks on the device (serving/runner.py), samples every row in one call, each with
 its request's settings and generator, and does the bookkeeping: the host's work per running sequence is a few
-attribute reads and appends, never a loop over its tokens or blocks.
+attribute reads and appends, never a loop over its tokens or blocks. On a GPU steps overlap
+(ServingConfig.overlap): each step is launched before the step before's sampled ids are read, so that
+bookkeeping and the next schedule run while the device computes (see `step`).
 """
 
 from __future__ import annotations
@@ -33,11 +35,20 @@ from serving.block_manager import BlockManager
 from serving.config import ServingConfig
 from serving.packed_linear import onednn_available
 from serving.requests import Output, Request, RequestError, Result, TokenLogprobs
-from serving.runner import ModelRunner
+from serving.runner import ModelRunner, SampledIds
 from serving.scheduler import Scheduler
-from serving.sequence import RequestState, Sequence, token_keys
+from serving.sequence import RequestState, Sequence, Status, token_keys
 from serving.served_model import ServedModel
 from serving.structured import Grammars, accepted
+
+
+@dataclasses.dataclass
+class Launched:
+    """A step started on the device: the sequences it samples and their ids on the way back (None: it
+    samples none, only prompt chunks that do not end their prompts)."""
+
+    sampled_sequences: list[Sequence]
+    sampled: SampledIds | None
 
 
 class Engine:
@@ -65,6 +76,8 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, settings.max_num_seqs, settings.max_batch_tokens,
                                    settings.admission_batch)
         self.groups: dict[str, RequestState] = {}
+        self.constrained = 0  # requests with a grammar among them: their masks need each token read first
+        self.unread_step: Launched | None = None  # an overlapped step whose sampled ids are not read yet
         self._arrivals = itertools.count()
         self.prompt_tokens = self.generation_tokens = 0  # of the requests accepted, and the tokens sampled
         self.grammars = (None if self.tokenizer is None
@@ -79,6 +92,7 @@ class Engine:
         if group.request_id in self.groups:
             raise RequestError(f"request id {group.request_id!r} is already in use")
         self.groups[group.request_id] = group
+        self.constrained += group.grammar is not None
         self.scheduler.add(group)
         self.prompt_tokens += group.num_prompt
         return group.request_id
@@ -93,6 +107,10 @@ class Engine:
         request_id = request.request_id or f"req-{next(self._arrivals)}"
         prompt, images = self._encode(request)
         params, model = request.params, self.model
+        if images is not None and model.device.type == "cuda":
+            # pinned here, off the engine's thread, so that the step that starts it copies them to the device
+            # without waiting for the step before (a copy from pageable memory blocks the host)
+            images = images.pin_memory()
         context = model.context
         if params.max_tokens is None:  # as many as fit the context after the prompt, and the KV cache
             params = dataclasses.replace(params, max_tokens=self._room(len(prompt), params.n, context))
@@ -190,25 +208,55 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Drop a request (a client that went away) and free its blocks; unknown or finished ids are
         ignored."""
-        group = self.groups.pop(request_id, None)
+        group = self.groups.get(request_id)
         if group is not None:
             self.runner.release(group.sequences)
-            self.scheduler.remove(group)
+            self._remove(group)
+
+    def _remove(self, group: RequestState) -> None:
+        """Drop a finished or aborted request: its blocks freed, its seats (taken back by the caller) and
+        its place in the queue. Its pixels are freed now, not at the next garbage collection (a group and its
+        sequences are a reference cycle, and an unread step may hold it): what bounds the clips
+        `generate(max_pending=...)` holds."""
+        self.scheduler.remove(group)
+        del self.groups[group.request_id]
+        self.constrained -= group.grammar is not None
+        group.images = group.features = None
 
     def has_unfinished(self) -> bool:
         return bool(self.groups)
 
     # -- stepping --------------------------------------------------------------------------------------------
     def step(self) -> list[Output]:
-        """Run one step over the scheduled work; return the new tokens of every request that got some."""
+        """Run one step over the scheduled work; return the new tokens of every request that got some.
+
+        Overlapped (settings.overlap), a step launches its work on the device and then reads the step
+        before's sampled ids, so the host's reading, bookkeeping, scheduling and input preparation run while
+        the device computes: the tokens returned are the step before's. Where the next step depends on those
+        ids, the step before is read first: a request with a grammar (its mask), or a cache that might have
+        to preempt (a sequence waiting on its token must keep its blocks)."""
+        outputs = []
+        previous, self.unread_step = self.unread_step, None
+        if previous is not None and (self.constrained or self.scheduler.may_preempt()):
+            outputs, previous = self._read(previous), None
+        launched = self._launch()
+        if launched is None and previous is None and self.scheduler.waiting and not self.scheduler.running:
+            raise RuntimeError("no request can be admitted with an empty KV cache: the admission check is "
+                               "wrong")
+        if previous is not None:
+            outputs = self._read(previous)
+        if launched is not None and not self.settings.overlap:
+            outputs, launched = self._read(launched), None
+        self.unread_step = launched
+        return outputs
+
+    def _launch(self) -> Launched | None:
+        """Schedule a step and start it on the device: its forward and sampling (None: nothing to run)."""
         planned = self.scheduler.schedule()
         self.runner.release(planned.preempted)
         self.runner.admit(planned.admitted)
         if planned.empty:
-            if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError("no request can be admitted with an empty KV cache: the admission check "
-                                   "is wrong")
-            return []
+            return None
         self.runner.copy_blocks(planned.copies)
         logits = self.runner.forward(planned.decodes, planned.prefills)
         size = self.blocks.block_size
@@ -227,14 +275,25 @@ class Engine:
                     to_sample += samples
                     rows += [row] * len(samples)
         if not to_sample:
+            return Launched([], None)
+        sampled = self.runner.sample(logits, to_sample, rows)
+        for sequence in to_sample:
+            sequence.unread += 1
+        return Launched(to_sample, sampled)
+
+    def _read(self, launched: Launched) -> list[Output]:
+        """A launched step's sampled ids, read from the device and applied."""
+        if launched.sampled is None:
             return []
-        return self._update(to_sample, *self.runner.sample(logits, to_sample, rows))
+        return self._update(launched.sampled_sequences, *launched.sampled.read())
 
     def _register(self, sequence: Sequence) -> None:
-        """Register the sequence's newly filled blocks for prefix reuse (a decode fills at most one)."""
-        if sequence.num_computed // self.blocks.block_size > sequence.num_registered:
+        """Register the sequence's newly filled blocks for prefix reuse (a decode fills at most one): those
+        whose tokens the host has read (an overlapped decode's block is registered when its last token is)."""
+        known = min(sequence.num_computed, len(sequence.tokens))
+        if known // self.blocks.block_size > sequence.num_registered:
             sequence.num_registered = self.blocks.commit(sequence.table, sequence.keys, sequence.hashes,
-                                                         sequence.num_computed, sequence.num_registered)
+                                                         known, sequence.num_registered)
 
     def _first_samples(self, group: RequestState) -> list[Sequence]:
         """The prompt is done: its n samples start here (each from the prompt's logits), sharing its
@@ -249,7 +308,10 @@ class Engine:
         outputs: dict[RequestState, Output] = {}
         ended: set[RequestState] = set()  # requests a sample of which ended this step
         for i, (sequence, token) in enumerate(zip(sampled, tokens)):
+            sequence.unread -= 1
             group = sequence.group
+            if sequence.finish_reason is not None or group.status is Status.FINISHED:
+                continue  # an overlapped step's row of a sample that ended (or was aborted) meanwhile
             output = outputs.get(group)
             if output is None:
                 output = outputs[group] = Output(group.request_id, [[] for _ in range(group.params.n)])
@@ -259,6 +321,7 @@ class Engine:
                 sequence.finish_reason = "length"
             else:
                 sequence.append(token)
+                self._register(sequence)
                 self.generation_tokens += 1
                 output.new_tokens[sequence.index].append(token)
                 if output.logprobs is not None:
@@ -278,11 +341,7 @@ class Engine:
             output.finish_reasons = [sequence.finish_reason for sequence in group.sequences]
             if group in ended and group.finished:
                 output.finished = True
-                self.scheduler.remove(group)
-                del self.groups[group.request_id]
-                # its pixels freed now, not at the next garbage collection (a group and its sequences are a
-                # reference cycle): what bounds the clips `generate(max_pending=...)` holds
-                group.images = group.features = None
+                self._remove(group)
         return list(outputs.values())
 
     # -- offline ---------------------------------------------------------------------------------------------

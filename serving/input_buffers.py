@@ -96,6 +96,9 @@ class InputBuffers:
         array[4 * max_rows : 5 * max_rows] = self.null_seat
         self.decode.upload(0, 7 * max_rows)
         self.decode_query_start = torch.arange(max_rows + 1, device=device)
+        # each seat's last sampled token, written on the device by the sampling call: a decode whose token
+        # the host has not read yet (Sequence.unread) is sent -1 and reads it from here
+        self.sampled_tokens = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
         self.prefill = Staging(4 * max_tokens + 4 * max_rows + 8 * ALIGN, torch.int64, device)
         self.rows = Staging(max_rows * (max_blocks + 1) + ALIGN, torch.int64, device)
         self.sampling = Staging(4 * max_rows, torch.float32, device)
@@ -122,11 +125,11 @@ class InputBuffers:
             sequence.row = None
 
     # -- a step's inputs -------------------------------------------------------------------------------------
-    def decode_inputs(self, sequences: list[Sequence], rows: int | None = None) -> StepInputs:
-        """One token per sequence at position num_computed. With `rows` (a CUDA-graph
+    def decode_inputs(self, sequences: list[Sequence], rows: int | None = None) -> StepInputs | None:
+        """One token per sequence at position num_computed, written to the device buffer, and their views
+        there with the block table cut to the longest table (two blocks at least). With `rows` (a CUDA-graph
         bucket >= len(sequences)) the batch is padded to that many rows, which read and write only the null
-        block, and the block table keeps its full width (the graph's static shape); without, it is cut to the
-        longest table (two blocks at least)."""
+        block, and nothing is returned: the graph reads the buffer through the views it captured."""
         self._send_rows()
         n = len(sequences)
         size = self.block_size
@@ -139,7 +142,7 @@ class InputBuffers:
         for sequence in sequences:
             table = sequence.table
             seats.append(sequence.row)
-            tokens.append(sequence.tokens[-1])
+            tokens.append(-1 if sequence.unread else sequence.tokens[-1])
             positions.append(sequence.num_computed)
             lengths.append(len(table))
             last_blocks.append(table[-1])
@@ -160,21 +163,25 @@ class InputBuffers:
         for region, pad in enumerate((0, 0, 0, 1, self.null_seat, 0, 0)):
             buffer[region * stride + n : region * stride + padded] = pad
         self.decode.upload(0, 7 * stride)
+        if rows is not None:
+            return None
         # at least two columns (the second the null block's): a compiled step would take a new graph for one
-        inputs = self.decode_views(padded, self.max_blocks if rows else min(max(2, int(length.max())),
-                                                                             self.max_blocks))
+        inputs = self.decode_views(n, min(max(2, int(length.max())), self.max_blocks))
         inputs.context_total = int(position.sum()) + n  # each context: its position + 1
         return inputs
 
     def decode_views(self, rows: int, columns: int) -> StepInputs:
         """The decode inputs of the first `rows` rows, read from the device buffer (fixed addresses): each
-        seat's last block entered into the device's block tables, then the rows' tables gathered by seat."""
+        seat's last block entered into the device's block tables, then the rows' tables gathered by seat; a
+        token sent as -1 is the seat's last sampled one."""
         device, stride = self.decode.device, self.max_rows
         seats = device[4 * stride : 4 * stride + rows]
         self.tables_device[seats, device[5 * stride : 5 * stride + rows]] = device[
             6 * stride : 6 * stride + rows
         ]
-        return StepInputs(device[:rows], device[stride : stride + rows],
+        sent = device[:rows]
+        tokens = torch.where(sent < 0, self.sampled_tokens[seats], sent)
+        return StepInputs(tokens, device[stride : stride + rows],
                           device[2 * stride : 2 * stride + rows], self.decode_query_start[: rows + 1],
                           device[3 * stride : 3 * stride + rows], self.tables_device[:, :columns][seats],
                           max_query_len=1)

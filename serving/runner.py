@@ -17,6 +17,7 @@ through the blocks over a paged layout, logits, the KV shape, image features), n
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -34,6 +35,36 @@ from serving.row_sampling import sample_rows
 from serving.sequence import Sequence
 from serving.served_model import ServedModel
 from serving.structured import apply_masks, matcher
+
+
+@dataclasses.dataclass
+class SampledIds:
+    """A sampling call's results on their way to the host (ModelRunner.sample)."""
+
+    host: Tensor  # [rows] ids, or [rows, 2 + 2k] ids, their log-probabilities, the top k's ids and values
+    ready: torch.cuda.Event | None  # the copy's event (None: `host` is already there)
+    asked: list[int] | None  # each row's top log-probabilities asked for (-1: none); None: no row asked
+    stuck: list[int]  # rows whose grammar allowed no token
+
+    def read(self) -> tuple[list[int | None], list[TokenLogprobs | None] | None]:
+        """The ids, each row's log-probabilities if asked, None for a row whose grammar allowed no token (its
+        row's logits were all masked, so what was drawn from them is no token of the answer). The step's one
+        wait for the device: on the event of the copy, not a sync of any tensor operation."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        host = self.host.tolist()
+        results = None
+        if self.asked is None:
+            ids = host
+        else:
+            k = (len(host[0]) - 2) // 2 if host else 0
+            results = [None if want < 0 else TokenLogprobs(row[1], list(zip(map(int, row[2 : 2 + want]),
+                                                                         row[2 + k : 2 + k + want])))
+                       for row, want in zip(host, self.asked)]
+            ids = [int(row[0]) for row in host]
+        for row in self.stuck:
+            ids[row] = None
+        return ids, results
 
 
 def row_groups(lengths: np.ndarray, most: int = 4, least_rows: int = 8
@@ -72,11 +103,14 @@ class ModelRunner:
         max_blocks = -(-model.context // settings.block_size)
         self.inputs = InputBuffers(max_num_seqs, max_blocks, settings.max_batch_tokens, settings.block_size,
                                    self.device)
-        # the sampled ids (and any log-probabilities) come back through here: room for max_num_seqs rows of
-        # the most a row packs (2 + 2 x MAX_LOGPROBS float64s)
-        self.sampled = torch.zeros(max_num_seqs * (2 + 2 * MAX_LOGPROBS), dtype=torch.float64,
-                                   pin_memory=self.device.type == "cuda")
-        self.sampled_ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        # the sampled ids (and any log-probabilities) come back through these, in turn (an overlapped step's
+        # copy lands while the host reads the step before's): room for max_num_seqs rows of the most a row
+        # packs (2 + 2 x MAX_LOGPROBS float64s)
+        cuda = self.device.type == "cuda"
+        self.sampled = [torch.zeros(max_num_seqs * (2 + 2 * MAX_LOGPROBS), dtype=torch.float64,
+                                    pin_memory=cuda) for _ in range(2)]
+        self.sampled_ready = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self.sampled_turn = 0
         self.bitmask: Tensor | None = None  # structured output's token masks (made when first needed)
         self.gather_space: Tensor | None = None  # the gathered path's buffer, reused by every layer
         self.decode_hidden = self._decode_hidden
@@ -141,14 +175,13 @@ class ModelRunner:
         return self.model.logits(hidden[0] if len(hidden) == 1 else torch.cat(hidden))
 
     @torch.inference_mode()
-    def sample(self, logits: Tensor, sequences: list[Sequence], rows: list[int] | None = None
-               ) -> tuple[list[int | None], list[TokenLogprobs | None] | None]:
+    def sample(self, logits: Tensor, sequences: list[Sequence], rows: list[int] | None = None) -> SampledIds:
         """A token for each of `sequences` from its row of `logits` (row rows[i], or i), each with its
         request's settings (and structured-output mask), in one call, and, if any of them asks, the
         log-probabilities (the log-softmax of the model's logits, before any mask) of the sampled tokens and
-        of the top k: all in the step's one device-to-host copy. None for a sequence whose grammar allows no
-        token (an answer begun that its structure cannot finish): its row's logits are all masked, so what
-        is drawn from them is no token of the answer."""
+        of the top k: all in the step's one device-to-host copy, started here and waited for by
+        `SampledIds.read`. Each token is also kept on the device at its sequence's seat, where the next
+        decode reads it if the host has not yet."""
         if rows is not None:
             logits = logits[self.inputs.index(rows)]
         asked = self.inputs.logprobs[[sequence.row for sequence in sequences]]
@@ -163,23 +196,15 @@ class ModelRunner:
             tokens = logits.argmax(-1)
         else:
             tokens = sample_rows(logits, settings, self._noise(logits, sequences))
-        results = None
+        self.inputs.sampled_tokens[self.inputs.index([sequence.row for sequence in sequences])] = tokens
         if logprobs is None:
-            ids = self._to_host(tokens)
-        else:
-            top = logprobs.topk(int(asked.max()), dim=-1)
-            # one copy back: ids (exact in float64), the sampled tokens' log-probabilities, the top k's ids
-            # and values
-            parts = [tokens[:, None], logprobs.gather(1, tokens[:, None]), top.indices, top.values]
-            host = self._to_host(torch.cat([part.double() for part in parts], 1))
-            k = len(top.indices[0]) if len(top.indices) else 0
-            results = [None if want < 0 else TokenLogprobs(row[1], list(zip(map(int, row[2 : 2 + want]),
-                                                                         row[2 + k : 2 + k + want])))
-                       for row, want in zip(host, asked.tolist())]
-            ids = [int(row[0]) for row in host]
-        for row in stuck:
-            ids[row] = None
-        return ids, results
+            return SampledIds(*self._to_host(tokens), None, stuck)
+        top = logprobs.topk(int(asked.max()), dim=-1)
+        # one copy back: ids (exact in float64), the sampled tokens' log-probabilities, the top k's ids and
+        # values
+        parts = [tokens[:, None], logprobs.gather(1, tokens[:, None]), top.indices, top.values]
+        return SampledIds(*self._to_host(torch.cat([part.double() for part in parts], 1)), asked.tolist(),
+                          stuck)
 
     def _noise(self, logits: Tensor, sequences: list[Sequence]) -> Tensor:
         """Exponential noise for the sampling race: one draw for the batch, and rows of seeded requests from
@@ -218,16 +243,17 @@ class ModelRunner:
                                        pin_memory=self.device.type == "cuda")
         return self.bitmask
 
-    def _to_host(self, sampled: Tensor) -> list:
-        """`sampled` on the host: a non-blocking copy into pinned memory, then a wait for that copy's event
-        (the only place a step waits for the device)."""
-        if self.sampled_ready is None:
-            return sampled.tolist()
-        host = self.sampled.view(sampled.dtype)[: sampled.numel()].view(sampled.shape)
+    def _to_host(self, sampled: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+        """`sampled` on its way to the host: a non-blocking copy into the next of the pinned buffers, and the
+        event of that copy (on a CPU: the tensor itself, and no event)."""
+        ready = self.sampled_ready[self.sampled_turn]
+        if ready is None:
+            return sampled, None
+        host = self.sampled[self.sampled_turn].view(sampled.dtype)[: sampled.numel()].view(sampled.shape)
+        self.sampled_turn ^= 1
         host.copy_(sampled, non_blocking=True)
-        self.sampled_ready.record()
-        self.sampled_ready.synchronize()
-        return host.tolist()
+        ready.record()
+        return host, ready
 
     def _decode(self, inputs: StepInputs) -> Tensor:
         tensors = (inputs.tokens, inputs.block_table, inputs.slot_mapping, inputs.positions,

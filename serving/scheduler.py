@@ -94,6 +94,8 @@ class Scheduler:
                 if not sequence.decoding:
                     prompts.append(sequence)
                     continue
+                if sequence.num_tokens >= group.max_length:
+                    continue  # its token in flight ends it (an overlapped step's)
                 if self.blocks.needs_block(sequence.table, sequence.num_computed):
                     if not self._make_room(sequence, group, step):
                         break  # the request itself was preempted: none of its decodes run
@@ -121,6 +123,17 @@ class Scheduler:
                     step.prefills.append((sequence, count))
                     budget -= count
         return step
+
+    def may_preempt(self) -> bool:
+        """Whether the next step's decodes might not all find a block without preempting: each that needs
+        one (a new block, or a copy of a shared last one) takes one, and only there does `schedule` preempt.
+        Until a step's sampled ids are read, the sequences waiting on them must not be preempted."""
+        blocks = self.blocks
+        if blocks.num_free >= self.seats:  # every seat could take one
+            return False
+        needed = sum(blocks.needs_block(sequence.table, sequence.num_computed)
+                     for group in self.running for sequence in group.live if sequence.decoding)
+        return blocks.num_free < needed
 
     def fork(self, group: RequestState) -> list[Sequence]:
         """The prompt is done: the request's other n - 1 samples start here, sharing its blocks (their seats

@@ -40,21 +40,30 @@ class Sequence:
     # its row of the runner's input buffers while it holds a seat (serving/input_buffers.py)
     row: int | None = None
     finish_reason: str | None = None
+    # tokens sampled on the device that the host has not read yet (an overlapped step's: 1 between steps, 2
+    # while the next step launches); a decode reads the last one from the device by seat
+    # (serving/input_buffers.py)
+    unread: int = 0
 
     @property
     def num_prompt(self) -> int:
         return self.group.num_prompt
 
     @property
+    def num_tokens(self) -> int:
+        """Its tokens, those not read yet included."""
+        return len(self.tokens) + self.unread
+
+    @property
     def num_pending(self) -> int:
         """Tokens still to run through the model before the next token can be sampled."""
-        return len(self.tokens) - self.num_computed
+        return self.num_tokens - self.num_computed
 
     @property
     def decoding(self) -> bool:
         """Its one pending token is a generated one (a prompt's tokens, placeholders included, run as a
         chunk)."""
-        return self.num_computed >= self.group.num_prompt and len(self.tokens) - self.num_computed == 1
+        return self.num_computed >= self.group.num_prompt and self.num_pending == 1
 
     def append(self, token: int) -> None:
         self.tokens.append(token)

@@ -57,8 +57,9 @@ class ServedModel:
         self._model.check_image_tokens(num_slots, num_features)
 
     def image_features(self, images: Tensor) -> Tensor:
-        """The LM-space embeddings of `images` [N, C, H, W], one row per image token: [N x tokens, hidden]."""
-        return self._model.image_features(images.to(self.device)).flatten(0, 1)
+        """The LM-space embeddings of `images` [N, C, H, W], one row per image token: [N x tokens, hidden].
+        Pinned pixels go to the device without the host waiting for it (Engine.prepare pins them)."""
+        return self._model.image_features(images.to(self.device, non_blocking=True)).flatten(0, 1)
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         """Token embeddings [1, N, hidden] of one packed row of N token ids (a decode step's: no images)."""

@@ -34,14 +34,16 @@ def _images(count: int, seed: int) -> torch.Tensor | None:
 
 
 def _alone(model, prompt, images, params: RequestParams, generator=None) -> list[list[int]]:
-    """generate() on the request alone, each sample cut after its first stop token."""
+    """generate() on the request alone, each sample cut after its first stop token (the model's, and the
+    request's own)."""
     rows = model.generate(torch.tensor([prompt]), images, max_new_tokens=params.max_tokens,
                           greedy=params.greedy, temperature=params.temperature, top_k=params.top_k,
                           top_p=params.top_p, num_samples=params.n, eos_token_id=model.config.stop_ids,
                           generator=generator).tolist()
     cut = []
     for row in rows:
-        stops = [i for i, token in enumerate(row) if token in model.config.stop_ids]
+        stops = [i for i, token in enumerate(row)
+                 if token in {*model.config.stop_ids, *params.stop_token_ids}]
         cut.append(row[: stops[0] + 1] if stops else row)
     return cut
 

@@ -1,7 +1,7 @@
 """The engine's GPU fast path (skipped without CUDA): the decode step replayed from a CUDA graph per batch
 bucket (eager or torch.compile'd before the capture) gives the eager step's tokens for every bucket, nothing
 is captured after start-up, and a decode step syncs with the device only for its one copy of the sampled
-ids."""
+ids, and overlapped steps (the default) give the tokens of steps read one at a time."""
 
 import pytest
 import torch
@@ -28,10 +28,10 @@ def model():
     return tiny_vlm(seed=1).cuda()
 
 
-def _engine(model, cuda_graphs: bool, compile_decode: bool = False) -> Engine:
+def _engine(model, cuda_graphs: bool, compile_decode: bool = False, overlap: bool | None = None) -> Engine:
     return Engine(model, config=ServingConfig(
         num_blocks=600, block_size=16, max_num_seqs=MAX_NUM_SEQS, max_batch_tokens=4096, attention="triton",
-        cuda_graphs=cuda_graphs, compile_decode=compile_decode))
+        cuda_graphs=cuda_graphs, compile_decode=compile_decode, overlap=overlap))
 
 
 def test_graphed_decode_equals_eager_for_every_bucket_without_capturing_again(model):
@@ -54,6 +54,33 @@ def test_the_default_engine_captures_its_graphs(model):
     assert engine.settings.attention == "triton" and engine.runner.graphs is not None
     assert sorted(engine.runner.graphs.graphs) == [1, 2, 4, 8, 16, 32, 40]
     assert engine.scheduler.admission_batch == MAX_NUM_SEQS // 8
+    assert engine.settings.overlap
+
+
+def test_overlapped_steps_give_the_tokens_of_steps_read_at_once(model):
+    """Overlapped (the GPU default), each step's ids are read after the next step is launched and its decode
+    tokens are read on the device: greedy samples ending by their own stop tokens at many steps, and seeded
+    samples with log-probabilities, get what the engine reading each step at once gives them."""
+    serial = _engine(model, cuda_graphs=True, overlap=False)
+    requests = _requests(24, max_tokens=20)
+    first = serial.generate(requests)
+    stopping = [Request(request.prompt, None, RequestParams(greedy=True, max_tokens=20,
+                                                            stop_token_ids=(result.token_ids[0][2 + i % 9],)))
+                for i, (request, result) in enumerate(zip(requests, first))]
+    stopping += [Request(request.prompt, None, RequestParams(temperature=0.9, top_p=0.9, max_tokens=20, n=2,
+                                                             seed=i, logprobs=2, ignore_eos=True))
+                 for i, request in enumerate(requests[:6])]
+    expected = serial.generate(stopping)
+    overlapped = _engine(model, cuda_graphs=True)
+    assert overlapped.settings.overlap
+    results = overlapped.generate(stopping)
+    assert [(r.token_ids, r.finish_reasons) for r in results] == [(r.token_ids, r.finish_reasons)
+                                                                  for r in expected]
+    assert sum(r.finish_reasons == ["stop"] for r in expected) >= 20
+    for result, reference in zip(results[24:], expected[24:]):  # the rows of a step differ: float32 rounding
+        for entries, reference_entries in zip(result.logprobs, reference.logprobs):
+            assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in reference_entries],
+                                                                 abs=1e-4)
 
 
 def test_the_compiled_decode_captured_per_bucket_gives_the_eager_tokens_and_compiles_twice(model):
@@ -96,6 +123,30 @@ def test_a_decode_step_does_not_sync_with_the_device(model, params):
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(20):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_step_that_starts_an_image_request_does_not_sync_with_the_device(model):
+    """An image request joining running decodes: its pixels (pinned when the request is prepared) go to the
+    device without the host waiting, so the overlapped step that runs its vision tower and prompt chunk does
+    not sync either (a copy from pageable memory would wait for the step before)."""
+    from tests.models.generation_helpers import IMAGE_ID, TOKENS_PER_IMAGE
+
+    engine = _engine(model, cuda_graphs=True)
+    for request in _requests(8):
+        engine.add_request(Request(request.prompt, None, RequestParams(greedy=True, max_tokens=30,
+                                                                       ignore_eos=True)))
+    while engine.scheduler.waiting or not all(s.decoding for g in engine.scheduler.running for s in g.live):
+        engine.step()
+    prompt = [5, 6, *[IMAGE_ID] * TOKENS_PER_IMAGE, 7, 8, 9]
+    pixels = torch.randn(1, 3, model.config.vision.image_size, model.config.vision.image_size)
+    engine.add_request(Request(prompt, pixels, RequestParams(greedy=True, max_tokens=5), request_id="image"))
+    assert engine.groups["image"].images.is_pinned()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(5):
             engine.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")

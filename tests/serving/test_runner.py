@@ -18,18 +18,18 @@ def resolve(device: str, dtype: torch.dtype, max_num_seqs: int, onednn: bool = T
 
 
 def step(settings: ServingConfig) -> dict:
-    """How the runner computes a step: kernel, graphs, compile, packing, admission."""
-    return {name: getattr(settings, name)
-            for name in ("attention", "cuda_graphs", "compile_decode", "pack_weights", "admission_batch")}
+    """How the runner computes a step: kernel, graphs, compile, packing, overlap, admission."""
+    return {name: getattr(settings, name) for name in ("attention", "cuda_graphs", "compile_decode",
+                                                       "pack_weights", "overlap", "admission_batch")}
 
 
-def test_the_default_gpu_engine_takes_the_triton_kernel_cuda_graphs_and_batched_admission():
+def test_the_default_gpu_engine_takes_the_triton_kernel_cuda_graphs_overlap_and_batched_admission():
     """Before: with attention "auto" (the engine's, the server's and lmms-eval's default) CUDA graphs tested
     the argument for "triton" instead of the resolved kernel, so the default GPU engine captured no graph
     and admitted one request at a time."""
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         assert step(resolve("cuda", dtype, 256)) == dict(
-            attention="triton", cuda_graphs=True, compile_decode=False, pack_weights=False,
+            attention="triton", cuda_graphs=True, compile_decode=False, pack_weights=False, overlap=True,
             admission_batch=32)
     assert resolve("cuda", torch.bfloat16, 4).admission_batch == 1
     compiled = resolve("cuda", torch.bfloat16, 64, compile_decode=True)
@@ -46,7 +46,8 @@ def test_the_default_gpu_engine_takes_the_triton_kernel_cuda_graphs_and_batched_
 ])
 def test_the_cpu_defaults(dtype, onednn, attention, packed):
     assert step(resolve("cpu", dtype, 64, onednn=onednn)) == dict(
-        attention=attention, cuda_graphs=False, compile_decode=False, pack_weights=packed, admission_batch=1)
+        attention=attention, cuda_graphs=False, compile_decode=False, pack_weights=packed, overlap=False,
+        admission_batch=1)
     compiled = resolve("cpu", dtype, 64, compile_decode=True, onednn=onednn)
     assert (compiled.attention, compiled.pack_weights) == ("gather", False)
 
@@ -70,8 +71,10 @@ def test_settings_that_cannot_run_there_are_refused(device, dtype, settings, mes
 
 
 def test_given_settings_are_kept():
-    settings = resolve("cuda", torch.bfloat16, 64, cuda_graphs=False, admission_batch=5, num_blocks=9)
+    settings = resolve("cuda", torch.bfloat16, 64, cuda_graphs=False, admission_batch=5, num_blocks=9,
+                       overlap=False)
     assert (settings.attention, settings.cuda_graphs, settings.admission_batch) == ("triton", False, 5)
+    assert not settings.overlap and resolve("cpu", torch.float32, 64, overlap=True).overlap
     assert settings.num_blocks == 9
 
 

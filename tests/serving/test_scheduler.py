@@ -75,3 +75,22 @@ def test_a_short_queue_joins_as_soon_as_its_seats_are_free(model):
 def test_admission_batch_is_checked(model):
     with pytest.raises(ValueError, match="admission_batch must be in 1..max_num_seqs"):
         _engine(model, admission_batch=5)
+
+
+def test_may_preempt_is_false_only_where_the_next_schedule_preempts_nothing(model):
+    """Overlapped steps read the step before first when the next step's decodes might not all find a block
+    (Scheduler.may_preempt). With fewer free blocks than seats it counts only the decodes whose next token
+    needs a block (a new one, or a copy of a shared last one): whenever it says no, the step preempts
+    nothing, and it does say no with fewer free blocks than seats."""
+    engine = Engine(model, config=ServingConfig(num_blocks=14, block_size=4, max_num_seqs=4,
+                                                max_batch_tokens=64, overlap=True))
+    for name in "abcdef":
+        engine.add_request(_request(name, 12))
+    scheduler = engine.scheduler
+    tight = 0
+    while engine.has_unfinished():
+        may, before = scheduler.may_preempt(), scheduler.num_preemptions
+        tight += not may and engine.blocks.num_free < scheduler.seats
+        engine.step()
+        assert may or scheduler.num_preemptions == before
+    assert scheduler.num_preemptions > 0 and tight > 0

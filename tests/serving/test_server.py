@@ -77,12 +77,12 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(limits: RequestLimits = RequestLimits(), header_timeout: float = 10.0):
+def serving(limits: RequestLimits = RequestLimits(), header_timeout: float = 10.0, overlap: bool = False):
     """A tiny random chat VLM served on loopback: (server, openai client, model, tokenizer, engine)."""
     tokenizer = base_tokenizer()
     model = chat_vlm(tokenizer)
     engine = Engine(model, tokenizer, ServingConfig(num_blocks=400, block_size=8, max_num_seqs=16,
-                                                    max_batch_tokens=256))
+                                                    max_batch_tokens=256, overlap=overlap))
     async_engine = AsyncEngine(engine, max_in_flight=300)
     server = Server(create_app(async_engine, tokenizer, "tiny", default_max_tokens=12, limits=limits),
                     header_timeout)
@@ -537,10 +537,12 @@ def test_the_server_prints_its_resolved_engine_settings_and_health_reports_them(
                         lambda self: health.append(TestClient(self.config.app).get("/health").json()))
     assert serving.server.main(["--device", "cpu", "--attention", "gather", "--enforce-eager",
                                 "--max-num-seqs", "8", "--kv-cache-mib", "1", "--block-size", "8",
-                                "--max-batch-tokens", "64", "--pack-weights", "false"]) == 0
+                                "--max-batch-tokens", "64", "--pack-weights", "false",
+                                "--overlap", "true"]) == 0
     block = kv_cache_bytes(model.config.language, batch=1, tokens=8, dtype=torch.float32)
-    settings = ServingConfig(attention="gather", cuda_graphs=False, pack_weights=False, block_size=8,
-                             kv_cache_mib=1, max_num_seqs=8, max_batch_tokens=64, admission_batch=1,
-                             num_blocks=2**20 // block + 1)  # the blocks 1 MiB holds, + the null block
+    settings = ServingConfig(attention="gather", cuda_graphs=False, pack_weights=False, overlap=True,
+                             block_size=8, kv_cache_mib=1, max_num_seqs=8, max_batch_tokens=64,
+                             # the blocks 1 MiB holds, + the null block
+                             admission_batch=1, num_blocks=2**20 // block + 1)
     assert health == [{"status": "ok", "serving": settings.to_dict()}]
     assert f"engine: {settings.summary()}" in capsys.readouterr().err.splitlines()
