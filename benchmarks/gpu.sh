@@ -5,13 +5,15 @@
 #   bash benchmarks/gpu.sh speed OUT   # decode, time to first token, training throughput and serving, side by side
 #   bash benchmarks/gpu.sh serving OUT # issue 41: the engine's GPU tests (CUDA graphs, no syncs), then serving at
 #                                      # 256 and 1,024 requests and nano-vllm's workload against static and transformers
-#   bash benchmarks/gpu.sh engine OUT  # issue 41, shorter (~9 min): the GPU tests, the engine eager-in-graphs and
-#                                      # compiled-then-captured against the compiled static batch at 256 requests,
-#                                      # and the compiled engine's decode step split into host and device time
+#   bash benchmarks/gpu.sh engine OUT  # issues 41/58 (~9.5 min): the GPU tests, the engine (default: overlapped
+#                                      # steps), serial and compiled-then-captured against the compiled static batch
+#                                      # at 256 requests, and the compiled engine's decode step split into host and
+#                                      # device time, serial and overlapped
 #   bash benchmarks/gpu.sh fast OUT    # issues 44 and 46 (~8 min): QLoRA's GPU test; decode with fused projections
 #                                      # at batch 1 and 32 with its kernels by name, time to first token (eager,
 #                                      # compiled); nanovlm-222m compiled training with the plain and the chunked
-#                                      # loss (the unfused step and transformers': results/fast-paths-cuda.md)
+#                                      # loss, each step split into phases and kernels by kind (issue 58's profile)
+#                                      # (the unfused step and transformers': results/fast-paths-cuda.md)
 #   bash benchmarks/gpu.sh flex OUT    # issue 44 (~7 min): FlexAttention's GPU test (compiled, packed rows: the
 #                                      # losses and gradients of SDPA under the dense mask), then nanovlm-222m
 #                                      # compiled training on 512-token rows packing 4 samples, dense mask vs
@@ -78,9 +80,11 @@ engine)
     | tee "$out/gpu-tests.log"
   timeout "${SERVING_TIMEOUT:-270}" python3 benchmarks/serving.py --device cuda --workloads 256 \
     --max-num-seqs 256 --kv-blocks 40000 --max-batch-tokens 8192 --compile-static \
-    --methods engine engine-compiled static --out "$out" 2>&1 | tee "$out/serving.log"
+    --methods engine engine-serial engine-compiled static --out "$out" 2>&1 | tee "$out/serving.log"
   timeout "${STEP_TIMEOUT:-120}" python3 benchmarks/host_overhead.py --device cuda --model smollm2-135m --compile \
     --running 16 256 --steps 30 --profile --out "$out" 2>&1 | tee "$out/host_overhead.log"
+  timeout "${STEP_TIMEOUT:-90}" python3 benchmarks/host_overhead.py --device cuda --model smollm2-135m --compile \
+    --overlap --running 16 256 --steps 30 --out "$out" 2>&1 | tee -a "$out/host_overhead.log"
   ;;
 fast)
   timeout "${TESTS_TIMEOUT:-60}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/training/test_lora.py 2>&1 \
@@ -88,7 +92,7 @@ fast)
   timeout "${DECODE_TIMEOUT:-240}" python3 benchmarks/decode.py --device cuda --batch-sizes 1 32 --repeats 2 \
     --methods "tinyvlm fused fast" --curve-tokens --out "$out" 2>&1 | tee "$out/decode.log"
   timeout "${TRAIN_TIMEOUT:-240}" python3 benchmarks/train_throughput.py --shape nanovlm-222m --device cuda --compile \
-    --steps 10 --warmup 3 --out "$out" 2>&1 | tee "$out/train.log"
+    --steps 10 --warmup 3 --profile --out "$out" 2>&1 | tee "$out/train.log"
   ;;
 flex)
   timeout "${TESTS_TIMEOUT:-180}" python3 -m pytest -q -p no:cacheprovider -m gpu \

@@ -1,9 +1,9 @@
 """What the serving engine's host costs per decode step, apart from the model: a micro model whose forward
 costs little, N running sequences (16-256) all decoding, each step split into schedule / prepare (pack and
-send the inputs) / forward (the model) / sample (one batched call and the copy back: device work, which a CPU
-does itself) / bookkeeping (append, stop checks, prefix registration, outputs); least-squares lines over N
-give the fixed cost and the cost per sequence of the host's own work (schedule + prepare + bookkeeping) and of
-everything outside the forward.
+send the inputs) / forward (the model) / sample (one batched call and the copy back started: device work,
+which a CPU does itself) / wait (for the sampled ids: on a GPU, the device's time) / bookkeeping (append, stop
+checks, prefix registration, outputs); least-squares lines over N give the fixed cost and the cost per
+sequence of the host's own work (schedule + prepare + bookkeeping) and of everything outside the forward.
 
     python benchmarks/host_overhead.py                      # greedy and sampled requests, 1 thread
     python benchmarks/host_overhead.py --running 16 64 256 --steps 50
@@ -11,12 +11,15 @@ everything outside the forward.
     python benchmarks/host_overhead.py --device cuda --model smollm2-135m
     python benchmarks/host_overhead.py --device cuda --model smollm2-135m --running 16 256 --profile
     python benchmarks/host_overhead.py --device cuda --model smollm2-135m --compile   # the decode compiled
+    python benchmarks/host_overhead.py --device cuda --model smollm2-135m --overlap   # steps overlapped
 
-On a GPU, forward is the launch of the step's CUDA graph and sample includes the wait for the device: host
-work next to a step's whole time shows whether the step is host-bound.
+On a GPU, forward is the launch of the step's CUDA graph and wait is the device's time: host work next to a
+step's whole time shows whether the step is host-bound. Steps are read one at a time (the engine's overlap
+off) unless --overlap: then a step launches the next before it reads its ids, the host's work runs while the
+device computes (wait shrinks by as much), and step ms is what an overlapped step costs.
 
 Target (issue 41): <= 10 us per sequence and <= 1 ms fixed, outside the forward. Writes
-benchmarks/results/host_overhead-<device>[-compiled].{md,json}.
+benchmarks/results/host_overhead-<device>[-compiled][-overlapped].{md,json}.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import kernel_table  # noqa: E402
 from benchmarks.decode import build_models  # noqa: E402
 from models import LanguageConfig, VisionConfig, VisionLanguageModel, VLMConfig  # noqa: E402
 from serving.config import ServingConfig  # noqa: E402
@@ -48,7 +52,7 @@ BLOCK_SIZE = 16
 SETTINGS = {"greedy": RequestParams(greedy=True, max_tokens=MAX_TOKENS, ignore_eos=True),
             "sampled": RequestParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=MAX_TOKENS,
                                      ignore_eos=True)}
-PHASES = ("schedule", "prepare", "forward", "sample", "bookkeeping")
+PHASES = ("schedule", "prepare", "forward", "sample", "wait", "bookkeeping")
 HOST = ("schedule", "prepare", "bookkeeping")
 
 
@@ -77,12 +81,13 @@ def timed(owner, name: str, totals: dict, key: str) -> None:
 
 
 def measure(model, running: int, params: RequestParams, steps: int, kernels: list[str] | None = None,
-            compile_decode: bool = False) -> dict[str, float]:
+            compile_decode: bool = False, overlap: bool = False) -> dict[str, float]:
     """Median over `steps` decode steps of each phase's time (ms), with `running` sequences decoding; the
     device's kernels appended to `kernels`, if given."""
     engine = Engine(model, config=ServingConfig(
         num_blocks=running * ((PROMPT + MAX_TOKENS) // BLOCK_SIZE + 2) + 1, block_size=BLOCK_SIZE,
-        max_num_seqs=running, max_batch_tokens=max(2048, running), compile_decode=compile_decode))
+        max_num_seqs=running, max_batch_tokens=max(2048, running), compile_decode=compile_decode,
+        overlap=overlap))
     for i in range(running):
         engine.add_request(Request([3 + (i * 7 + t) % 120 for t in range(PROMPT)], None, params))
     while engine.scheduler.waiting or not all(s.decoding for g in engine.scheduler.running for s in g.live):
@@ -92,6 +97,8 @@ def measure(model, running: int, params: RequestParams, steps: int, kernels: lis
     timed(engine.runner.inputs, "decode_inputs", totals, "prepare")
     timed(engine.runner, "forward", totals, "forward + prepare")
     timed(engine.runner, "sample", totals, "sample")
+    timed(engine, "_read", totals, "read")  # the wait for the ids, then the bookkeeping of what they say
+    timed(engine, "_update", totals, "update")
     samples = defaultdict(list)
     for _ in range(steps):
         totals.clear()
@@ -99,35 +106,17 @@ def measure(model, running: int, params: RequestParams, steps: int, kernels: lis
         engine.step()
         step = time.perf_counter() - start
         phases = {"schedule": totals["schedule"], "prepare": totals["prepare"],
-                  "forward": totals["forward + prepare"] - totals["prepare"], "sample": totals["sample"]}
+                  "forward": totals["forward + prepare"] - totals["prepare"], "sample": totals["sample"],
+                  "wait": totals["read"] - totals["update"]}
         phases["bookkeeping"] = step - sum(phases.values())
         extra = {"step": step, "host": sum(phases[p] for p in HOST),
                  "outside forward": step - phases["forward"]}
         for key, value in [*phases.items(), *extra.items()]:
             samples[key].append(1000 * value)
     if kernels is not None:
-        kernels += ["", f"**{running} sequences decoding**", "", *profile(engine)]
+        kernels += ["", f"**{running} sequences decoding**", "",
+                    *kernel_table(engine.step, 5, engine.runner.device)]
     return {key: statistics.median(values) for key, values in samples.items()}
-
-
-def profile(engine: Engine, steps: int = 5) -> list[str]:
-    """The device kernels of `steps` decode steps (torch.profiler): per step, each kernel's launches and time,
-    and the totals."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as profiler
-
-    with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
-        for _ in range(steps):
-            engine.step()
-    kernels = [e for e in trace.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernels.sort(key=lambda e: -e.device_time_total)
-    total_us = sum(e.device_time_total for e in kernels) / steps
-    lines = [f"device kernels a step: {sum(e.count for e in kernels) / steps:.0f}, {total_us:.0f} us", "",
-             "| kernel | launches a step | us a step | share |", "|---|---|---|---|"]
-    for e in kernels[:20]:
-        lines.append(f"| {e.key[:90]} | {e.count / steps:.0f} | {e.device_time_total / steps:.0f} | "
-                     f"{100 * e.device_time_total / steps / total_us:.1f}% |")
-    return lines
 
 
 def fit(xs: list[int], ys: list[float]) -> tuple[float, float]:
@@ -146,6 +135,8 @@ def main() -> None:
     parser.add_argument("--model", choices=["micro", "smollm2-135m"], default="micro")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--compile", action="store_true", help="the engine's decode forward compiled")
+    parser.add_argument("--overlap", action="store_true",
+                        help="each step launched before the step before is read (the GPU engine's default)")
     parser.add_argument("--profile", action="store_true",
                         help="list the device kernels of greedy decode steps")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -159,14 +150,16 @@ def main() -> None:
         shape = "SmolLM2-135M's shape"
     hardware = (torch.cuda.get_device_name(device) if device.type == "cuda"
                 else f"{platform.processor() or 'CPU'}, {args.threads} thread(s)")
-    title = (f"Engine decode step on {shape}{', compiled' if args.compile else ''}, medians of {args.steps} "
+    title = (f"Engine decode step on {shape}{', compiled' if args.compile else ''}"
+             f"{', overlapped' if args.overlap else ''}, medians of {args.steps} "
              f"steps; {hardware}; torch {torch.__version__}")
     lines = [f"**{title}**", "", "| requests | running | step ms | " + " | ".join(f"{p} ms" for p in PHASES)
              + " | host us / sequence |", "|---" * (len(PHASES) + 4) + "|"]
     results, kernels = {}, []
     for name, params in SETTINGS.items():
         watch = kernels if args.profile and name == "greedy" else None
-        rows = [measure(model, running, params, args.steps, watch, args.compile) for running in args.running]
+        rows = [measure(model, running, params, args.steps, watch, args.compile, args.overlap)
+                for running in args.running]
         results[name] = dict(zip(map(str, args.running), rows))
         for running, row in zip(args.running, rows):
             lines.append(
@@ -183,7 +176,8 @@ def main() -> None:
             )
     args.out.mkdir(parents=True, exist_ok=True)
     lines += kernels
-    stem = args.out / f"host_overhead-{device.type}{'-compiled' if args.compile else ''}"
+    stem = args.out / (f"host_overhead-{device.type}{'-compiled' if args.compile else ''}"
+                       f"{'-overlapped' if args.overlap else ''}")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     stem.with_suffix(".json").write_text(json.dumps(dict(title=title, results=results), indent=2))
     print("\n".join(lines))

@@ -3,6 +3,7 @@
     python benchmarks/train_throughput.py                                   # tiny default on CPU
     python benchmarks/train_throughput.py --shape nanovlm-222m --batch-size 64 --seq-len 128 --device cuda \\
         --compile
+    python benchmarks/train_throughput.py --shape nanovlm-222m --device cuda --compile --profile
     # rows packing 4 samples each: SDPA under the dense mask, then FlexAttention
     python benchmarks/train_throughput.py --shape nanovlm-222m --device cuda --compile --packed 4 [--flex]
 
@@ -13,13 +14,17 @@ H100/H200/A100). Side by side, the loss from the whole [batch, seq, vocab] logit
 train.chunked_loss (`chunked`: the head and the cross-entropy a chunk of positions at a time,
 models/linear_cross_entropy.py), with what each keeps for the backward pass (saved tensors) and, on a GPU,
 its peak memory.
-Writes benchmarks/results/train_throughput-<device>[-packed<n>[-flex]].{md,json}.
+--profile splits a step into its phases (forward + loss, backward, optimizer) and lists its kernels by time,
+each with its kind (attention, matmul, loss, optimizer, norm, copies, elementwise) and the device's busy share
+of the wall time (the rest: host gaps).
+Writes benchmarks/results/train_throughput-<device>[-packed<n>[-flex]][-profile].{md,json}.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -29,7 +34,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import hardware, seconds_per_call, write_result  # noqa: E402
+from benchmarks.common import hardware, kernel_table, seconds_per_call, write_result  # noqa: E402
 from models import LanguageConfig, VisionConfig, VisionLanguageModel, VLMConfig  # noqa: E402
 from training.config import load_run_config  # noqa: E402
 
@@ -87,6 +92,9 @@ def parse_args() -> argparse.Namespace:
                         help="samples packed into each row (an attention mask of sequence numbers); 0: none")
     parser.add_argument("--flex", action="store_true",
                         help="packed rows attend through FlexAttention (train.flex_attention; CUDA)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also split a step into forward + loss, backward and optimizer, and list its "
+                             "kernels by time and kind (attention, matmul, loss, optimizer, ...)")
     parser.add_argument("--peak-tflops", type=float, help="device peak for MFU (known for H100/H200/A100)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -112,15 +120,47 @@ def training_step(config: VLMConfig, args: argparse.Namespace, device: torch.dev
     mask = (torch.arange(args.seq_len, device=device) * args.packed // args.seq_len + 1).expand(
         args.batch_size, -1) if args.packed else None
 
-    def step() -> None:
+    losses = []
+
+    def forward_pass() -> None:
         with autocast:
-            _, loss = forward(ids, images, mask, targets=targets, return_logits=False, chunked_loss=chunked,
-                              flex_attention=args.flex)
-        loss.backward()
+            losses.append(forward(ids, images, mask, targets=targets, return_logits=False,
+                                  chunked_loss=chunked, flex_attention=args.flex)[1])
+
+    def backward_pass() -> None:
+        losses.pop().backward()
+
+    def optimizer_step() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return model, step
+    phases = {"forward + loss": forward_pass, "backward": backward_pass, "optimizer": optimizer_step}
+
+    def step() -> None:
+        for phase in phases.values():
+            phase()
+
+    return model, step, phases
+
+
+def phase_times(phases: dict[str, Callable[[], None]], steps: int, device: torch.device) -> dict[str, float]:
+    """Median ms of each phase of a step over `steps` steps: on a GPU the device's time between events
+    recorded around it (what it ran, and any wait for the host to launch it), on a CPU the wall time."""
+    times: dict[str, list[float]] = {name: [] for name in phases}
+    for _ in range(steps):
+        for name, phase in phases.items():
+            if device.type == "cuda":
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                phase()
+                end.record()
+                end.synchronize()
+                times[name].append(begin.elapsed_time(end))
+            else:
+                start = time.perf_counter()
+                phase()
+                times[name].append(1000 * (time.perf_counter() - start))
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def kept_for_backward_mib(step: Callable[[], None]) -> float:
@@ -139,7 +179,7 @@ def kept_for_backward_mib(step: Callable[[], None]) -> float:
 
 def measure(config: VLMConfig, args: argparse.Namespace, device: torch.device, loss: str) -> dict:
     """One loss variant's step: time, throughput, MFU, memory kept for the backward pass, GPU peak."""
-    model, step = training_step(config, args, device, chunked=loss == "chunked")
+    model, step, phases = training_step(config, args, device, chunked=loss == "chunked")
     started = time.perf_counter()
     seconds_per_call(step, args.warmup, device)
     print(f"{loss}: {args.warmup} warm-up steps (with compiling) took {time.perf_counter() - started:.0f} s",
@@ -149,7 +189,11 @@ def measure(config: VLMConfig, args: argparse.Namespace, device: torch.device, l
     seconds = seconds_per_call(step, args.steps, device)
     flops = flops_per_step(config, model, args.batch_size, args.seq_len)
     peak = peak_flops(device, args.peak_tflops)
-    return dict(loss=loss, params_m=sum(p.numel() for p in model.parameters()) / 1e6,
+    profile = None
+    if args.profile:
+        profile = dict(phases_ms=phase_times(phases, args.steps, device),
+                       kernels=kernel_table(step, min(args.steps, 3), device))
+    return dict(loss=loss, profile=profile, params_m=sum(p.numel() for p in model.parameters()) / 1e6,
                 ms_per_step=1000 * seconds, tokens_per_s=args.batch_size * args.seq_len / seconds,
                 samples_per_s=args.batch_size / seconds, achieved_tflops=flops / seconds / 1e12,
                 mfu=flops / seconds / peak if peak else None,
@@ -185,7 +229,15 @@ def main() -> None:
                   compile=args.compile, packed=args.packed, flex=args.flex, hardware=machine,
                   torch=torch.__version__, rows=rows)
     suffix = f"-packed{args.packed}{'-flex' if args.flex else ''}" if args.packed else ""
-    write_result(args.out, f"train_throughput-{device.type}{suffix}", table, result)
+    for row in rows:
+        if row["profile"] is not None:
+            phases = row["profile"]["phases_ms"]
+            table += ["", f"**{row['loss']} loss: a step's phases** (medians of {args.steps} steps; a step "
+                          f"is {row['ms_per_step']:.1f} ms when not split):",
+                      ", ".join(f"{name} {ms:.1f} ms" for name, ms in phases.items()), "",
+                      *row["profile"]["kernels"]]
+    write_result(args.out, f"train_throughput-{device.type}{suffix}{'-profile' if args.profile else ''}",
+                 table, result)
 
 
 if __name__ == "__main__":
