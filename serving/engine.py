@@ -107,7 +107,7 @@ class Engine:
         request_id = request.request_id or f"req-{next(self._arrivals)}"
         prompt, images = self._encode(request)
         params, model = request.params, self.model
-        if images is not None and model.device.type == "cuda":
+        if images is not None and images.device.type == "cpu" and model.device.type == "cuda":
             # pinned here, off the engine's thread, so that the step that starts it copies them to the device
             # without waiting for the step before (a copy from pageable memory blocks the host)
             images = images.pin_memory()

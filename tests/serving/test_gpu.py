@@ -108,24 +108,32 @@ def test_graphed_engine_equals_generate_alone_in_float32(model):
         assert result.token_ids[0] == alone[0].tolist()
 
 
+def _decoding(engine: Engine, params: RequestParams, count: int) -> Engine:
+    """`engine` with `count` requests added and stepped until every one of them decodes."""
+    for request in _requests(count):
+        engine.add_request(Request(request.prompt, None, params))
+    while engine.scheduler.waiting or not all(s.decoding for g in engine.scheduler.running for s in g.live):
+        engine.step()
+    return engine
+
+
+def _steps_without_syncs(engine: Engine, steps: int) -> None:
+    """`steps` steps under CUDA's sync debug mode, which raises on any synchronizing operation (the wait
+    for the sampled ids is on the event of their non-blocking copy into pinned memory, which it does not
+    count)."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.parametrize("params", [RequestParams(greedy=True, max_tokens=40, ignore_eos=True),
                                     RequestParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=40,
                                                   ignore_eos=True)], ids=["greedy", "sampled"])
 def test_a_decode_step_does_not_sync_with_the_device(model, params):
-    """Under CUDA's sync debug mode, decode steps raise on any synchronizing operation; the one wait for the
-    sampled ids is on the event of their non-blocking copy into pinned memory, which the mode does not
-    count."""
-    engine = _engine(model, cuda_graphs=True)
-    for request in _requests(24):
-        engine.add_request(Request(request.prompt, None, params))
-    while engine.scheduler.waiting or not all(s.decoding for g in engine.scheduler.running for s in g.live):
-        engine.step()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(20):
-            engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    _steps_without_syncs(_decoding(_engine(model, cuda_graphs=True), params, 24), 20)
 
 
 def test_a_step_that_starts_an_image_request_does_not_sync_with_the_device(model):
@@ -134,22 +142,13 @@ def test_a_step_that_starts_an_image_request_does_not_sync_with_the_device(model
     not sync either (a copy from pageable memory would wait for the step before)."""
     from tests.models.generation_helpers import IMAGE_ID, TOKENS_PER_IMAGE
 
-    engine = _engine(model, cuda_graphs=True)
-    for request in _requests(8):
-        engine.add_request(Request(request.prompt, None, RequestParams(greedy=True, max_tokens=30,
-                                                                       ignore_eos=True)))
-    while engine.scheduler.waiting or not all(s.decoding for g in engine.scheduler.running for s in g.live):
-        engine.step()
+    engine = _decoding(_engine(model, cuda_graphs=True),
+                       RequestParams(greedy=True, max_tokens=30, ignore_eos=True), 8)
     prompt = [5, 6, *[IMAGE_ID] * TOKENS_PER_IMAGE, 7, 8, 9]
     pixels = torch.randn(1, 3, model.config.vision.image_size, model.config.vision.image_size)
     engine.add_request(Request(prompt, pixels, RequestParams(greedy=True, max_tokens=5), request_id="image"))
     assert engine.groups["image"].images.is_pinned()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(5):
-            engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    _steps_without_syncs(engine, 5)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

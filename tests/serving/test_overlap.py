@@ -308,7 +308,7 @@ def test_the_server_streams_answers_of_overlapped_steps_and_ends_them_at_stop_st
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.serving.test_server import _alone as _answer
-    from tests.serving.test_server import _idle, _message, serving
+    from tests.serving.test_server import _idle, _message, check_a_stop_string_ends_the_answer, serving
 
     with serving(overlap=True) as (server, client, model, tokenizer, engine):
         assert engine.settings.overlap
@@ -322,10 +322,24 @@ def test_the_server_streams_answers_of_overlapped_steps_and_ends_them_at_stop_st
 
         with ThreadPoolExecutor(4) as pool:
             assert list(pool.map(stream, questions)) == expected
-        full = _answer(model, tokenizer, "blue", [], 12, greedy=True)[0]
-        stop = full[3:5]
-        reply = client.chat.completions.create(model="tiny", messages=_message("blue"), max_tokens=12,
-                                               temperature=0, stop=[stop])
-        assert reply.choices[0].message.content == full[: full.index(stop)]
-        assert reply.choices[0].finish_reason == "stop"
+        check_a_stop_string_ends_the_answer(client, model, tokenizer)
         _idle(engine)
+
+
+def test_pixels_are_pinned_when_prepared_for_a_model_on_a_gpu_and_only_then(model, monkeypatch):
+    """The logic that chooses the GPU path, on a CPU: a request's pixels are pinned when it is prepared for
+    a model on CUDA (so that the step starting it copies them without waiting for the device), never for a
+    model on a CPU. Pinning itself is faked (it needs a GPU)."""
+    pinned = []
+
+    def pin(tensor):
+        pinned.append(tensor)
+        return tensor.clone()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    prompt, images, params = _requests()[0]
+    engine = Engine(model, config=ServingConfig(num_blocks=64, block_size=4))
+    assert engine.prepare(Request(prompt, images, params)).images is images and not pinned
+    engine.model.device = torch.device("cuda")  # what the engine checks; nothing runs on it here
+    group = engine.prepare(Request(prompt, images, params))
+    assert pinned == [images] and group.images is not images and torch.equal(group.images, images)

@@ -322,6 +322,13 @@ def test_n_samples_with_a_seed_equal_generate_num_samples(served):
 
 def test_a_stop_string_ends_the_answer_before_it(served):
     server, client, model, tokenizer, engine = served
+    check_a_stop_string_ends_the_answer(client, model, tokenizer)
+    _idle(engine)
+
+
+def check_a_stop_string_ends_the_answer(client, model, tokenizer) -> None:
+    """A stop string taken from the answer's middle: the reply is the answer up to it, finish reason
+    "stop"."""
     full = _alone(model, tokenizer, "blue", [], 12, greedy=True)[0]
     assert len(full) > 4
     stop = full[3:5]
@@ -329,7 +336,6 @@ def test_a_stop_string_ends_the_answer_before_it(served):
                                            temperature=0, stop=[stop])
     assert reply.choices[0].message.content == full[: full.index(stop)]
     assert reply.choices[0].finish_reason == "stop"
-    _idle(engine)
 
 
 def _metrics(server) -> dict[str, float]:
