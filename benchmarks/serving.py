@@ -121,6 +121,7 @@ def run_engine(model, requests, args, device, cuda_graphs: bool | None = None,
     for i, (prompt, out_len) in enumerate(requests):
         engine.add_request(Request(prompt, None, greedy(out_len), request_id=str(i)))
     hits, lookups = engine.blocks.hits, engine.blocks.lookups
+    steps, read_first = engine.steps, engine.steps_read_first
     times: dict[str, list[float]] = {str(i): [] for i in range(len(requests))}
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(requests))}
     held = reserved = 0
@@ -140,7 +141,11 @@ def run_engine(model, requests, args, device, cuda_graphs: bool | None = None,
             reserved += sum(len(s.table) for s in running) * args.block_size
     wall = time.perf_counter() - start
     lookups = engine.blocks.lookups - lookups
-    return dict(wall=wall, served=len(requests), times=list(times.values()),
+    steps, read_first = engine.steps - steps, engine.steps_read_first - read_first
+    if engine.settings.overlap:  # how many steps could not overlap (a cache that might preempt)
+        print(f"engine steps: {steps}, {read_first} of them read the step before first", flush=True)
+    return dict(wall=wall, served=len(requests), times=list(times.values()), steps=steps,
+                steps_read_first=read_first,
                 tokens=[tokens[str(i)] for i in range(len(requests))],
                 kv_waste=1 - held / reserved if reserved else 0.0, preemptions=engine.stats()["preemptions"],
                 prefix_hit_rate=(engine.blocks.hits - hits) / lookups if lookups else 0.0)
@@ -244,7 +249,7 @@ def summarize(method: str, result: dict, requests, baseline_tokens) -> dict:
         )
         gaps = [b - a for t in result["times"] for a, b in zip(t, t[1:])]
         row["itl_p50_ms"], row["itl_p99_ms"] = (1000 * v for v in percentiles(gaps))
-    for key in ("kv_waste", "preemptions", "prefix_hit_rate"):
+    for key in ("kv_waste", "preemptions", "prefix_hit_rate", "steps", "steps_read_first"):
         if key in result:
             row[key] = result[key]
     if baseline_tokens is not None:

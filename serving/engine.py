@@ -80,6 +80,8 @@ class Engine:
         self.unread_step: Launched | None = None  # an overlapped step whose sampled ids are not read yet
         self._arrivals = itertools.count()
         self.prompt_tokens = self.generation_tokens = 0  # of the requests accepted, and the tokens sampled
+        # steps launched, and those of them scheduled only after the step before was read (not overlapped)
+        self.steps = self.steps_read_first = 0
         self.grammars = (None if self.tokenizer is None
                          else Grammars(self.tokenizer, self.model.vocab_size, self.model.stop_ids))
 
@@ -237,9 +239,13 @@ class Engine:
         to preempt (a sequence waiting on its token must keep its blocks)."""
         outputs = []
         previous, self.unread_step = self.unread_step, None
-        if previous is not None and (self.constrained or self.scheduler.may_preempt()):
+        read_first = previous is not None and bool(self.constrained or self.scheduler.may_preempt())
+        if read_first:
             outputs, previous = self._read(previous), None
         launched = self._launch()
+        if launched is not None:
+            self.steps += 1
+            self.steps_read_first += read_first
         if launched is None and previous is None and self.scheduler.waiting and not self.scheduler.running:
             raise RuntimeError("no request can be admitted with an empty KV cache: the admission check is "
                                "wrong")
@@ -395,11 +401,13 @@ class Engine:
 
     def stats(self) -> dict[str, float]:
         """Running and waiting requests, KV blocks in use, prefix-cache lookups and hits (full prompt blocks)
-        and hit rate, and so far: preemptions, prompt tokens accepted, tokens generated."""
+        and hit rate, and so far: preemptions, prompt tokens accepted, tokens generated, steps launched and
+        those scheduled only after the step before was read (overlapped steps: the ones not overlapped)."""
         blocks = self.blocks
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "kv_blocks_used": blocks.num_usable - blocks.num_free, "kv_blocks_total": blocks.num_usable,
                 "prefix_cache_lookups": blocks.lookups, "prefix_cache_hits": blocks.hits,
                 "prefix_hit_rate": blocks.hits / blocks.lookups if blocks.lookups else 0.0,
                 "preemptions": self.scheduler.num_preemptions, "prompt_tokens": self.prompt_tokens,
-                "generation_tokens": self.generation_tokens}
+                "generation_tokens": self.generation_tokens, "steps": self.steps,
+                "steps_read_first": self.steps_read_first}

@@ -64,6 +64,14 @@ def test_overlapped_steps_give_each_request_its_greedy_tokens(
                                                     max_num_seqs=8, max_batch_tokens=budget,
                                                     attention=attention, overlap=overlap))
         results[overlap] = _serve(engine, requests, ARRIVALS)
+        stats = engine.stats()
+        # serial steps have nothing unread to read first; overlapped ones read first only where the cache
+        # might preempt: never with 200 blocks, at times with 14
+        assert stats["steps"] > 0
+        if not overlap or num_blocks == 200:
+            assert stats["steps_read_first"] == 0
+        elif num_blocks < 20:
+            assert 0 < stats["steps_read_first"] < stats["steps"]
         assert engine.blocks.num_free == engine.blocks.num_usable  # every block back
         assert sorted(engine.runner.inputs.free_rows) == list(range(8))  # every input row back
         engine.blocks.check()
@@ -293,8 +301,11 @@ def test_requests_with_a_grammar_are_read_before_the_next_step_and_keep_their_an
                         RequestParams(temperature=1.0, seed=s, max_tokens=10, structure=choice))
                 for s in range(4)]
     requests.append(Request("the sky", None, RequestParams(greedy=True, max_tokens=12)))
-    results = {overlap: Engine(model, tokenizer, ServingConfig(num_blocks=400, block_size=8, overlap=overlap))
-               .generate(requests) for overlap in (False, True)}
+    engines = {overlap: Engine(model, tokenizer, ServingConfig(num_blocks=400, block_size=8, overlap=overlap))
+               for overlap in (False, True)}
+    results = {overlap: engine.generate(requests) for overlap, engine in engines.items()}
+    stats = engines[True].stats()
+    assert 0 < stats["steps_read_first"] < stats["steps"]  # the first step has nothing to read
     assert [(r.token_ids, r.finish_reasons) for r in results[True]] == \
         [(r.token_ids, r.finish_reasons) for r in results[False]]
     assert {r.texts[0] for r in results[True][:4]} <= {"yes", "no", "maybe so"}
