@@ -180,11 +180,12 @@ class ModelRunner:
         request's settings (and structured-output mask), in one call, and, if any of them asks, the
         log-probabilities (the log-softmax of the model's logits, before any mask) of the sampled tokens and
         of the top k: all in the step's one device-to-host copy, started here and waited for by
-        `SampledIds.read`. Each token is also kept on the device at its sequence's seat, where the next
-        decode reads it if the host has not yet."""
+        `SampledIds.read`. Overlapped, each token is also kept on the device at its sequence's seat, where
+        the next decode reads it if the host has not yet."""
         if rows is not None:
             logits = logits[self.inputs.index(rows)]
-        asked = self.inputs.logprobs[[sequence.row for sequence in sequences]]
+        seats = [sequence.row for sequence in sequences]
+        asked = self.inputs.logprobs[seats]
         # the model's, before any mask
         logprobs = logits.float().log_softmax(-1) if asked.max() >= 0 else None
         stuck: list[int] = []
@@ -196,7 +197,8 @@ class ModelRunner:
             tokens = logits.argmax(-1)
         else:
             tokens = sample_rows(logits, settings, self._noise(logits, sequences))
-        self.inputs.sampled_tokens[self.inputs.index([sequence.row for sequence in sequences])] = tokens
+        if self.settings.overlap:  # serial steps read every token before the next decode: the host sends it
+            self.inputs.sampled_tokens[self.inputs.index(seats)] = tokens
         if logprobs is None:
             return SampledIds(*self._to_host(tokens), None, stuck)
         top = logprobs.topk(int(asked.max()), dim=-1)
