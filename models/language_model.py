@@ -1,10 +1,7 @@
 """A Llama-style decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) with a per-block dict
-KV cache.
-
-Weights load from Hugging Face Llama checkpoints and GGUF files (models/llama.py). Every block maps
-`(x, kv_cache)` to `(x, kv_cache)`; positions come from `start_pos` and, for padded batches, from the
-attention mask, so each row's (or each packed sequence's) rotary positions start at 0 at its first real
-token.
+KV cache. Weights load from Hugging Face Llama checkpoints and GGUF files (models/llama.py). Every block maps
+`(x, kv_cache)` to `(x, kv_cache)`; positions come from `start_pos` and, for padded batches, from the mask,
+so each row's (or each packed sequence's) rotary positions start at 0 at its first real token.
 """
 
 from __future__ import annotations
@@ -46,18 +43,21 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
 
-    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos and sin for `positions` [batch, seq], shaped [batch, 1, seq, head_dim] to broadcast over
-        heads."""
+    def forward(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        """cos and sin [batch, 1, seq, head_dim] for `positions` [batch, seq] in `dtype` (cast once a forward,
+        not per layer), sin's first half negated: rotate_half's sign (`apply_rotary`)."""
         exponents = torch.arange(0, self.head_dim, 2, device=positions.device).float() / self.head_dim
         angles = positions.float()[..., None] * (1.0 / self.theta**exponents)
         angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+        half, sin = self.head_dim // 2, angles.sin()
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        return angles.cos().unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return x * cos.to(x.dtype) + torch.cat([-second, first], dim=-1) * sin.to(x.dtype)
+    """Llama's x * cos + [-x2, x1] * sin with the sign in sin: [x2, x1] * [-s, s], exactly; one roll where
+    rotate_half's negation and cat are two kernels."""
+    return x * cos.to(x.dtype) + x.roll(x.shape[-1] // 2, -1) * sin.to(x.dtype)
 
 
 # Grouped-query attention (Ainslie et al. 2023) over any cache layout (models/kv_cache.py).
@@ -155,7 +155,7 @@ class LanguageModel(nn.Module):
         flex = flex_attention and kv_cache is None and isinstance(start_pos, int) and start_pos == 0
         positions, mask = layout_of(caches[0]).positions_and_mask(caches[0], attention_mask, start_pos, batch,
                                                                   seq, embeddings.device, flex)
-        cos, sin = self.rotary(positions)
+        cos, sin = self.rotary(positions, embeddings.dtype)  # autocast's bf16 q, k cast them per layer
         x, new_caches = embeddings, []
         if checkpoint_activations and kv_cache is None and torch.is_grad_enabled():
             for block in self.blocks:  # no cache to return: nothing of a block is kept but its input

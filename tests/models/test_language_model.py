@@ -1,13 +1,16 @@
 """The language model against transformers' Llama, and the contracts of its blocks and KV cache."""
 
+from collections import Counter
 from copy import deepcopy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from models import CheckpointError, LanguageModel
+from models import CheckpointError, LanguageConfig, LanguageModel
 from models.attention import causal_mask, positions_and_mask
 from models.kv_cache import CacheCapacityError, Growing, Preallocated, allocate, with_layout
+from models.language_model import apply_rotary
 from tests.models.helpers import fused_copy, save_tiny_llama
 
 
@@ -202,7 +205,8 @@ def test_rotary_keeps_float32_precision_after_a_bfloat16_round_trip(llama_pair):
     inv_freq = 1.0 / model.config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     angles = positions[0, :, None].double() * inv_freq
     torch.testing.assert_close(cos[0, 0].double(), torch.cat([angles, angles], -1).cos(), atol=1e-6, rtol=0)
-    torch.testing.assert_close(sin[0, 0].double(), torch.cat([angles, angles], -1).sin(), atol=1e-6, rtol=0)
+    # rotate_half's sign is carried by sin's first half (apply_rotary)
+    torch.testing.assert_close(sin[0, 0].double(), torch.cat([-angles, angles], -1).sin(), atol=1e-6, rtol=0)
     round_trip = deepcopy(model).to(torch.bfloat16).float()
     round_trip.load_state_dict(model.state_dict())  # the weights at full precision again
     ids = torch.randint(0, 128, (2, 30))
@@ -210,6 +214,64 @@ def test_rotary_keeps_float32_precision_after_a_bfloat16_round_trip(llama_pair):
         expected = model.head(model(model.token_embedding(ids))[0])
         actual = round_trip.head(round_trip(round_trip.token_embedding(ids))[0])
     assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_rotates_queries_and_keys_exactly_as_transformers(llama_pair, dtype):
+    """Bit for bit, transformers' Llama rotary (its rotate_half: a negation and a cat) and ours (the sign in
+    sin, one roll; cos and sin cast to the model's dtype once a forward), in float32 and bfloat16: the
+    rewrite that saves three kernels a layer changes no number."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    reference, ours = llama_pair
+    positions = torch.tensor([[0, 1, 2, 17, 250, 1000], [5, 6, 7, 8, 9, 10]])
+    heads, dim = ours.config.num_heads, ours.config.head_dim
+    q = torch.randn(2, heads, 6, dim).to(dtype)
+    k = torch.randn(2, ours.config.num_kv_heads, 6, dim).to(dtype)
+    cos, sin = LlamaRotaryEmbedding(reference.config)(q, positions)
+    expected = apply_rotary_pos_emb(q, k, cos, sin)
+    ours_cos, ours_sin = ours.rotary(positions, dtype)
+    assert torch.equal(apply_rotary(q, ours_cos, ours_sin), expected[0])
+    assert torch.equal(apply_rotary(k, ours_cos, ours_sin), expected[1])
+
+
+class _Ops(TorchDispatchMode):
+    """The tensor operations a call runs that compute (on a GPU, each a kernel): not views or allocations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not func.is_view and name not in ("empty", "empty_strided", "_unsafe_view"):
+            self.names[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _decode_step_ops(layers: int) -> Counter:
+    """The operations of one bfloat16 decode step (a preallocated cache) of a `layers`-layer model."""
+    config = LanguageConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=layers,
+                            num_heads=4, num_kv_heads=2, max_position_embeddings=64)
+    model = LanguageModel(config).eval().to(torch.bfloat16)
+    cache = model.allocate_kv_cache(1, 8)
+    with torch.no_grad():
+        model(model.token_embedding(torch.tensor([[1, 2, 3]])), kv_cache=cache)
+        with _Ops() as ops:
+            model(model.token_embedding(torch.tensor([[4]])), kv_cache=cache, start_pos=3)
+    return ops.names
+
+
+def test_a_layer_of_a_bfloat16_decode_step_casts_only_in_its_norms_and_rotates_in_four_ops():
+    """Each operation of a layer is a kernel a graphed GPU decode step replays (~3 us each on an H100, the
+    step's cost: benchmarks/results/fast-paths-cuda.md). Counted as one layer more adds (a CPU proxy): the
+    rotary tables are cast once a forward, not per layer (they were four casts a layer), and q and k rotate
+    in a multiply, a roll, a multiply and an add each (rotate_half's negation and cat were one more)."""
+    two, three = _decode_step_ops(2), _decode_step_ops(3)
+    layer = three - two
+    assert layer["_to_copy"] <= 4, layer  # RMSNorm's float32 up and back, twice
+    assert layer["cat"] == layer["neg"] == 0 and layer["roll"] == 2, layer
+    assert sum(layer.values()) <= 41, layer  # 47 before; the norms are 14 of them on a CPU (decomposed)
 
 
 def test_sharded_checkpoints_load_through_their_index(tmp_path):
