@@ -6,9 +6,10 @@
 #   bash benchmarks/gpu.sh serving OUT # issue 41: the engine's GPU tests (CUDA graphs, no syncs), then serving at
 #                                      # 256 and 1,024 requests and nano-vllm's workload against static and transformers
 #   bash benchmarks/gpu.sh engine OUT  # issues 41/58 (~9.5 min): the GPU tests, the engine (default: overlapped
-#                                      # steps), serial and compiled-then-captured against the compiled static batch
-#                                      # at 256 requests, and the compiled engine's decode step split into host and
-#                                      # device time, serial and overlapped
+#                                      # steps) against the compiled static batch at 256 requests, then serial and
+#                                      # compiled (the decode captured, the prompt chunks compiled; the longest
+#                                      # start-up, last: a time-out keeps the rows before it), and the compiled
+#                                      # engine's decode step split into host and device time, serial and overlapped
 #   bash benchmarks/gpu.sh fast OUT    # issues 44 and 46 (~8 min): QLoRA's GPU test; decode with fused projections
 #                                      # at batch 1 and 32 with its kernels by name, time to first token (eager,
 #                                      # compiled); nanovlm-222m compiled training with the plain and the chunked
@@ -80,7 +81,7 @@ engine)
     | tee "$out/gpu-tests.log"
   timeout "${SERVING_TIMEOUT:-270}" python3 benchmarks/serving.py --device cuda --workloads 256 \
     --max-num-seqs 256 --kv-blocks 40000 --max-batch-tokens 8192 --compile-static \
-    --methods engine engine-serial engine-compiled static --out "$out" 2>&1 | tee "$out/serving.log"
+    --methods engine static engine-serial engine-compiled --out "$out" 2>&1 | tee "$out/serving.log"
   timeout "${STEP_TIMEOUT:-120}" python3 benchmarks/host_overhead.py --device cuda --model smollm2-135m --compile \
     --running 16 256 --steps 30 --profile --out "$out" 2>&1 | tee "$out/host_overhead.log"
   timeout "${STEP_TIMEOUT:-90}" python3 benchmarks/host_overhead.py --device cuda --model smollm2-135m --compile \

@@ -87,7 +87,7 @@ def measure(model, running: int, params: RequestParams, steps: int, kernels: lis
     engine = Engine(model, config=ServingConfig(
         num_blocks=running * ((PROMPT + MAX_TOKENS) // BLOCK_SIZE + 2) + 1, block_size=BLOCK_SIZE,
         max_num_seqs=running, max_batch_tokens=max(2048, running), compile_decode=compile_decode,
-        overlap=overlap))
+        compile_prefill=False, overlap=overlap))  # decode steps alone are timed: no prefill compile
     for i in range(running):
         engine.add_request(Request([3 + (i * 7 + t) % 120 for t in range(PROMPT)], None, params))
     while engine.scheduler.waiting or not all(s.decoding for g in engine.scheduler.running for s in g.live):

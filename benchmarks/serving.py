@@ -19,9 +19,9 @@ prefix). Methods:
 - engine-eager: the same without CUDA graphs (GPU only);
 - engine-serial: the same with each step's sampled ids read before the next step is scheduled (no overlap; on
   a CPU, where the engine does not overlap, the same as engine);
-- engine-compiled: the same with its decode forward through torch.compile (before the graphs' capture on a
-  GPU; compiled when the engine starts, before the clock; on a CPU gathered attention and unpacked linears,
-  the compiled forward's);
+- engine-compiled: the same with its decode forward (before the graphs' capture on a GPU) and its prompt
+  chunks through torch.compile (compiled when the engine starts, before the clock; on a CPU gathered
+  attention and unpacked linears, the compiled forward's);
 - static: tinyvlm's `generate` on left-padded batches of up to max-num-seqs requests, one after the other (the
   longest output sets a batch's steps); --compile-static uses the compiled, CUDA-graph decode step (compiled
   first);

@@ -42,6 +42,10 @@ class ServingConfig(Config):
     # The decode forward through torch.compile, compiled at start-up before any graph capture (fewer, fused
     # kernels a step).
     compile_decode: bool = False
+    # Prompt chunks' forward through torch.compile, compiled once at start-up with symbolic sizes (tokens,
+    # sequences, table width; no CUDA graph): fewer kernels and a lighter host for the steps that prefill
+    # (null: as compile_decode).
+    compile_prefill: bool | None = None
     # The host schedules and prepares step N + 1 while the device runs step N, whose sampled ids it reads
     # after launching N + 1 (a sample that stopped at N wastes one row of N + 1; null: on a GPU, where the
     # host and the device run side by side).
@@ -98,13 +102,13 @@ class ServingConfig(Config):
         if cuda_graphs is None:  # gather + SDPA in a graph would gather every row's whole context
             cuda_graphs = cuda and attention == "triton"
         check(not cuda_graphs or cuda, "CUDA graphs need the model on a CUDA device")
+        compile_prefill = self.compile_decode if self.compile_prefill is None else self.compile_prefill
         packable = cpu and dtype == torch.float32 and onednn
-        pack_weights = self.pack_weights
-        if pack_weights is None:
-            pack_weights = packable and not self.compile_decode
-        check(not pack_weights or (packable and not self.compile_decode),
+        eager = not (self.compile_decode or compile_prefill)
+        pack_weights = packable and eager if self.pack_weights is None else self.pack_weights
+        check(not pack_weights or (packable and eager),
               "pack_weights needs float32 weights on a CPU (in a torch built with oneDNN) and an eager "
-              "forward (no serving.compile_decode)")
+              "forward (no serving.compile_decode or compile_prefill)")
         overlap = cuda if self.overlap is None else self.overlap
         admission_batch = self.admission_batch
         if admission_batch is None:
@@ -114,8 +118,8 @@ class ServingConfig(Config):
             fit = self.kv_cache_mib * 2**20 // (kv_token_bytes * self.block_size)
             num_blocks = max(min(fit, self.max_num_seqs * -(-context // self.block_size)) + 1, 2)
         return dataclasses.replace(self, attention=attention, cuda_graphs=cuda_graphs, overlap=overlap,
-                                   pack_weights=pack_weights, admission_batch=admission_batch,
-                                   num_blocks=num_blocks)
+                                   compile_prefill=compile_prefill, pack_weights=pack_weights,
+                                   admission_batch=admission_batch, num_blocks=num_blocks)
 
     def summary(self) -> str:
         """The settings on one line, `name=value` each (JSON values, text as it is)."""
@@ -126,7 +130,7 @@ class ServingConfig(Config):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """An option `--field-name VALUE` for each ServingConfig field (the value parsed as the field's type, its
     comment as help), and the switches --enforce-eager (no CUDA graphs, as vLLM's) and --compile
-    (compile_decode); `from_arguments` makes the config."""
+    (compile_decode, and with it compile_prefill); `from_arguments` makes the config."""
     group = parser.add_argument_group("engine (serving/config.py ServingConfig, resolved at start-up)")
     hints, comments, defaults = typing.get_type_hints(ServingConfig), field_comments(ServingConfig), \
         ServingConfig()
@@ -141,7 +145,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enforce-eager", dest=OPTION + "cuda_graphs", action="store_const", const=False,
                        help="no CUDA graphs for the decode step, as vLLM's (--cuda-graphs false)")
     group.add_argument("--compile", dest=OPTION + "compile_decode", action="store_const", const=True,
-                       help="the decode forward through torch.compile (--compile-decode true)")
+                       help="the decode forward and prompt chunks through torch.compile (--compile-decode "
+                       "true)")
 
 
 def from_arguments(args: argparse.Namespace) -> ServingConfig:

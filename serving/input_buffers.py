@@ -99,7 +99,8 @@ class InputBuffers:
         # each seat's last sampled token, written on the device by the sampling call: a decode whose token
         # the host has not read yet (Sequence.unread) is sent -1 and reads it from here
         self.sampled_tokens = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
-        self.prefill = Staging(4 * max_tokens + 4 * max_rows + 8 * ALIGN, torch.int64, device)
+        # tokens and sequences, two more of each for padded calls (prefill_inputs)
+        self.prefill = Staging(4 * (max_tokens + 2) + 4 * (max_rows + 2) + 8 * ALIGN, torch.int64, device)
         self.rows = Staging(max_rows * (max_blocks + 1) + ALIGN, torch.int64, device)
         self.sampling = Staging(4 * max_rows, torch.float32, device)
         self.indices = Staging(16 * max_rows + 4 * ALIGN, torch.int64, device)  # a ring of small index lists
@@ -186,11 +187,15 @@ class InputBuffers:
                           device[3 * stride : 3 * stride + rows], self.tables_device[:, :columns][seats],
                           max_query_len=1)
 
-    def prefill_inputs(self, chunks: list[tuple[Sequence, int]]) -> StepInputs:
+    def prefill_inputs(self, chunks: list[tuple[Sequence | None, int]], padded: bool = False) -> StepInputs:
         """The prompt chunks (sequence, count) packed into one row: each sequence computes `count` tokens from
-        num_computed."""
+        num_computed; a sequence of None is a chunk of the null seat (token 0 from position 0, writing the
+        null block), after the others. `padded` (a compiled forward's): a null chunk of one token makes up two
+        sequences at least, max_query_len is two at least and tables take every column: dynamo compiles sizes
+        of 0 and 1 apart, so one graph then serves every call."""
         self._send_rows()
-        size, num_seqs = self.block_size, len(chunks)
+        size = self.block_size
+        chunks = chunks + [(None, 1)] * (2 - len(chunks) if padded else 0)
         tokens = []
         seats = []
         starts = []
@@ -198,6 +203,12 @@ class InputBuffers:
         image_chunks = []
         image_slots = []
         for sequence, count in chunks:
+            if sequence is None:
+                tokens += [0] * count
+                seats.append(self.null_seat)
+                starts.append(0)
+                counts.append(count)
+                continue
             start = sequence.num_computed
             if start < sequence.num_prompt:  # only the prompt's image-token ids are placeholders
                 placeholders = sequence.group.image_positions
@@ -209,6 +220,7 @@ class InputBuffers:
             seats.append(sequence.row)
             starts.append(start)
             counts.append(count)
+        num_seqs = len(seats)
         seat = np.array(seats)
         start = np.array(starts)
         count = np.array(counts)
@@ -219,11 +231,11 @@ class InputBuffers:
         slots = self.tables[np.repeat(seat, count), positions // size] * size + positions % size
         images = np.concatenate(image_slots) if image_slots else np.zeros(0, np.int64)
         parts = self._pack(self.prefill, [tokens, positions, slots, images, query_start, start + count,
-                                          query_start[1:] - 1, seat])
-        columns = int(self.num_blocks[seat].max())
+                                          query_start[1:][seat != self.null_seat] - 1, seat])
+        columns = self.max_blocks if padded else int(self.num_blocks[seat].max())
         return StepInputs(*parts[:3], parts[4], parts[5], self.tables_device[:, :columns][parts[7]],
-                          max_query_len=int(count.max()), last=parts[6], image_slots=parts[3],
-                          image_chunks=image_chunks)
+                          max_query_len=max(int(count.max()), 2 if padded else 1), last=parts[6],
+                          image_slots=parts[3], image_chunks=image_chunks)
 
     def sampling_settings(self, sequences: list[Sequence]) -> RowSettings | None:
         """Each sequence's settings on the device, or None when every one is greedy (an argmax is all it

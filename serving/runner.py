@@ -89,6 +89,7 @@ class ModelRunner:
         """`settings`: resolved (ServingConfig.resolve) for the model's device and dtype. `compile_decode`:
         the decode forward through torch.compile (Inductor fuses its elementwise work into far fewer kernels),
         before any capture: compiled once for a batch of many rows (its sizes symbolic) and once for one row.
+        `compile_prefill`: prompt chunks' forward through torch.compile, once with every size symbolic.
         `pack_weights`: the language model's linears through oneDNN with prepacked weights
         (serving/packed_linear.py; as much memory again)."""
         kv, max_num_seqs = model.kv, settings.max_num_seqs
@@ -117,8 +118,15 @@ class ModelRunner:
         if settings.compile_decode:  # past the recompile limit a new shape runs eagerly (with a warning)
             self.decode_hidden = CompiledCall(self._decode_hidden, "engine decode steps (rows, table width)",
                                               lambda tokens, block_table, *rest: block_table.shape)
+        self.prefill_hidden = self._prefill_hidden
+        if settings.compile_prefill:  # sizes symbolic: padded calls (prefill_inputs) all take one graph
+            self.prefill_hidden = CompiledCall(
+                self._prefill_hidden, "engine prompt chunks (tokens, table)",
+                lambda embeddings, table, *rest: (embeddings.shape[1], *table.shape), dynamic=True)
         self.graphs = None
         with torch.inference_mode():
+            if settings.compile_prefill:
+                self._compile_prefill()
             if settings.cuda_graphs:
                 self.graphs = DecodeGraphs(self._graphed_decode, max_num_seqs)
             elif settings.compile_decode:  # compiled now, as a capture compiles it, not in the first steps
@@ -158,20 +166,7 @@ class ModelRunner:
             else:
                 hidden.append(self._decode(self.inputs.decode_inputs(decodes)))
         if prefills:
-            inputs = self.inputs.prefill_inputs(prefills)
-            layout = Gathered if self.layout is Sparse else self.layout  # chunks of 1 token too
-            extra = {}
-            if layout is Gathered:
-                extra["gather"] = self._gather_plan((len(prefills),), (inputs.block_table.shape[1],))
-            features = None
-            if inputs.image_chunks:
-                features = torch.cat(
-                    [self._features(sequence)[lo:hi] for sequence, lo, hi in inputs.image_chunks]
-                )
-            embeddings = self.model.embed(inputs.tokens, features, inputs.image_slots)
-            paged = layout(inputs.block_table, inputs.slot_mapping, inputs.positions, inputs.query_start,
-                           inputs.context_lens, inputs.max_query_len, **extra)
-            hidden.append(self.model.hidden_states(embeddings, self.pools, paged)[inputs.last])
+            hidden.append(self._prefill(self.inputs.prefill_inputs(prefills, self.settings.compile_prefill)))
         return self.model.logits(hidden[0] if len(hidden) == 1 else torch.cat(hidden))
 
     @torch.inference_mode()
@@ -310,6 +305,44 @@ class ModelRunner:
 
     def _graphed_decode(self, rows: int) -> Tensor:
         return self._decode(self.inputs.decode_views(rows, self.inputs.max_blocks))
+
+    def _prefill(self, inputs: StepInputs) -> Tensor:
+        """The hidden states of each prompt chunk's last token: the embeddings (image features spliced in),
+        then the blocks, compiled with compile_prefill, else with a gather plan where the path gathers."""
+        features = None
+        if inputs.image_chunks:
+            features = torch.cat([self._features(seq)[lo:hi] for seq, lo, hi in inputs.image_chunks])
+        args = (self.model.embed(inputs.tokens, features, inputs.image_slots), inputs.block_table,
+                inputs.slot_mapping, inputs.positions, inputs.query_start, inputs.context_lens,
+                inputs.max_query_len)
+        if self.settings.compile_prefill:
+            return self.prefill_hidden(*args)[inputs.last]
+        plan = None
+        if self.layout in (Gathered, Sparse):
+            plan = self._gather_plan((len(inputs.last),), (inputs.block_table.shape[1],))
+        return self._prefill_hidden(*args, plan)[inputs.last]
+
+    def _compile_prefill(self) -> None:
+        """Compile the prompt chunks' forward now, not in the first request's step, on null chunks of sizes
+        that differ from one another (2 sequences of 1 and 4 tokens: dynamo takes sizes equal when first seen
+        for one symbol)."""
+        inputs = self.inputs.prefill_inputs([(None, 1), (None, 4)], padded=True)
+        torch._dynamo.mark_static(inputs.block_table, 1)  # every column: a constant
+        for pool in self.pools:  # constants, not symbols that could take another size's
+            for tensor in pool.values():
+                torch._dynamo.mark_static(tensor)
+        self._prefill(inputs)
+
+    def _prefill_hidden(self, embeddings: Tensor, block_table: Tensor, slot_mapping: Tensor,
+                        positions: Tensor, query_start: Tensor, context_lens: Tensor, max_query_len: int,
+                        gather: GatherPlan | None = None) -> Tensor:
+        """The final hidden states [N, hidden] of a call's packed prompt chunks (embeddings [1, N, hidden]),
+        gathered where the decode calls are sparse. Compiled, a function of tensors and max_query_len alone:
+        only the eager gathered path passes a gather plan."""
+        layout = Gathered if self.layout is Sparse else self.layout
+        extra = {"gather": gather} if gather is not None else {}
+        return self.model.hidden_states(embeddings, self.pools, layout(
+            block_table, slot_mapping, positions, query_start, context_lens, max_query_len, **extra))
 
     def _features(self, sequence: Sequence) -> Tensor:
         group = sequence.group

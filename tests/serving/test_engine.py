@@ -182,7 +182,8 @@ def test_many_decode_rows_of_many_lengths_keep_their_greedy_tokens(model, monkey
 
 def test_the_compiled_decode_forward_serves_the_eager_tokens_compiled_twice_at_start_up(model):
     """compile_decode through the gather path (a CPU's): batches of 1 to 8 rows and tables of changing width;
-    compiled as the engine starts, once for many rows (symbolic sizes) and once for one row."""
+    compiled as the engine starts, once for many rows (symbolic sizes) and once for one row (and the prompt
+    chunks once: compile_prefill follows compile_decode)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -190,7 +191,7 @@ def test_the_compiled_decode_forward_serves_the_eager_tokens_compiled_twice_at_s
     requests = _requests()
     engine = Engine(fused_copy(model), config=ServingConfig(num_blocks=40, block_size=8, max_num_seqs=8,
                                                             max_batch_tokens=10, compile_decode=True))
-    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # compiled as the engine starts
+    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])  # compiled as the engine starts
     tokens = _serve(engine, requests, arrivals=[0, 0, 1, 3, 3, 4, 8, 9, 15, 15])
     for i, (prompt, images, params) in enumerate(requests):
         assert tokens[str(i)] == _alone(model, prompt, images, params)[0], i
@@ -199,7 +200,27 @@ def test_the_compiled_decode_forward_serves_the_eager_tokens_compiled_twice_at_s
     short = [(_prompt(3, 50, 0), None, RequestParams(greedy=True, max_tokens=3))]
     assert _serve(engine, short, arrivals=[0])["0"] == _alone(model, *short[0])[0]
     # rows 1-8, tables 1-5 blocks: no compile while serving
-    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
+
+
+def test_compiled_prompt_chunks_serve_the_eager_tokens_through_one_graph_compiled_at_start_up(model):
+    """compile_prefill (the CPU's decode kernel beside it): prompt chunks of 1 to 10 tokens, one to several
+    sequences a call, with images, all through the one graph compiled as the engine starts (padded calls:
+    sizes of 0 and 1, and sizes equal when first seen, would each have compiled another mid-serving)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    requests = _requests()
+    engine = Engine(model, config=ServingConfig(num_blocks=40, block_size=8, max_num_seqs=8,
+                                                max_batch_tokens=10, compile_prefill=True))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # compiled as the engine starts
+    tokens = _serve(engine, requests, arrivals=[0, 0, 1, 3, 3, 4, 8, 9, 15, 15])
+    for i, (prompt, images, params) in enumerate(requests):
+        assert tokens[str(i)] == _alone(model, prompt, images, params)[0], i
+    short = [(_prompt(3, 50, 0), None, RequestParams(greedy=True, max_tokens=3))]  # one chunk, alone
+    assert _serve(engine, short, arrivals=[0])["0"] == _alone(model, *short[0])[0]
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
 def test_requests_held_back_to_join_in_batches_keep_their_greedy_tokens(model):

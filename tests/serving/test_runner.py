@@ -20,7 +20,8 @@ def resolve(device: str, dtype: torch.dtype, max_num_seqs: int, onednn: bool = T
 def step(settings: ServingConfig) -> dict:
     """How the runner computes a step: kernel, graphs, compile, packing, overlap, admission."""
     return {name: getattr(settings, name) for name in ("attention", "cuda_graphs", "compile_decode",
-                                                       "pack_weights", "overlap", "admission_batch")}
+                                                       "compile_prefill", "pack_weights", "overlap",
+                                                       "admission_batch")}
 
 
 def test_the_default_gpu_engine_takes_the_triton_kernel_cuda_graphs_overlap_and_batched_admission():
@@ -29,11 +30,12 @@ def test_the_default_gpu_engine_takes_the_triton_kernel_cuda_graphs_overlap_and_
     and admitted one request at a time."""
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         assert step(resolve("cuda", dtype, 256)) == dict(
-            attention="triton", cuda_graphs=True, compile_decode=False, pack_weights=False, overlap=True,
-            admission_batch=32)
+            attention="triton", cuda_graphs=True, compile_decode=False, compile_prefill=False,
+            pack_weights=False, overlap=True, admission_batch=32)
     assert resolve("cuda", torch.bfloat16, 4).admission_batch == 1
     compiled = resolve("cuda", torch.bfloat16, 64, compile_decode=True)
     assert (compiled.attention, compiled.cuda_graphs, compiled.pack_weights) == ("triton", True, False)
+    assert compiled.compile_prefill  # --compile compiles the prompt chunks too
     gathered = resolve("cuda", torch.bfloat16, 64, attention="gather")
     assert (gathered.cuda_graphs, gathered.admission_batch) == (False, 1)  # a graph gathers every context
 
@@ -46,10 +48,14 @@ def test_the_default_gpu_engine_takes_the_triton_kernel_cuda_graphs_overlap_and_
 ])
 def test_the_cpu_defaults(dtype, onednn, attention, packed):
     assert step(resolve("cpu", dtype, 64, onednn=onednn)) == dict(
-        attention=attention, cuda_graphs=False, compile_decode=False, pack_weights=packed, overlap=False,
-        admission_batch=1)
+        attention=attention, cuda_graphs=False, compile_decode=False, compile_prefill=False,
+        pack_weights=packed, overlap=False, admission_batch=1)
     compiled = resolve("cpu", dtype, 64, compile_decode=True, onednn=onednn)
-    assert (compiled.attention, compiled.pack_weights) == ("gather", False)
+    assert (compiled.attention, compiled.pack_weights, compiled.compile_prefill) == ("gather", False, True)
+    # compiled prompt chunks alone: decode rows keep the default kernel, the linears their plain weights
+    prefill = resolve("cpu", dtype, 64, compile_prefill=True, onednn=onednn)
+    assert (prefill.attention, prefill.compile_decode, prefill.pack_weights) == (attention, False, False)
+    assert not resolve("cpu", dtype, 64, compile_decode=True, compile_prefill=False).compile_prefill
 
 
 @pytest.mark.parametrize("device, dtype, settings, message", [
@@ -60,6 +66,7 @@ def test_the_cpu_defaults(dtype, onednn, attention, packed):
     ("cuda", torch.float32, {"attention": "sparse"}, "sparse paged attention needs"),
     ("cpu", torch.float32, {"cuda_graphs": True}, "CUDA graphs need the model on a CUDA device"),
     ("cpu", torch.float32, {"pack_weights": True, "compile_decode": True}, "pack_weights needs"),
+    ("cpu", torch.float32, {"pack_weights": True, "compile_prefill": True}, "pack_weights needs"),
     ("cpu", torch.bfloat16, {"pack_weights": True}, "pack_weights needs"),
     ("cuda", torch.float32, {"pack_weights": True}, "pack_weights needs"),
 ])

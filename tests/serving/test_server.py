@@ -546,8 +546,8 @@ def test_the_server_prints_its_resolved_engine_settings_and_health_reports_them(
                                 "--max-batch-tokens", "64", "--pack-weights", "false",
                                 "--overlap", "true"]) == 0
     block = kv_cache_bytes(model.config.language, batch=1, tokens=8, dtype=torch.float32)
-    settings = ServingConfig(attention="gather", cuda_graphs=False, pack_weights=False, overlap=True,
-                             block_size=8, kv_cache_mib=1, max_num_seqs=8, max_batch_tokens=64,
+    settings = ServingConfig(attention="gather", cuda_graphs=False, compile_prefill=False, pack_weights=False,
+                             overlap=True, block_size=8, kv_cache_mib=1, max_num_seqs=8, max_batch_tokens=64,
                              # the blocks 1 MiB holds, + the null block
                              admission_batch=1, num_blocks=2**20 // block + 1)
     assert health == [{"status": "ok", "serving": settings.to_dict()}]
