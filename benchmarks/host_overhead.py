@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -36,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import kernel_table  # noqa: E402
+from benchmarks.common import hardware, kernel_table  # noqa: E402
 from benchmarks.decode import build_models  # noqa: E402
 from models import LanguageConfig, VisionConfig, VisionLanguageModel, VLMConfig  # noqa: E402
 from serving.config import ServingConfig  # noqa: E402
@@ -148,11 +147,9 @@ def main() -> None:
     else:  # random weights, bf16 on a GPU
         model = build_models(device, torch.bfloat16 if device.type == "cuda" else torch.float32)[1]
         shape = "SmolLM2-135M's shape"
-    hardware = (torch.cuda.get_device_name(device) if device.type == "cuda"
-                else f"{platform.processor() or 'CPU'}, {args.threads} thread(s)")
     title = (f"Engine decode step on {shape}{', compiled' if args.compile else ''}"
              f"{', overlapped' if args.overlap else ''}, medians of {args.steps} "
-             f"steps; {hardware}; torch {torch.__version__}")
+             f"steps; {hardware(device)}; torch {torch.__version__}")
     lines = [f"**{title}**", "", "| requests | running | step ms | " + " | ".join(f"{p} ms" for p in PHASES)
              + " | host us / sequence |", "|---" * (len(PHASES) + 4) + "|"]
     results, kernels = {}, []
