@@ -22,6 +22,9 @@ from serving.row_sampling import RowSettings
 from serving.sequence import Sequence
 
 ALIGN = 16  # packed parts start at multiples of 16 elements: Triton specializes kernels on pointer alignment
+# A compiled prefill's first call (ModelRunner._compile_prefill) has 2 sequences, 5 tokens, the longest 4, and
+# tables this wide: sizes that differ, so that dynamo gives each its own symbol
+FIRST_PADDED_WIDTH = 6
 
 
 class Staging:
@@ -61,7 +64,8 @@ class StepInputs:
     context_lens: Tensor  # [S]
     block_table: Tensor  # [S, blocks]
     max_query_len: int
-    last: Tensor | None = None  # [S] each sequence's last token in the N (prefill; a decode's is its own)
+    # each sequence's last token in the N, null chunks' left out (prefill; a decode's is its own)
+    last: Tensor | None = None
     context_total: int | None = None  # the sum of context_lens, host-known (decode_inputs')
     image_slots: Tensor | None = None  # [K] the image placeholders among the N (prefill)
     # image features [lo, hi)
@@ -99,7 +103,7 @@ class InputBuffers:
         # each seat's last sampled token, written on the device by the sampling call: a decode whose token
         # the host has not read yet (Sequence.unread) is sent -1 and reads it from here
         self.sampled_tokens = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
-        # tokens and sequences, two more of each for padded calls (prefill_inputs)
+        # tokens and sequences, with room for a padded call's null chunks (prefill_inputs)
         self.prefill = Staging(4 * (max_tokens + 2) + 4 * (max_rows + 2) + 8 * ALIGN, torch.int64, device)
         self.rows = Staging(max_rows * (max_blocks + 1) + ALIGN, torch.int64, device)
         self.sampling = Staging(4 * max_rows, torch.float32, device)
@@ -191,7 +195,7 @@ class InputBuffers:
         """The prompt chunks (sequence, count) packed into one row: each sequence computes `count` tokens from
         num_computed; a sequence of None is a chunk of the null seat (token 0 from position 0, writing the
         null block), after the others. `padded` (a compiled forward's): a null chunk of one token makes up two
-        sequences at least, max_query_len is two at least and tables take every column: dynamo compiles sizes
+        sequences at least, and max_query_len and the tables' width are two at least: dynamo compiles sizes
         of 0 and 1 apart, so one graph then serves every call."""
         self._send_rows()
         size = self.block_size
@@ -232,7 +236,9 @@ class InputBuffers:
         images = np.concatenate(image_slots) if image_slots else np.zeros(0, np.int64)
         parts = self._pack(self.prefill, [tokens, positions, slots, images, query_start, start + count,
                                           query_start[1:][seat != self.null_seat] - 1, seat])
-        columns = self.max_blocks if padded else int(self.num_blocks[seat].max())
+        columns = int(self.num_blocks[seat].max())
+        if padded:  # two columns at least; every column where there are fewer than the first call's width
+            columns = self.max_blocks if self.max_blocks < FIRST_PADDED_WIDTH else max(2, columns)
         return StepInputs(*parts[:3], parts[4], parts[5], self.tables_device[:, :columns][parts[7]],
                           max_query_len=max(int(count.max()), 2 if padded else 1), last=parts[6],
                           image_slots=parts[3], image_chunks=image_chunks)

@@ -27,7 +27,7 @@ from torch import Tensor
 from models.compiled_decode import CompiledCall
 from serving.config import ServingConfig
 from serving.decode_graphs import DecodeGraphs
-from serving.input_buffers import InputBuffers, StepInputs
+from serving.input_buffers import FIRST_PADDED_WIDTH, InputBuffers, StepInputs
 from serving.paged_attention import GatherPlan, SparseIndex, sparse_index
 from serving.paged_layout import PAGED_LAYOUTS, Gathered, Sparse
 from serving.requests import MAX_LOGPROBS, TokenLogprobs
@@ -324,10 +324,13 @@ class ModelRunner:
 
     def _compile_prefill(self) -> None:
         """Compile the prompt chunks' forward now, not in the first request's step, on null chunks of sizes
-        that differ from one another (2 sequences of 1 and 4 tokens: dynamo takes sizes equal when first seen
-        for one symbol)."""
+        that differ from one another (2 sequences of 1 and 4 tokens, tables FIRST_PADDED_WIDTH wide: dynamo
+        takes sizes equal when first seen for one symbol)."""
         inputs = self.inputs.prefill_inputs([(None, 1), (None, 4)], padded=True)
-        torch._dynamo.mark_static(inputs.block_table, 1)  # every column: a constant
+        width = min(FIRST_PADDED_WIDTH, self.inputs.max_blocks)
+        inputs.block_table = inputs.block_table.new_zeros(2, width)  # the null seat's rows, that wide
+        if width < FIRST_PADDED_WIDTH:  # a context that short: calls take every column, a constant
+            torch._dynamo.mark_static(inputs.block_table, 1)
         for pool in self.pools:  # constants, not symbols that could take another size's
             for tensor in pool.values():
                 torch._dynamo.mark_static(tensor)

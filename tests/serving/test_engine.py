@@ -206,7 +206,8 @@ def test_the_compiled_decode_forward_serves_the_eager_tokens_compiled_twice_at_s
 def test_compiled_prompt_chunks_serve_the_eager_tokens_through_one_graph_compiled_at_start_up(model):
     """compile_prefill (the CPU's decode kernel beside it): prompt chunks of 1 to 10 tokens, one to several
     sequences a call, with images, all through the one graph compiled as the engine starts (padded calls:
-    sizes of 0 and 1, and sizes equal when first seen, would each have compiled another mid-serving)."""
+    sizes of 0 and 1, and sizes equal when first seen, would each have compiled another mid-serving), each
+    call's tables only as wide as its longest (every column would gather every sequence's whole context)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -215,12 +216,17 @@ def test_compiled_prompt_chunks_serve_the_eager_tokens_through_one_graph_compile
     engine = Engine(model, config=ServingConfig(num_blocks=40, block_size=8, max_num_seqs=8,
                                                 max_batch_tokens=10, compile_prefill=True))
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # compiled as the engine starts
+    calls, compiled = [], engine.runner.prefill_hidden
+    engine.runner.prefill_hidden = lambda *args: calls.append(args[1].shape) or compiled(*args)
     tokens = _serve(engine, requests, arrivals=[0, 0, 1, 3, 3, 4, 8, 9, 15, 15])
     for i, (prompt, images, params) in enumerate(requests):
         assert tokens[str(i)] == _alone(model, prompt, images, params)[0], i
-    short = [(_prompt(3, 50, 0), None, RequestParams(greedy=True, max_tokens=3))]  # one chunk, alone
-    assert _serve(engine, short, arrivals=[0])["0"] == _alone(model, *short[0])[0]
+    for length in (3, 1):  # one chunk alone: padded with a null one; of one token: a query of two too
+        short = [(_prompt(length, 50, 0), None, RequestParams(greedy=True, max_tokens=3))]
+        assert _serve(engine, short, arrivals=[0])["0"] == _alone(model, *short[0])[0]
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    widest = max(width for _, width in calls)
+    assert min(sequences for sequences, _ in calls) >= 2 and 2 <= widest < engine.runner.inputs.max_blocks
 
 
 def test_requests_held_back_to_join_in_batches_keep_their_greedy_tokens(model):
