@@ -97,6 +97,8 @@ class ModelRunner:
         self.settings = settings
         self.device = model.device
         self.layout = PAGED_LAYOUTS[settings.attention]  # the decode calls' kernel
+        # prompt chunks' (of one token too): gathered where decode rows are sparse
+        self.prefill_layout = Gathered if self.layout is Sparse else self.layout
         shape = (settings.num_blocks, settings.block_size, kv.kv_heads, kv.head_dim)
         self.pools = [{"key": torch.zeros(shape, dtype=kv.dtype, device=self.device),
                        "value": torch.zeros(shape, dtype=kv.dtype, device=self.device)}
@@ -266,8 +268,8 @@ class ModelRunner:
                        sparse: SparseIndex | None = None) -> Tensor:
         """The final hidden states [S, hidden] of S decode rows (one token each). Compiled, a function of
         tensors alone: only the eager gathered path passes a gather plan, and the sparse path its index."""
-        extra = {"gather": gather} if gather is not None else {"index": sparse} if sparse is not None else {}
-        layout = self.layout(block_table, slot_mapping, positions, query_start, context_lens, 1, **extra)
+        layout = self.layout(block_table, slot_mapping, positions, query_start, context_lens, 1,
+                             **self._extra(gather=gather, index=sparse))
         return self.model.hidden_states(self.model.embed_tokens(tokens), self.pools, layout)
 
     def _grouped_decode(self, decodes: list[Sequence]) -> Tensor:
@@ -318,7 +320,7 @@ class ModelRunner:
         if self.settings.compile_prefill:
             return self.prefill_hidden(*args)[inputs.last]
         plan = None
-        if self.layout in (Gathered, Sparse):
+        if self.prefill_layout is Gathered:
             plan = self._gather_plan((len(inputs.last),), (inputs.block_table.shape[1],))
         return self._prefill_hidden(*args, plan)[inputs.last]
 
@@ -339,13 +341,17 @@ class ModelRunner:
     def _prefill_hidden(self, embeddings: Tensor, block_table: Tensor, slot_mapping: Tensor,
                         positions: Tensor, query_start: Tensor, context_lens: Tensor, max_query_len: int,
                         gather: GatherPlan | None = None) -> Tensor:
-        """The final hidden states [N, hidden] of a call's packed prompt chunks (embeddings [1, N, hidden]),
-        gathered where the decode calls are sparse. Compiled, a function of tensors and max_query_len alone:
-        only the eager gathered path passes a gather plan."""
-        layout = Gathered if self.layout is Sparse else self.layout
-        extra = {"gather": gather} if gather is not None else {}
-        return self.model.hidden_states(embeddings, self.pools, layout(
-            block_table, slot_mapping, positions, query_start, context_lens, max_query_len, **extra))
+        """The final hidden states [N, hidden] of a call's packed prompt chunks (embeddings [1, N, hidden]).
+        Compiled, a function of tensors and max_query_len alone: only the eager gathered path passes a gather
+        plan."""
+        layout = self.prefill_layout(block_table, slot_mapping, positions, query_start, context_lens,
+                                     max_query_len, **self._extra(gather=gather))
+        return self.model.hidden_states(embeddings, self.pools, layout)
+
+    @staticmethod
+    def _extra(**host_known) -> dict:
+        """A layout's host-known extras (a gather plan, a sparse index), those given."""
+        return {name: value for name, value in host_known.items() if value is not None}
 
     def _features(self, sequence: Sequence) -> Tensor:
         group = sequence.group
